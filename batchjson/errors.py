@@ -1,0 +1,27 @@
+"""Errors the user can fix. Anything else that escapes is a bug and keeps its traceback."""
+
+
+class BatchjsonError(Exception):
+    """A problem the user can fix: the message says what went wrong, where, and what to do."""
+
+    exit_code = 2
+
+
+class SpecError(BatchjsonError):
+    """The job spec (TOML) is malformed or names something that does not exist."""
+
+
+class InputError(BatchjsonError):
+    """The input Parquet data cannot be used as the spec describes."""
+
+
+class OutputError(BatchjsonError):
+    """The output folder cannot be written, or holds something this run must not touch."""
+
+
+class ResumeConflict(OutputError):
+    """The output folder holds a run of a different spec."""
+
+
+class EngineError(BatchjsonError):
+    """The inference engine cannot be started with this model or these settings."""

@@ -1,0 +1,46 @@
+"""Plain records passed between the stages: a rendered prompt, an engine result, a checked outcome."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+# Why a row did not make it into the output; these codes appear unchanged in rejects and the report.
+Reason = Literal["truncated", "json_parse", "schema", "repetition", "engine_error", "prompt_too_long", "empty_prompt"]
+
+
+@dataclass(slots=True)
+class Prompt:
+    """One row on its way to the engine: its id, the unit of work it belongs to, and the chat-rendered text."""
+
+    row_id: str
+    unit: str
+    text: str
+    extra: dict[str, Any] = field(default_factory=dict)  # pass-through column values
+
+
+@dataclass(slots=True)
+class Generation:
+    """What the engine made of one prompt. `error` is set when the engine refused or failed the request."""
+
+    prompt: Prompt
+    text: str = ""
+    finish_reason: str = ""
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    error: Reason | None = None
+    detail: str = ""
+
+
+@dataclass(slots=True)
+class Outcome:
+    """A checked generation: `value` is the parsed JSON when valid, else `reason` and `detail` say why not."""
+
+    generation: Generation
+    value: Any = None
+    reason: Reason | None = None
+    detail: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.reason is None

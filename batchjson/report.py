@@ -1,0 +1,112 @@
+"""The run report: counts per pass and reason (read back from the committed files), tokens, speed, spec hash."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import pyarrow.dataset as ds
+
+
+@dataclass
+class PassStats:
+    """What one pass did in this invocation (a resumed run counts only its own work here)."""
+
+    rows: int = 0
+    valid: int = 0
+    output_tokens: int = 0
+    seconds: float = 0.0
+    reasons: Counter = field(default_factory=Counter)
+    speculative: dict = field(default_factory=dict)
+    note: str = ""
+
+    def add(self, ok: bool, reason: str | None, output_tokens: int) -> None:
+        self.rows += 1
+        self.valid += ok
+        self.output_tokens += output_tokens
+        if reason:
+            self.reasons[reason] += 1
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["reasons"] = dict(self.reasons)
+        d["rows_per_s"] = round(self.rows / self.seconds, 3) if self.seconds else 0.0
+        d["output_tokens_per_s"] = round(self.output_tokens / self.seconds, 1) if self.seconds else 0.0
+        drafted = self.speculative.get("draft_tokens", 0)
+        if drafted:
+            d["acceptance"] = round(self.speculative["accepted_tokens"] / drafted, 3)
+        return d
+
+
+def _count(folder: Path, column: str) -> Counter:
+    files = sorted(str(p) for p in folder.glob("*.parquet"))
+    if not files:
+        return Counter()
+    table = ds.dataset(files, format="parquet").to_table(columns=[column])
+    return Counter(table.column(column).to_pylist())
+
+
+@dataclass
+class RunReport:
+    spec_hash: str
+    input_rows: int
+    output: str
+    rejects: str
+    resumed: bool = False
+    passes: dict[str, PassStats] = field(default_factory=dict)
+    valid_by_pass: dict = field(default_factory=dict)
+    rejects_by_reason: dict = field(default_factory=dict)
+    seconds: float = 0.0
+    max_reject_rate: float = 0.0
+
+    def tally(self) -> None:
+        """Count what the committed files hold: the truth for the whole run, across resumes."""
+        self.valid_by_pass = {f"pass{k}": v for k, v in sorted(_count(Path(self.output), "_pass").items())}
+        self.rejects_by_reason = dict(_count(Path(self.rejects), "reason").most_common())
+
+    @property
+    def valid(self) -> int:
+        return sum(self.valid_by_pass.values())
+
+    @property
+    def rejected(self) -> int:
+        return sum(self.rejects_by_reason.values())
+
+    @property
+    def reject_rate(self) -> float:
+        return self.rejected / self.input_rows if self.input_rows else 0.0
+
+    @property
+    def over_threshold(self) -> bool:
+        return self.reject_rate > self.max_reject_rate
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["passes"] = {k: v.to_dict() for k, v in self.passes.items()}
+        d |= {"valid": self.valid, "rejected": self.rejected, "rescued_by_fallback": self.valid_by_pass.get("pass2", 0),
+              "reject_rate": round(self.reject_rate, 4), "over_threshold": self.over_threshold}
+        return d
+
+    def write(self, path: Path) -> None:
+        tmp = path.with_name(f".tmp-{path.name}")
+        tmp.write_text(json.dumps(self.to_dict(), indent=2))
+        os.replace(tmp, path)
+
+    def summary(self) -> str:
+        lines = [f"{self.input_rows} input rows -> {self.valid} valid, {self.rejected} rejected "
+                 f"({self.reject_rate:.1%}; threshold {self.max_reject_rate:.1%})" + ("  [resumed]" if self.resumed else "")]
+        for name, p in self.passes.items():
+            d = p.to_dict()
+            acc = f", draft acceptance {d['acceptance']:.2f}" if "acceptance" in d else ""
+            reasons = ", ".join(f"{k} {v}" for k, v in p.reasons.most_common()) or "none"
+            lines.append(f"  {name}: {p.rows} rows, {p.valid} valid in {p.seconds:.1f}s ({d['rows_per_s']:.2f} rows/s, "
+                         f"{d['output_tokens_per_s']:.0f} tok/s{acc}); failed: {reasons}" + (f"  ({p.note})" if p.note else ""))
+        if "pass2" in self.valid_by_pass:
+            lines.append(f"  fallback rescued {self.valid_by_pass['pass2']} rows")
+        if self.rejects_by_reason:
+            lines.append("  rejects: " + ", ".join(f"{k} {v}" for k, v in self.rejects_by_reason.items()))
+        lines.append(f"  output {self.output}  rejects {self.rejects}  spec {self.spec_hash}")
+        return "\n".join(lines)

@@ -1,0 +1,88 @@
+"""Outcomes -> Parquet part files (valid rows, re-queued rows, rejects), each written under a temporary name
+and renamed into place, so a file that exists is complete."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import orjson
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from batchjson.errors import OutputError
+from batchjson.records import Outcome
+from batchjson.spec import META_COLUMNS
+
+# JSON Schema types that map cleanly onto one Arrow type; other properties stay in the `json` column only.
+ARROW_TYPES = {"string": pa.string(), "integer": pa.int64(), "number": pa.float64(), "boolean": pa.bool_()}
+META_TYPES = dict(zip(META_COLUMNS, (pa.int8(), pa.string(), pa.int32(), pa.int32())))
+
+
+def typed_columns(schema: dict | None, taken: set[str]) -> dict[str, pa.DataType]:
+    """Top-level schema properties that become their own Arrow column."""
+    out = {}
+    for name, prop in ((schema or {}).get("properties") or {}).items():
+        kind = prop.get("type") if isinstance(prop, dict) else None
+        if kind in ARROW_TYPES and name not in taken:
+            out[name] = ARROW_TYPES[kind]
+    return out
+
+
+def write_atomic(table: pa.Table, path: Path) -> None:
+    """Write under a temporary name in the same folder, then rename: readers never see half a file."""
+    tmp = path.with_name(f".tmp-{path.name}")
+    try:
+        pq.write_table(table, tmp)
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise OutputError(f"cannot write {path}: {e.strerror or e}. Free space or fix permissions, then run "
+                          "again: finished units are kept and the run resumes.") from None
+
+
+class PartSink:
+    """Builds the three kinds of part files from outcomes, with one Arrow schema per kind for the whole run."""
+
+    def __init__(self, id_column: str, passthrough: pa.Schema, schema: dict | None):
+        self.id_column = id_column
+        self.passthrough = passthrough
+        base = [pa.field(id_column, pa.string()), *passthrough]
+        taken = {id_column, "json", *passthrough.names, *META_COLUMNS}
+        self.typed = typed_columns(schema, taken)
+        meta = [pa.field(k, t) for k, t in META_TYPES.items()]
+        self.output_schema = pa.schema([*base, pa.field("json", pa.string()),
+                                        *(pa.field(k, t) for k, t in self.typed.items()), *meta])
+        self.reject_schema = pa.schema([*base, pa.field("reason", pa.string()), pa.field("detail", pa.string()),
+                                        pa.field("raw_text", pa.string()), *meta])
+        self.requeue_schema = self.reject_schema.append(pa.field("prompt", pa.string()))
+
+    def _common(self, outcomes: list[Outcome], pass_no: int) -> dict[str, list]:
+        gens = [o.generation for o in outcomes]
+        cols: dict[str, list] = {self.id_column: [g.prompt.row_id for g in gens]}
+        for name in self.passthrough.names:
+            cols[name] = [g.prompt.extra.get(name) for g in gens]
+        cols |= {"_pass": [pass_no] * len(gens), "_finish_reason": [g.finish_reason for g in gens],
+                 "_prompt_tokens": [g.prompt_tokens for g in gens], "_output_tokens": [g.output_tokens for g in gens]}
+        return cols
+
+    def valid(self, outcomes: list[Outcome], pass_no: int) -> pa.Table:
+        cols = self._common(outcomes, pass_no)
+        cols["json"] = [orjson.dumps(o.value).decode() for o in outcomes]
+        for name, kind in self.typed.items():
+            values = [o.value.get(name) for o in outcomes]
+            try:
+                cols[name] = pa.array(values, kind)
+            except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError):
+                cols[name] = pa.nulls(len(values), kind)  # e.g. an integer beyond int64: the json column keeps it
+        return pa.table({f.name: cols[f.name] for f in self.output_schema}, schema=self.output_schema)
+
+    def rejected(self, outcomes: list[Outcome], pass_no: int, with_prompt: bool = False) -> pa.Table:
+        cols = self._common(outcomes, pass_no)
+        cols |= {"reason": [o.reason for o in outcomes], "detail": [o.detail for o in outcomes],
+                 "raw_text": [o.generation.text for o in outcomes]}
+        schema = self.reject_schema
+        if with_prompt:
+            cols["prompt"] = [o.generation.prompt.text for o in outcomes]
+            schema = self.requeue_schema
+        return pa.table({f.name: cols[f.name] for f in schema}, schema=schema)

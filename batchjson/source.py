@@ -1,0 +1,82 @@
+"""Parquet input -> units of work (record batches keyed by file, row group and batch), streamed with pyarrow."""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from batchjson.errors import InputError
+from batchjson.spec import InputSpec
+
+
+@dataclass(slots=True)
+class Unit:
+    """One committed unit of work: a record batch of one row group of one file."""
+
+    key: str
+    file: str
+    batch: pa.RecordBatch
+
+
+def list_files(path: str) -> list[Path]:
+    """The Parquet files a file, folder or glob names, in a stable order."""
+    p = Path(path)
+    if p.is_dir():
+        files = sorted(f for f in p.rglob("*.parquet") if not any(s.startswith(("_", ".")) for s in f.parts[len(p.parts):]))
+    elif any(c in path for c in "*?["):
+        files = sorted(Path(f) for f in glob.glob(path, recursive=True))
+    else:
+        files = [p] if p.exists() else []
+    if not files:
+        raise InputError(f"input.path: no Parquet file at {path}. Check the path (relative paths start at the spec's folder).")
+    return files
+
+
+class ParquetSource:
+    """Reads the input files lazily, one record batch at a time; never holds the dataset in memory."""
+
+    def __init__(self, spec: InputSpec, prompt_columns: tuple[str, ...]):
+        self.spec = spec
+        self.files = list_files(spec.path)
+        self.columns = list(dict.fromkeys((spec.id_column, *prompt_columns, *spec.passthrough)))
+
+    def _open(self, path: Path) -> pq.ParquetFile:
+        try:
+            pf = pq.ParquetFile(path)
+        except (OSError, pa.ArrowException) as e:
+            raise InputError(f"{path}: not a readable Parquet file ({e}). Remove or repair it and run again; "
+                             "finished work is kept.") from None
+        missing = [c for c in self.columns if c not in pf.schema_arrow.names]
+        if missing:
+            raise InputError(f"{path}: column {missing[0]!r} is missing (the spec needs {self.columns}; the file has "
+                             f"{pf.schema_arrow.names}). Fix input.id_column, input.passthrough or the prompt template.")
+        return pf
+
+    def check(self) -> int:
+        """Open every file's footer and check the columns; returns the number of input rows."""
+        return sum(self._open(f).metadata.num_rows for f in self.files)
+
+    def units(self, shard: tuple[int, int] = (0, 1)) -> Iterator[Unit]:
+        """Every unit of the input (of one shard: whole row groups dealt round-robin), in a stable order."""
+        index, count = shard
+        n = 0
+        for path in self.files:
+            pf = self._open(path)
+            tag = hashlib.sha1(str(path.resolve()).encode()).hexdigest()[:10]
+            for rg in range(pf.num_row_groups):
+                n += 1
+                if (n - 1) % count != index:
+                    continue
+                try:
+                    batches = pf.iter_batches(batch_size=self.spec.batch_size, row_groups=[rg], columns=self.columns)
+                    for b, batch in enumerate(batches):
+                        yield Unit(f"{path.stem}-{tag}-{rg:05d}-{b:05d}", str(path), batch)
+                except (OSError, pa.ArrowException) as e:
+                    raise InputError(f"{path}: row group {rg} cannot be read ({e}). Repair or remove the file and "
+                                     "run again; finished work is kept.") from None

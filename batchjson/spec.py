@@ -1,0 +1,296 @@
+"""The job spec: jobs/*.toml read into frozen dataclasses, checked once at load."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import string
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from jsonschema import SchemaError, validators
+
+from batchjson.errors import SpecError
+
+IfExists = Literal["resume", "fail", "overwrite"]
+META_COLUMNS = ("_pass", "_finish_reason", "_prompt_tokens", "_output_tokens")
+
+
+def _require(cond: Any, message: str) -> None:
+    if not cond:
+        raise SpecError(message)
+
+
+@dataclass(frozen=True)
+class InputSpec:
+    path: str
+    """A Parquet file, a folder of them, or a glob; relative paths are taken from the spec file's folder."""
+    id_column: str = "id"
+    """Unique row key: output, rejects and resume are keyed by it, never by position."""
+    passthrough: tuple[str, ...] = ()
+    """Columns copied unchanged into the output and rejects."""
+    batch_size: int = 1024
+    """Rows per unit of work. Each unit is committed atomically, so smaller values lose less after a kill."""
+
+    def __post_init__(self):
+        _require(self.batch_size > 0, "input.batch_size must be > 0.")
+
+
+@dataclass(frozen=True)
+class PromptSpec:
+    template: str
+    """User message with {column} placeholders, rendered through the model's chat template."""
+    system: str = ""
+
+    @property
+    def columns(self) -> tuple[str, ...]:
+        names = [f for _, f, _, _ in string.Formatter().parse(self.template) if f is not None]
+        _require(all(n.isidentifier() for n in names),
+                 f"prompt.template placeholders must be plain column names like {{text}}, got {names}.")
+        return tuple(dict.fromkeys(names))
+
+    def __post_init__(self):
+        _require(self.columns, "prompt.template names no column: add a placeholder such as {text}.")
+
+
+@dataclass(frozen=True)
+class SchemaSpec:
+    path: str | None = None
+    """A JSON Schema file; relative paths are taken from the spec file's folder."""
+    inline: dict | None = None
+    """The JSON Schema as a TOML table, instead of `path`."""
+    json_object: bool = False
+    """Any JSON object, no schema: the grammar only enforces JSON syntax."""
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    path: str = "default"
+    """A Hugging Face model folder, or "default" for the embedded SmolLM2-135M-Instruct."""
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    """Prompt plus output tokens; longer prompts are rejected per row as prompt_too_long."""
+    structured_output_backend: str = "xgrammar"
+    """Grammar backend of pass 1 (xgrammar, guidance, outlines). It is engine-wide in vLLM."""
+    disable_any_whitespace: bool = True
+    """Forbid whitespace between JSON tokens. Small models otherwise pad with spaces until max_tokens."""
+    max_in_flight: int = 256
+    """Requests kept inside the engine at once; the engine is refilled as each one finishes."""
+    engine: dict = field(default_factory=dict)
+    """Any other vllm.LLM keyword argument, passed through unchanged (e.g. gpu_memory_utilization)."""
+
+    def __post_init__(self):
+        _require(self.max_in_flight > 0, "model.max_in_flight must be > 0.")
+        _require(self.max_model_len is None or self.max_model_len > 0, "model.max_model_len must be > 0.")
+
+
+@dataclass(frozen=True)
+class SpeculativeSpec:
+    method: str = "none"
+    """none, ngram, suffix, draft_model, or another vLLM speculative method; the draft never carries the JSON constraint."""
+    num_speculative_tokens: int = 4
+    draft_model: str | None = None
+    """Draft model folder for method = "draft_model"; it must share the target's tokenizer."""
+    draft_sample_method: str = "greedy"
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
+    options: dict = field(default_factory=dict)
+    """Other speculative_config keys, passed through unchanged."""
+
+    def __post_init__(self):
+        _require(self.num_speculative_tokens > 0, "speculative.num_speculative_tokens must be > 0.")
+        _require(self.method != "draft_model" or self.draft_model,
+                 'speculative.method = "draft_model" needs speculative.draft_model = "<model folder>".')
+        _require(0 < self.prompt_lookup_min <= self.prompt_lookup_max,
+                 "speculative.prompt_lookup_min must be > 0 and <= prompt_lookup_max.")
+
+    @property
+    def enabled(self) -> bool:
+        return self.method != "none"
+
+
+@dataclass(frozen=True)
+class DecodingSpec:
+    """Sampling settings of one pass. Pass 2 should differ from pass 1: greedy loops repeat under greedy."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    max_tokens: int = 512
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    seed: int | None = None
+    structured_output_backend: str | None = None
+    """Fallback only: another grammar backend for pass 2 (default: the model's)."""
+    enabled: bool = True
+    """Fallback only: false sends pass-1 failures straight to rejects."""
+
+    def __post_init__(self):
+        _require(self.temperature >= 0, "temperature must be >= 0.")
+        _require(0 < self.top_p <= 1, "top_p must be in (0, 1].")
+        _require(self.max_tokens > 0, "max_tokens must be > 0.")
+
+
+@dataclass(frozen=True)
+class OutputSpec:
+    path: str | None = None
+    """Folder of valid rows (Parquet parts). `batchjson run --output` overrides it."""
+    rejects: str | None = None
+    """Folder of rejected rows; default: <path>/_rejects (ignored by Parquet dataset readers)."""
+    if_exists: IfExists = "resume"
+    """What to do when the folder already holds a run: resume it, fail, or overwrite it."""
+    max_reject_rate: float = 0.05
+    """Exit code 3 when rejects exceed this fraction of the input."""
+
+    def __post_init__(self):
+        _require(0 <= self.max_reject_rate <= 1, "output.max_reject_rate must be between 0 and 1.")
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    input: InputSpec
+    prompt: PromptSpec
+    schema: SchemaSpec
+    model: ModelSpec = ModelSpec()
+    speculative: SpeculativeSpec = SpeculativeSpec()
+    sampling: DecodingSpec = DecodingSpec()
+    fallback: DecodingSpec = DecodingSpec(temperature=0.7, repetition_penalty=1.1, seed=0)
+    output: OutputSpec = OutputSpec()
+    source: str = ""
+    """The spec file this was read from."""
+    schema_doc: dict | None = None
+    """The JSON Schema itself (loaded from schema.path or schema.inline); None for json_object."""
+
+    def hash(self) -> str:
+        """Hash of everything that shapes the results; the output section and the file location are left out."""
+        return hashlib.sha256(json.dumps(self.fingerprint(), sort_keys=True).encode()).hexdigest()[:16]
+
+    def fingerprint(self) -> dict:
+        d = dataclasses.asdict(self)
+        for k in ("output", "source"):
+            d.pop(k)
+        d["model"].pop("max_in_flight")
+        return d
+
+
+def _coerce(value: Any, hint: Any, key: str) -> Any:
+    """Check one TOML value against a field's type hint; tuples come from TOML arrays."""
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        if value is None:
+            return None
+        hint = next(a for a in typing.get_args(hint) if a is not type(None))
+        origin = typing.get_origin(hint)
+    if origin is Literal:
+        _require(value in typing.get_args(hint), f"{key} must be one of {list(typing.get_args(hint))}, got {value!r}.")
+        return value
+    if origin is tuple:
+        _require(isinstance(value, list) and all(isinstance(v, str) for v in value),
+                 f"{key} must be a list of strings, got {value!r}.")
+        return tuple(value)
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    ok = isinstance(value, hint) and not (hint is int and isinstance(value, bool))
+    _require(ok, f"{key} must be {hint.__name__}, got {type(value).__name__} {value!r}.")
+    return value
+
+
+def _build(cls: type, table: Any, section: str, **defaults: Any) -> Any:
+    _require(isinstance(table, dict), f"[{section}] must be a table.")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(table) - names)
+    if unknown:
+        raise SpecError(f"unknown key {section}.{unknown[0]}; allowed keys in [{section}]: {', '.join(sorted(names))}.")
+    kwargs = {**defaults}
+    for k, v in table.items():
+        kwargs[k] = _coerce(v, hints[k], f"{section}.{k}")
+    missing = [f.name for f in dataclasses.fields(cls)
+               if f.name not in kwargs and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    if missing:
+        raise SpecError(f"[{section}] needs the key {missing[0]}.")
+    try:
+        return cls(**kwargs)
+    except SpecError as e:
+        raise SpecError(e.args[0] if e.args[0].startswith(section) else f"{section}.{e.args[0]}") from None
+
+
+def load_schema(spec: SchemaSpec, base: Path) -> dict | None:
+    """Read and check the output JSON Schema; None means any JSON object."""
+    given = [k for k in ("path", "inline") if getattr(spec, k)] + (["json_object"] if spec.json_object else [])
+    _require(len(given) == 1, "[schema] needs exactly one of path, inline or json_object = true"
+             f"{f', got {given}' if given else ''}.")
+    if spec.json_object:
+        return None
+    if spec.inline:
+        doc = spec.inline
+    else:
+        path = base / spec.path
+        try:
+            doc = json.loads(path.read_text())
+        except OSError as e:
+            raise SpecError(f"schema.path: cannot read {path}: {e.strerror}.") from None
+        except json.JSONDecodeError as e:
+            raise SpecError(f"schema.path: {path} is not JSON: {e}.") from None
+    _require(isinstance(doc, dict), "the JSON Schema must be an object.")
+    try:
+        validators.validator_for(doc, default=validators.Draft202012Validator).check_schema(doc)
+    except SchemaError as e:
+        raise SpecError(f"the JSON Schema is invalid at {'/'.join(map(str, e.absolute_path)) or 'its root'}: "
+                        f"{e.message}.") from None
+    _require(doc.get("type", "object") == "object", 'the JSON Schema must describe an object ("type": "object").')
+    return doc
+
+
+def parse_spec(doc: dict, base: Path, source: str = "") -> JobSpec:
+    """Build a JobSpec from a TOML document; relative paths in it are taken from `base`."""
+    sections = {f.name for f in dataclasses.fields(JobSpec)} - {"source", "schema_doc"}
+    unknown = sorted(set(doc) - sections)
+    if unknown:
+        raise SpecError(f"unknown section [{unknown[0]}]; allowed: {', '.join(sorted(sections))}.")
+    for required in ("input", "prompt", "schema"):
+        _require(required in doc, f"the spec needs an [{required}] section.")
+    inp = _build(InputSpec, doc["input"], "input")
+    schema = _build(SchemaSpec, doc["schema"], "schema")
+    out = _build(OutputSpec, doc.get("output", {}), "output")
+    model = _build(ModelSpec, doc.get("model", {}), "model")
+    spec = JobSpec(
+        input=dataclasses.replace(inp, path=str(base / inp.path)),
+        prompt=_build(PromptSpec, doc["prompt"], "prompt"),
+        schema=schema,
+        model=model if model.path == "default" else dataclasses.replace(model, path=str(base / model.path)),
+        speculative=_build(SpeculativeSpec, doc.get("speculative", {}), "speculative"),
+        sampling=_build(DecodingSpec, doc.get("sampling", {}), "sampling"),
+        fallback=_build(DecodingSpec, doc.get("fallback", {}), "fallback",
+                        **{k: getattr(JobSpec.fallback, k) for k in ("temperature", "repetition_penalty", "seed")}),
+        output=out if out.path is None else dataclasses.replace(out, path=str(base / out.path)),
+        source=source,
+        schema_doc=load_schema(schema, base),
+    )
+    _require(spec.sampling.structured_output_backend is None,
+             "sampling.structured_output_backend is not allowed: pass 1 uses model.structured_output_backend.")
+    _require(spec.sampling.enabled, "sampling.enabled is not allowed: pass 1 always runs.")
+    if spec.speculative.draft_model:
+        spec = dataclasses.replace(spec, speculative=dataclasses.replace(
+            spec.speculative, draft_model=str(base / spec.speculative.draft_model)))
+    return spec
+
+
+def load_spec(path: str | Path) -> JobSpec:
+    """Read a job spec file. Raises SpecError naming the key and what is allowed."""
+    path = Path(path)
+    try:
+        doc = tomllib.loads(path.read_text())
+    except OSError as e:
+        raise SpecError(f"cannot read the job spec {path}: {e.strerror}.") from None
+    except tomllib.TOMLDecodeError as e:
+        raise SpecError(f"{path} is not valid TOML: {e}.") from None
+    try:
+        return parse_spec(doc, path.resolve().parent, str(path))
+    except SpecError as e:
+        raise SpecError(f"{path}: {e}") from None
