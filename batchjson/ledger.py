@@ -33,8 +33,8 @@ class Ledger:
     in between redoes the unit and overwrites the same file names: nothing is lost and nothing doubles.
     """
 
-    def __init__(self, output: Path, rejects: Path):
-        self.output, self.rejects = output, rejects
+    def __init__(self, output: Path, rejects: Path, shard: tuple[int, int] = (0, 1)):
+        self.output, self.rejects, self.shard = output, rejects, shard
         self.state = output / STATE
         self.requeue = self.state / "requeue"
         self._lock = None
@@ -71,17 +71,19 @@ class Ledger:
         return existing
 
     def _claim(self) -> None:
-        """An exclusive lock on the folder. The kernel drops it when the process dies, so it never stays stuck."""
+        """An exclusive lock on this shard of the folder. The kernel drops it when the process dies, so a killed
+        run never leaves it stuck. Shards of one job lock separately and share the folder."""
         if self._lock is not None:
             return
         self.state.mkdir(parents=True, exist_ok=True)
-        fd = open(self.state / "lock", "w")
+        i, n = self.shard
+        fd = open(self.state / ("lock" if n == 1 else f"lock-{i}of{n}"), "w")
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             fd.close()
-            raise OutputError(f"another batchjson run is writing to {self.output} right now. Wait for it to "
-                              "finish, or choose another --output.") from None
+            raise OutputError(f"another batchjson run is writing to {self.output} (shard {i}/{n}) right now. "
+                              "Wait for it to finish, or choose another --output.") from None
         self._lock = fd
 
     def _clear(self) -> None:
@@ -89,7 +91,7 @@ class Ledger:
             for p in folder.glob("*.parquet"):
                 p.unlink()
         for p in self.state.iterdir():
-            if p.name != "lock":
+            if not p.name.startswith("lock"):
                 shutil.rmtree(p) if p.is_dir() else p.unlink()
 
     def done(self, stage: str, key: str) -> bool:

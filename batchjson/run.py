@@ -90,7 +90,7 @@ class JobRun:
         self.source = ParquetSource(spec.input, spec.prompt.columns)
         self.progress = None if progress is None else not progress  # tqdm: None hides the bar off a terminal
         self.validator = Validator(spec.schema_doc)
-        self.ledger = Ledger(self.output, self.rejects)
+        self.ledger = Ledger(self.output, self.rejects, shard)
 
     def run(self) -> RunReport:
         started = time.monotonic()
