@@ -1,0 +1,138 @@
+"""Shared test fixtures: a tiny random model for the real vLLM CPU engine, engines started once per session,
+and small jobs written as real TOML and Parquet files."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+# Keep vLLM's caches, its ZMQ sockets and the converted default model out of the home folder.
+SCRATCH = Path(os.environ.get("BATCHJSON_TEST_SCRATCH", Path(tempfile.gettempdir()) / "batchjson-tests"))
+for var, sub in (("VLLM_CACHE_ROOT", "vllm"), ("TORCHINDUCTOR_CACHE_DIR", "inductor"), ("HF_HOME", "hf"),
+                 ("TMPDIR", "tmp"), ("BATCHJSON_CACHE", "models")):
+    os.environ.setdefault(var, str(SCRATCH / sub))
+    Path(os.environ[var]).mkdir(parents=True, exist_ok=True)
+tempfile.tempdir = None
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+# Strings are bounded: a random model otherwise writes until max_tokens.
+TINY_SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 8}, "n": {"type": "integer", "minimum": 0, "maximum": 9}},
+    "required": ["name", "n"],
+    "additionalProperties": False,
+}
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "engine: starts the real vLLM engine (slow)")
+
+
+@pytest.fixture(scope="session")
+def tiny_model() -> str:
+    """Path of a tiny random Llama that vLLM loads (BATCHJSON_TEST_MODEL overrides it)."""
+    if os.environ.get("BATCHJSON_TEST_MODEL"):
+        return os.environ["BATCHJSON_TEST_MODEL"]
+    from tiny_model import make_tiny_model
+
+    return str(make_tiny_model(SCRATCH / "tiny-model"))
+
+
+class SharedEngines:
+    """An engine factory for run_job that starts each distinct engine configuration once per test session.
+
+    Tests close nothing: the session closes every engine at its end.
+    """
+
+    def __init__(self):
+        self.engines = {}
+        self.starts = 0
+
+    def __call__(self, spec, decoding, speculative):
+        from batchjson.engine import VllmEngine
+
+        key = repr((spec.model, decoding, speculative, json.dumps(spec.schema_doc, sort_keys=True)))
+        if key not in self.engines:
+            self.starts += 1
+            self.engines[key] = VllmEngine(spec.model, decoding, spec.schema_doc, speculative)
+        return _Borrowed(self.engines[key])
+
+    def close(self):
+        for engine in self.engines.values():
+            engine.close()
+
+
+class _Borrowed:
+    def __init__(self, engine):
+        self._engine = engine
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+    def close(self):
+        pass
+
+
+@pytest.fixture(scope="session")
+def engines():
+    shared = SharedEngines()
+    yield shared
+    shared.close()
+
+
+def write_rows(path: Path, n: int, start: int = 0, row_group_size: int | None = None, **extra_columns) -> Path:
+    """A Parquet file of n rows: id, text, source."""
+    ids = [f"r{i:05d}" for i in range(start, start + n)]
+    table = pa.table({"id": ids, "text": [f"item {i} is called thing{i % 7}" for i in range(start, start + n)],
+                      "source": ["test"] * n, **extra_columns})
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(table, path, row_group_size=row_group_size)
+    return path
+
+
+def write_job(tmp_path: Path, model: str, input_path: Path, *, extra: str = "", batch_size: int = 8,
+              max_tokens: int = 48, fallback_max_tokens: int = 64, speculative: str = "ngram", schema=None) -> Path:
+    """A job spec for the tiny model; `extra` appends TOML (later tables override nothing: use new keys only)."""
+    (tmp_path / "schema.json").write_text(json.dumps(schema or TINY_SCHEMA))
+    job = tmp_path / "job.toml"
+    job.write_text(f"""
+[input]
+path = "{input_path}"
+passthrough = ["source"]
+batch_size = {batch_size}
+
+[prompt]
+system = "Answer with JSON."
+template = "Describe: {{text}}"
+
+[schema]
+path = "schema.json"
+
+[model]
+path = "{model}"
+dtype = "float32"
+max_model_len = 512
+max_in_flight = 16
+
+[speculative]
+method = "{speculative}"
+
+[sampling]
+max_tokens = {max_tokens}
+
+[fallback]
+max_tokens = {fallback_max_tokens}
+
+[output]
+path = "out"
+max_reject_rate = 1.0
+{extra}
+""")
+    return job

@@ -1,0 +1,71 @@
+"""End to end on the real vLLM CPU engine with a tiny random model: every row lands exactly once."""
+
+from __future__ import annotations
+
+import collections
+
+import pyarrow.dataset as ds
+import pytest
+
+from batchjson.run import run_job
+from batchjson.spec import load_spec
+from conftest import write_job, write_rows
+
+pytestmark = pytest.mark.engine
+
+REASONS = {"truncated", "json_parse", "schema", "repetition", "engine_error", "prompt_too_long", "empty_prompt"}
+
+
+def ids_of(folder):
+    files = sorted(str(p) for p in folder.glob("*.parquet"))
+    return ds.dataset(files, format="parquet").to_table(columns=["id"]).column("id").to_pylist() if files else []
+
+
+def assert_exactly_once(input_ids, out, rejects):
+    got = ids_of(out) + ids_of(rejects)
+    dupes = [k for k, v in collections.Counter(got).items() if v > 1]
+    assert not dupes, f"rows written twice: {dupes[:5]}"
+    assert sorted(got) == sorted(input_ids)
+
+
+def test_two_passes_cover_every_row(tmp_path, tiny_model, engines):
+    data = write_rows(tmp_path / "in" / "a.parquet", 40)
+    write_rows(tmp_path / "in" / "b.parquet", 13, start=40)
+    spec = load_spec(write_job(tmp_path, tiny_model, tmp_path / "in"))
+    report = run_job(spec, engine_factory=engines, progress=False)
+
+    out, rejects = tmp_path / "out", tmp_path / "out" / "_rejects"
+    assert_exactly_once([f"r{i:05d}" for i in range(53)], out, rejects)
+    assert report.input_rows == 53 and report.valid + report.rejected == 53
+    assert report.passes["pass1"].rows == 53
+    # Whatever pass 1 did not get right went to pass 2, and nowhere else.
+    assert report.passes.get("pass2") is None or report.passes["pass2"].rows == 53 - report.passes["pass1"].valid
+    rejected = ds.dataset(str(rejects), format="parquet").to_table().to_pylist() if report.rejected else []
+    assert {r["reason"] for r in rejected} <= REASONS
+    assert all(r["detail"] for r in rejected)
+    valid = ds.dataset(str(out), format="parquet").to_table()
+    assert {"id", "source", "json", "name", "n", "_pass", "_finish_reason"} <= set(valid.column_names)
+    assert (tmp_path / "out" / "_report.json").exists()
+    assert data.exists()
+
+
+def test_truncated_rows_are_rescued_by_a_larger_fallback_budget(tmp_path, tiny_model, engines):
+    write_rows(tmp_path / "in.parquet", 12)
+    # Pass 1 cannot finish any object in 3 tokens; the fallback has room.
+    spec = load_spec(write_job(tmp_path, tiny_model, tmp_path / "in.parquet", max_tokens=3, fallback_max_tokens=64))
+    report = run_job(spec, engine_factory=engines, progress=False)
+    assert report.passes["pass1"].valid == 0
+    assert report.passes["pass1"].reasons == {"truncated": 12}
+    assert report.passes["pass2"].rows == 12
+    assert report.valid_by_pass.get("pass2", 0) == report.passes["pass2"].valid > 0
+    assert_exactly_once([f"r{i:05d}" for i in range(12)], tmp_path / "out", tmp_path / "out" / "_rejects")
+
+
+def test_rerun_resumes_without_redoing_or_duplicating(tmp_path, tiny_model, engines):
+    write_rows(tmp_path / "in.parquet", 20)
+    spec = load_spec(write_job(tmp_path, tiny_model, tmp_path / "in.parquet"))
+    first = run_job(spec, engine_factory=engines, progress=False)
+    again = run_job(spec, engine_factory=engines, progress=False)
+    assert again.resumed and again.passes == {}
+    assert (again.valid, again.rejected) == (first.valid, first.rejected)
+    assert_exactly_once([f"r{i:05d}" for i in range(20)], tmp_path / "out", tmp_path / "out" / "_rejects")
