@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import os
 import string
 import tomllib
 import types
@@ -220,6 +221,11 @@ def _build(cls: type, table: Any, section: str, **defaults: Any) -> Any:
         raise SpecError(e.args[0] if e.args[0].startswith(section) else f"{section}.{e.args[0]}") from None
 
 
+def _resolve(base: Path, path: str) -> str:
+    """Relative paths in a spec are taken from the spec file's folder, so a job runs the same from any cwd."""
+    return os.path.normpath(base / os.path.expanduser(path))
+
+
 def load_schema(spec: SchemaSpec, base: Path) -> dict | None:
     """Read and check the output JSON Schema; None means any JSON object."""
     given = [k for k in ("path", "inline") if getattr(spec, k)] + (["json_object"] if spec.json_object else [])
@@ -230,7 +236,7 @@ def load_schema(spec: SchemaSpec, base: Path) -> dict | None:
     if spec.inline:
         doc = spec.inline
     else:
-        path = base / spec.path
+        path = Path(_resolve(base, spec.path))
         try:
             doc = json.loads(path.read_text())
         except OSError as e:
@@ -260,15 +266,16 @@ def parse_spec(doc: dict, base: Path, source: str = "") -> JobSpec:
     out = _build(OutputSpec, doc.get("output", {}), "output")
     model = _build(ModelSpec, doc.get("model", {}), "model")
     spec = JobSpec(
-        input=dataclasses.replace(inp, path=str(base / inp.path)),
+        input=dataclasses.replace(inp, path=_resolve(base, inp.path)),
         prompt=_build(PromptSpec, doc["prompt"], "prompt"),
         schema=schema,
-        model=model if model.path == "default" else dataclasses.replace(model, path=str(base / model.path)),
+        model=model if model.path == "default" else dataclasses.replace(model, path=_resolve(base, model.path)),
         speculative=_build(SpeculativeSpec, doc.get("speculative", {}), "speculative"),
         sampling=_build(DecodingSpec, doc.get("sampling", {}), "sampling"),
         fallback=_build(DecodingSpec, doc.get("fallback", {}), "fallback",
                         **{k: getattr(JobSpec.fallback, k) for k in ("temperature", "repetition_penalty", "seed")}),
-        output=out if out.path is None else dataclasses.replace(out, path=str(base / out.path)),
+        output=dataclasses.replace(out, **{k: _resolve(base, getattr(out, k)) for k in ("path", "rejects")
+                                           if getattr(out, k)}),
         source=source,
         schema_doc=load_schema(schema, base),
     )
@@ -277,7 +284,7 @@ def parse_spec(doc: dict, base: Path, source: str = "") -> JobSpec:
     _require(spec.sampling.enabled, "sampling.enabled is not allowed: pass 1 always runs.")
     if spec.speculative.draft_model:
         spec = dataclasses.replace(spec, speculative=dataclasses.replace(
-            spec.speculative, draft_model=str(base / spec.speculative.draft_model)))
+            spec.speculative, draft_model=_resolve(base, spec.speculative.draft_model)))
     return spec
 
 

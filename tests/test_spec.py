@@ -1,0 +1,77 @@
+"""Job specs: good ones load, bad ones fail at load with a message naming the key and what is allowed."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from batchjson.errors import SpecError
+from batchjson.spec import load_spec
+
+ROOT = Path(__file__).parent.parent
+BASE = """
+[input]
+path = "in.parquet"
+[prompt]
+template = "Read {text}"
+[schema]
+inline = {type = "object", properties = {a = {type = "string"}}}
+"""
+
+
+def spec_file(tmp_path, text):
+    p = tmp_path / "job.toml"
+    p.write_text(text)
+    return p
+
+
+def test_sample_job_loads_with_paths_from_its_folder():
+    spec = load_spec(ROOT / "jobs" / "sample.toml")
+    assert Path(spec.input.path) == (ROOT / "sample_data" / "sample.parquet").resolve()
+    assert spec.schema_doc["properties"]["items"]["type"] == "array"
+    assert spec.speculative.method == "ngram" and spec.prompt.columns == ("text",)
+
+
+@pytest.mark.parametrize("extra, message", [
+    ("[input.extra]\n", "unknown key input.extra; allowed keys in [input]"),
+    ("[sampling]\ntemprature = 0.5\n", "unknown key sampling.temprature"),
+    ("[sampling]\ntemperature = -1.0\n", "sampling.temperature must be >= 0"),
+    ("[sampling]\nmax_tokens = 'many'\n", "sampling.max_tokens must be int, got str 'many'"),
+    ("[output]\nif_exists = 'append'\n", "output.if_exists must be one of ['resume', 'fail', 'overwrite']"),
+    ("[speculative]\nmethod = 'draft_model'\n", 'needs speculative.draft_model'),
+    ("[modle]\n", "unknown section [modle]"),
+    ("[sampling]\nstructured_output_backend = 'guidance'\n", "pass 1 uses model.structured_output_backend"),
+])
+def test_bad_values_name_the_key(tmp_path, extra, message):
+    with pytest.raises(SpecError, match=None) as e:
+        load_spec(spec_file(tmp_path, BASE + extra))
+    assert message in str(e.value)
+    assert "job.toml" in str(e.value)
+
+
+def test_missing_section_and_template_without_columns(tmp_path):
+    with pytest.raises(SpecError, match=r"needs an \[prompt\] section"):
+        load_spec(spec_file(tmp_path, '[input]\npath = "x"\n[schema]\njson_object = true\n'))
+    with pytest.raises(SpecError, match="names no column"):
+        load_spec(spec_file(tmp_path, BASE.replace("Read {text}", "Read this")))
+
+
+def test_invalid_schema_is_caught_at_load(tmp_path):
+    (tmp_path / "s.json").write_text(json.dumps({"type": "object", "properties": {"a": {"type": "strin"}}}))
+    text = BASE.replace('inline = {type = "object", properties = {a = {type = "string"}}}', 'path = "s.json"')
+    with pytest.raises(SpecError, match="JSON Schema is invalid at properties/a/type"):
+        load_spec(spec_file(tmp_path, text))
+    (tmp_path / "s.json").write_text("{not json")
+    with pytest.raises(SpecError, match="is not JSON"):
+        load_spec(spec_file(tmp_path, text))
+    with pytest.raises(SpecError, match="exactly one of path, inline or json_object"):
+        load_spec(spec_file(tmp_path, text + "json_object = true\n"))
+
+
+def test_hash_ignores_output_but_not_decoding(tmp_path):
+    a = load_spec(spec_file(tmp_path, BASE))
+    b = load_spec(spec_file(tmp_path, BASE + "[output]\npath = 'elsewhere'\n"))
+    c = load_spec(spec_file(tmp_path, BASE + "[sampling]\nmax_tokens = 7\n"))
+    assert a.hash() == b.hash() != c.hash()
