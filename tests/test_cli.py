@@ -1,0 +1,55 @@
+"""The command line on real files: messages and exit codes a pipeline can rely on."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from batchjson.cli import main
+from conftest import write_job, write_rows
+
+ROOT = Path(__file__).parent.parent
+
+
+def test_check_reports_rows_and_columns():
+    result = CliRunner().invoke(main, ["check", str(ROOT / "jobs" / "sample.toml")])
+    assert result.exit_code == 0, result.output
+    assert "120 rows" in result.output and "['id', 'text', 'source']" in result.output
+
+
+def test_check_bad_spec_exits_2_with_the_key(tmp_path):
+    job = tmp_path / "job.toml"
+    job.write_text((ROOT / "jobs" / "sample.toml").read_text().replace("[sampling]", "[sampling]\ntop_k = 3"))
+    result = CliRunner().invoke(main, ["check", str(job)])
+    assert result.exit_code == 2
+    assert "unknown key sampling.top_k" in result.output
+
+
+def test_check_missing_input_column_exits_2(tmp_path, tiny_model):
+    write_rows(tmp_path / "in.parquet", 3)
+    job = write_job(tmp_path, tiny_model, tmp_path / "in.parquet")
+    job.write_text(job.read_text().replace('passthrough = ["source"]', 'passthrough = ["origin"]'))
+    result = CliRunner().invoke(main, ["check", str(job)])
+    assert result.exit_code == 2 and "column 'origin' is missing" in result.output
+
+
+def test_shard_argument_is_checked(tmp_path):
+    result = CliRunner().invoke(main, ["run", str(ROOT / "jobs" / "sample.toml"), "--shard", "3/3"])
+    assert result.exit_code == 2 and "expected I/N" in result.output
+
+
+@pytest.mark.engine
+def test_run_exits_3_when_rejects_exceed_the_threshold(tmp_path, tiny_model):
+    write_rows(tmp_path / "in.parquet", 6)
+    # Three tokens cannot hold an object and the fallback is off: every row is rejected as truncated.
+    job = write_job(tmp_path, tiny_model, tmp_path / "in.parquet", max_tokens=3, speculative="none")
+    job.write_text(job.read_text().replace("max_reject_rate = 1.0", "max_reject_rate = 0.5")
+                   .replace("[fallback]", "[fallback]\nenabled = false"))
+    result = CliRunner().invoke(main, ["run", str(job), "--json-report"])
+    assert result.exit_code == 3, result.output
+    report = json.loads(result.output[result.output.index("{"):result.output.rindex("}") + 1])
+    assert report["rejects_by_reason"] == {"truncated": 6} and report["over_threshold"]
+    assert "exceed output.max_reject_rate" in result.output

@@ -1,0 +1,40 @@
+"""Part files: typed columns where the schema maps cleanly to Arrow, atomic writes."""
+
+from __future__ import annotations
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from batchjson.records import Generation, Outcome, Prompt
+from batchjson.sink import PartSink, write_atomic
+
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "n": {"type": "integer"},
+                                           "score": {"type": "number"}, "tags": {"type": "array"}}}
+
+
+def outcome(row_id, value):
+    text = str(value).replace("'", '"')
+    return Outcome(Generation(Prompt(row_id, "u", "prompt", {"source": "s"}), text, "stop", 3, 4), value=value)
+
+
+def test_valid_rows_get_typed_columns_and_metadata(tmp_path):
+    sink = PartSink("id", pa.schema([pa.field("source", pa.string())]), SCHEMA)
+    table = sink.valid([outcome("a", {"name": "x", "n": 2, "score": 1, "tags": [1]}),
+                        outcome("b", {"name": "y", "n": 2**70, "score": 0.5, "tags": []})], pass_no=2)
+    assert table.column_names == ["id", "source", "json", "name", "n", "score",
+                                  "_pass", "_finish_reason", "_prompt_tokens", "_output_tokens"]
+    assert table.column("score").to_pylist() == [1.0, 0.5]
+    assert table.column("n").to_pylist() == [None, None]  # beyond int64: the json column keeps the value
+    assert table.column("_pass").to_pylist() == [2, 2]
+    assert table.column("json").to_pylist()[1] == '{"name": "y", "n": 1180591620717411303424, "score": 0.5, "tags": []}'
+    write_atomic(table, tmp_path / "p.parquet")
+    assert pq.read_table(tmp_path / "p.parquet").equals(table)
+    assert [p.name for p in tmp_path.iterdir()] == ["p.parquet"]
+
+
+def test_requeue_rows_keep_their_prompt():
+    sink = PartSink("id", pa.schema([pa.field("source", pa.string())]), SCHEMA)
+    bad = Outcome(Generation(Prompt("a", "u", "the prompt", {"source": "s"}), "{", "length", 3, 4),
+                  reason="truncated", detail="hit max_tokens")
+    row = sink.rejected([bad], 1, with_prompt=True).to_pylist()[0]
+    assert (row["prompt"], row["reason"], row["raw_text"]) == ("the prompt", "truncated", "{")
