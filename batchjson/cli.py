@@ -1,7 +1,8 @@
 """Command line: `batchjson run JOB.toml` and `batchjson check JOB.toml`.
 
-Exit codes: 0 done, rejects within output.max_reject_rate; 2 bad spec, input or output folder (fix and rerun);
-3 done, but rejects over output.max_reject_rate; 1 a bug (the traceback is printed).
+Exit codes: 0 done, rejects within output.max_reject_rate; 1 a bug (the traceback is printed); 2 bad spec, input
+or output folder, or an engine that cannot start or keeps dying (the message says what to do); 3 done, but rejects
+over output.max_reject_rate; 130 stopped by SIGTERM or Ctrl-C (finished units are kept: rerun to resume).
 """
 
 from __future__ import annotations
@@ -13,11 +14,17 @@ import click
 from batchjson.errors import BatchjsonError
 from batchjson.spec import load_spec
 
-EXIT_OK, EXIT_BUG, EXIT_USER, EXIT_REJECTS = 0, 1, 2, 3
+EXIT_OK, EXIT_BUG, EXIT_USER, EXIT_REJECTS, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 
 
 class UserError(click.ClickException):
     exit_code = EXIT_USER
+
+
+def _user_error(e: BatchjsonError) -> UserError:
+    error = UserError(str(e))
+    error.exit_code = e.exit_code
+    return error
 
 
 def _shard(ctx, param, value):
@@ -50,8 +57,11 @@ def run(job, output, fresh, shard, json_report):
     try:
         report = run_job(load_spec(job), output, fresh=fresh, shard=shard)
     except BatchjsonError as e:
-        raise UserError(str(e)) from None
+        raise _user_error(e) from None
     click.echo(json.dumps(report.to_dict(), indent=2) if json_report else report.summary())
+    if report.interrupted:
+        click.echo("interrupted: finished units are committed; run the same command again to resume", err=True)
+        raise SystemExit(EXIT_INTERRUPTED)
     if report.over_threshold:
         click.echo(f"rejects {report.reject_rate:.1%} exceed output.max_reject_rate; see {report.rejects}", err=True)
         raise SystemExit(EXIT_REJECTS)
@@ -67,6 +77,10 @@ def check(job):
         spec = load_spec(job)
         source = ParquetSource(spec.input, spec.prompt.columns)
         rows = source.check()
+        duplicates = source.check_ids()
     except BatchjsonError as e:
-        raise UserError(str(e)) from None
+        raise _user_error(e) from None
     click.echo(f"ok: {len(source.files)} file(s), {rows} rows, columns {source.columns}, spec {spec.hash()}")
+    if duplicates:
+        click.echo(f"warning: {len(duplicates)} ids occur more than once (e.g. {next(iter(duplicates))!r}); "
+                   "later occurrences will be rejected as duplicate_id", err=True)

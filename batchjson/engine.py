@@ -7,11 +7,12 @@ import importlib.util
 import os
 import shutil
 import tempfile
+import threading
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
-from batchjson.errors import EngineError
+from batchjson.errors import EngineDied, EngineError
 from batchjson.records import Generation, Prompt
 from batchjson.spec import DecodingSpec, ModelSpec, SpeculativeSpec
 
@@ -23,7 +24,7 @@ class Engine(Protocol):
     """What run.py needs from an engine: bounded in flight, results yielded as they finish."""
 
     def chat_frame(self, system: str, marker: str) -> tuple[str, str]: ...
-    def stream(self, prompts: Iterable[Prompt]) -> Iterator[Generation]: ...
+    def stream(self, prompts: Iterable[Prompt], stop: threading.Event | None = None) -> Iterator[Generation]: ...
     def stats(self) -> dict[str, float]: ...
     def close(self) -> None: ...
 
@@ -130,12 +131,39 @@ class VllmEngine:
         self.params = vllm.SamplingParams(
             temperature=decoding.temperature, top_p=decoding.top_p, max_tokens=decoding.max_tokens,
             repetition_penalty=decoding.repetition_penalty, frequency_penalty=decoding.frequency_penalty,
-            presence_penalty=decoding.presence_penalty, seed=seed, structured_outputs=constraint)
+            presence_penalty=decoding.presence_penalty, seed=seed, structured_outputs=constraint,
+            **self._repetition(decoding.repetition_detection))
         try:
             self.llm = vllm.LLM(**kwargs)
         except (ValueError, TypeError, OSError) as e:
             raise EngineError(f"vLLM could not start with model {kwargs['model']}: {e}. "
                               "Check [model], [model.engine] and [speculative].") from e
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        self._dead = EngineDeadError
+        self._probe(kwargs["structured_outputs_config"]["backend"])
+
+    def _probe(self, backend: str) -> None:
+        """Fail at start, not on every row, when the grammar backend cannot take the schema."""
+        try:
+            (request_id,) = self.llm.enqueue("{", self.params, use_tqdm=False)
+        except ValueError as e:
+            self.close()
+            raise EngineError(f"the {backend} structured-output backend cannot use this JSON Schema: {e}. "
+                              "Set model.structured_output_backend (or fallback.structured_output_backend) to "
+                              "another backend (xgrammar, guidance, outlines), or simplify the schema.") from None
+        self.llm.llm_engine.abort_request([request_id], internal=True)
+
+    @staticmethod
+    def _repetition(settings: dict | None) -> dict[str, Any]:
+        if not settings:
+            return {}
+        from vllm.sampling_params import RepetitionDetectionParams
+
+        try:
+            return {"repetition_detection": RepetitionDetectionParams(**settings)}
+        except (TypeError, ValueError) as e:
+            raise EngineError(f"repetition_detection {settings}: {e}") from None
 
     @staticmethod
     def _speculative_config(spec: SpeculativeSpec) -> dict[str, Any]:
@@ -154,30 +182,41 @@ class VllmEngine:
         prefix, _, suffix = text.partition(marker)
         return prefix, suffix
 
-    def stream(self, prompts: Iterable[Prompt]) -> Iterator[Generation]:
+    def stream(self, prompts: Iterable[Prompt], stop: threading.Event | None = None) -> Iterator[Generation]:
         """Keep up to max_in_flight requests in the engine; yield each result as soon as it finishes.
 
         A request the engine refuses when added (e.g. longer than max_model_len) comes back as a failed
-        Generation at once; it never aborts the others, as one bad prompt does in LLM.generate.
+        Generation at once; it never aborts the others, as one bad prompt does in LLM.generate. When `stop`
+        is set, the stream ends at the next step and drops what is in flight. If the engine process dies,
+        EngineDied carries the prompts that were in flight.
         """
-        engine = self.llm.llm_engine
-        pending = iter(prompts)
         in_flight: dict[str, Prompt] = {}
+        try:
+            yield from self._stream(iter(prompts), in_flight, stop or threading.Event())
+        except self._dead as e:
+            raise EngineDied(list(in_flight.values()), e) from e
+
+    def _stream(self, pending: Iterator[Prompt], in_flight: dict[str, Prompt], stop: threading.Event):
+        engine = self.llm.llm_engine
         exhausted = False
-        while True:
+        while not stop.is_set():
             while not exhausted and len(in_flight) < self.max_in_flight:
                 prompt = next(pending, None)
                 if prompt is None:
                     exhausted = True
                     break
+                in_flight["adding"] = prompt  # a dying engine fails this call: the prompt goes back too
                 try:
                     (request_id,) = self.llm.enqueue(prompt.text, self.params, use_tqdm=False)
+                except self._dead:
+                    raise
                 except ValueError as e:
+                    del in_flight["adding"]
                     too_long = "longer than the maximum model length" in str(e)
                     yield Generation(prompt, error="prompt_too_long" if too_long else "engine_error", detail=str(e)[:500])
                     continue
                 # Outputs carry the caller's id; newer vLLM returns it with a random suffix ("7-1a2b3c4d").
-                in_flight[request_id.split("-", 1)[0]] = prompt
+                in_flight[request_id.split("-", 1)[0]] = in_flight.pop("adding")
             if not in_flight:
                 return
             for out in engine.step():
@@ -203,6 +242,11 @@ class VllmEngine:
 
     def close(self) -> None:
         """Shut the engine process down and free its memory, so the next pass can start its own."""
-        self.llm.llm_engine.engine_core.shutdown()
-        del self.llm
+        if getattr(self, "llm", None) is None:
+            return
+        try:
+            self.llm.llm_engine.engine_core.shutdown()
+        except Exception:  # a dead engine may fail its own shutdown; its processes are gone either way
+            pass
+        self.llm = None
         gc.collect()

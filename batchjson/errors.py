@@ -25,3 +25,11 @@ class ResumeConflict(OutputError):
 
 class EngineError(BatchjsonError):
     """The inference engine cannot be started with this model or these settings."""
+
+
+class EngineDied(Exception):
+    """The engine process died mid-pass. Not the user's to fix: run.py restarts the engine and re-feeds `in_flight`."""
+
+    def __init__(self, in_flight: list, cause: BaseException | None = None):
+        super().__init__(f"the engine died with {len(in_flight)} requests in flight: {cause!r}")
+        self.in_flight = in_flight

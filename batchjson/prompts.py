@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from batchjson.errors import InputError
 from batchjson.records import Generation, Prompt
 from batchjson.source import Unit
 from batchjson.spec import PromptSpec
@@ -19,8 +18,10 @@ class Renderer:
 
     MARK = "\x00BATCHJSON_USER\x00"
 
-    def __init__(self, spec: PromptSpec, chat_frame: tuple[str, str], id_column: str, passthrough: tuple[str, ...]):
+    def __init__(self, spec: PromptSpec, chat_frame: tuple[str, str], id_column: str, passthrough: tuple[str, ...],
+                 duplicates: dict[str, tuple[str, int]] | None = None):
         self.spec = spec
+        self.duplicates = duplicates or {}  # id -> the unit that holds its first occurrence
         self.prefix, self.suffix = chat_frame
         self.id_column = id_column
         self.passthrough = passthrough
@@ -30,12 +31,15 @@ class Renderer:
         cols = {name: unit.batch.column(name).to_pylist() for name in unit.batch.schema.names}
         ids = cols[self.id_column]
         for i, row_id in enumerate(ids):
-            if row_id is None:
-                raise InputError(f"{unit.file}: a row of unit {unit.key} (row {i} of that batch) has a null "
-                                 f"{self.id_column!r}; every row needs an id.")
             extra = {c: cols[c][i] for c in self.passthrough}
             values = {c: cols[c][i] for c in self.spec.columns}
-            prompt = Prompt(str(row_id), unit.key, "", extra)
+            row_id = str(row_id)
+            prompt = Prompt(row_id, unit.key, "", extra)
+            first = self.duplicates.get(row_id)
+            if first is not None and first != (unit.key, i):
+                yield Generation(prompt, error="duplicate_id", detail=f"{self.id_column} {row_id!r} already appears "
+                                 f"in unit {first[0]} (row {first[1]}); only the first occurrence is processed")
+                continue
             empty = [c for c, v in values.items() if v is None or (isinstance(v, str) and not v.strip())]
             if empty:
                 yield Generation(prompt, error="empty_prompt", detail=f"column {empty[0]!r} is null or empty")

@@ -6,7 +6,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 # Why a row did not make it into the output; these codes appear unchanged in rejects and the report.
-Reason = Literal["truncated", "json_parse", "schema", "repetition", "engine_error", "prompt_too_long", "empty_prompt"]
+Reason = Literal["truncated", "repetition", "json_parse", "schema", "engine_error",
+                 "prompt_too_long", "empty_prompt", "duplicate_id"]
 
 
 @dataclass(slots=True)

@@ -56,6 +56,8 @@ class RunReport:
     output: str
     rejects: str
     resumed: bool = False
+    interrupted: bool = False
+    """Stopped by SIGTERM or Ctrl-C: finished units are committed, the next run resumes."""
     passes: dict[str, PassStats] = field(default_factory=dict)
     valid_by_pass: dict = field(default_factory=dict)
     rejects_by_reason: dict = field(default_factory=dict)
@@ -97,7 +99,7 @@ class RunReport:
 
     def summary(self) -> str:
         lines = [f"{self.input_rows} input rows -> {self.valid} valid, {self.rejected} rejected "
-                 f"({self.reject_rate:.1%}; threshold {self.max_reject_rate:.1%})" + ("  [resumed]" if self.resumed else "")]
+                 f"({self.reject_rate:.1%}; threshold {self.max_reject_rate:.1%})" + ("  [resumed]" if self.resumed else "") + ("  [interrupted: rerun to resume]" if self.interrupted else "")]
         for name, p in self.passes.items():
             d = p.to_dict()
             acc = f", draft acceptance {d['acceptance']:.2f}" if "acceptance" in d else ""

@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import signal
+import threading
 import time
+from itertools import chain
+from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 from tqdm import tqdm
 
-from batchjson.errors import SpecError
+from batchjson.errors import EngineDied, EngineError, SpecError
 from batchjson.ledger import Ledger
 from batchjson.prompts import Renderer
 from batchjson.records import Generation, Outcome, Prompt
@@ -21,7 +26,13 @@ from batchjson.spec import DecodingSpec, JobSpec, SpeculativeSpec
 from batchjson.validate import Validator
 
 # Failures that another pass with the same model cannot fix: they go straight to rejects.
-FINAL_REASONS = {"empty_prompt", "prompt_too_long"}
+FINAL_REASONS = {"empty_prompt", "prompt_too_long", "duplicate_id"}
+# Engine deaths in one pass before speculation is switched off for the rest of it (grammar/speculation desyncs
+# have killed engines in recent vLLM releases), and before the pass gives up without speculation.
+DEATHS_BEFORE_NO_SPECULATION = 2
+DEATHS_BEFORE_GIVING_UP = 3
+# A row in flight at this many engine deaths is taken for the cause and fails with engine_error.
+DEATHS_PER_ROW = 2
 
 # A unit of work on its way into a pass: its key, and a function that makes its rows (called once the engine is up).
 Unit = tuple[str, Callable[[], list[Prompt | Generation]]]
@@ -37,14 +48,18 @@ def vllm_engine(spec: JobSpec, decoding: DecodingSpec, speculative: SpeculativeS
 class _Pass:
     """Tracks the rows of each open unit through one pass and commits a unit when its last row is checked."""
 
-    def __init__(self, validator: Validator, stats: PassStats, commit: Callable[[str, list[Outcome]], None], bar):
-        self.validator, self.stats, self.commit, self.bar = validator, stats, commit, bar
+    def __init__(self, validator: Validator, stats: PassStats, commit: Callable[[str, list[Outcome]], None],
+                 bar, stop: threading.Event):
+        self.validator, self.stats, self.commit, self.bar, self.stop = validator, stats, commit, bar, stop
         self.remaining: dict[str, int] = {}
         self.outcomes: dict[str, list[Outcome]] = {}
+        self.deaths_seen: Counter = Counter()
 
     def feed(self, units: Iterable[Unit]) -> Iterator[Prompt]:
         """Prompts for the engine; rows that failed before reaching it are checked here directly."""
         for key, rows in units:
+            if self.stop.is_set():
+                return
             items = rows()
             self.remaining[key], self.outcomes[key] = len(items), []
             if not items:
@@ -69,11 +84,17 @@ class _Pass:
         self.commit(key, self.outcomes.pop(key))
         del self.remaining[key]
 
-    def run(self, engine, units: Iterable[Unit]) -> None:
-        for gen in engine.stream(self.feed(units)):
-            self.finish(gen)
-        if self.remaining:
-            raise RuntimeError(f"[internal] units left open after the pass: {sorted(self.remaining)[:3]}")
+    def survivors(self, in_flight: list[Prompt]) -> list[Prompt]:
+        """After an engine death: the in-flight prompts to feed again; a row at its second death fails instead."""
+        again = []
+        for prompt in in_flight:
+            self.deaths_seen[prompt.row_id] += 1
+            if self.deaths_seen[prompt.row_id] >= DEATHS_PER_ROW:
+                self.finish(Generation(prompt, error="engine_error",
+                                       detail=f"in flight at {DEATHS_PER_ROW} engine deaths"))
+            else:
+                again.append(prompt)
+        return again
 
 
 class JobRun:
@@ -91,6 +112,8 @@ class JobRun:
         self.progress = None if progress is None else not progress  # tqdm: None hides the bar off a terminal
         self.validator = Validator(spec.schema_doc)
         self.ledger = Ledger(self.output, self.rejects, shard)
+        self.stop = threading.Event()
+        self.renderer: Renderer | None = None
 
     def run(self) -> RunReport:
         started = time.monotonic()
@@ -102,36 +125,81 @@ class JobRun:
                            max_reject_rate=self.spec.output.max_reject_rate)
         report.resumed = self.ledger.open(self.spec, self.spec.output.if_exists, self.fresh)
         try:
-            keys: list[str] = []
-            self._pass1(report, keys)
-            if self.spec.fallback.enabled:
-                self._pass2(report, keys)
+            with self._signals():
+                self.duplicates = self.source.check_ids()
+                keys: list[str] = []
+                self._pass1(report, keys)
+                if self.spec.fallback.enabled and not self.stop.is_set():
+                    self._pass2(report, keys)
         finally:
             self.ledger.close()
+        report.interrupted = self.stop.is_set()
         report.seconds = round(time.monotonic() - started, 2)
         report.tally()
         report.write(self.output / "_report.json")
         return report
 
+    @contextmanager
+    def _signals(self):
+        """SIGTERM and Ctrl-C stop the run at the next engine step: finished units are committed, the rest are
+        redone by the next run. A second signal acts at once."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+
+        def handler(signum, frame):
+            self.stop.set()
+            signal.signal(signum, previous[signum])
+
+        previous = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            yield
+        finally:
+            for s, h in previous.items():
+                signal.signal(s, h)
+
     def _run_pass(self, report: RunReport, name: str, decoding: DecodingSpec, speculative: SpeculativeSpec | None,
                   units: Iterator[Unit], total: int, commit) -> None:
-        """Start an engine only when the pass has work, run the pass, shut the engine down."""
+        """Run one pass, starting an engine only when the pass has work.
+
+        If the engine dies, a new one takes the rows that were in flight; after DEATHS_BEFORE_NO_SPECULATION
+        deaths the pass goes on without speculation, and after DEATHS_BEFORE_GIVING_UP more it fails (committed
+        units are kept, so the next run resumes).
+        """
         first = next(units, None)
         if first is None:
             return
         stats = report.passes[name] = PassStats()
         started = time.monotonic()
-        engine = self.make_engine(self.spec, decoding, speculative)
-        try:
-            if name == "pass1":
-                self.renderer = Renderer(self.spec.prompt, engine.chat_frame(self.spec.prompt.system, Renderer.MARK),
-                                         self.spec.input.id_column, self.spec.input.passthrough)
-            with tqdm(total=total, desc=name, unit="row", disable=self.progress) as bar:
-                _Pass(self.validator, stats, commit, bar).run(engine, _chain(first, units))
-            stats.speculative = engine.stats() if speculative else {}
-        finally:
-            engine.close()
-            stats.seconds = round(time.monotonic() - started, 2)
+        with tqdm(total=total, desc=name, unit="row", disable=self.progress) as bar:
+            tracker = _Pass(self.validator, stats, commit, bar, self.stop)
+            feed, retry, deaths = tracker.feed(chain([first], units)), [], 0
+            while True:
+                engine = self.make_engine(self.spec, decoding, speculative)
+                try:
+                    if self.renderer is None:
+                        self.renderer = Renderer(self.spec.prompt, engine.chat_frame(self.spec.prompt.system, Renderer.MARK),
+                                                 self.spec.input.id_column, self.spec.input.passthrough, self.duplicates)
+                    # itertools.chain, not a generator: a dead engine's stream must not close `feed` as it goes.
+                    for gen in engine.stream(chain(retry, feed), self.stop):
+                        tracker.finish(gen)
+                    stats.speculative = engine.stats() if speculative else {}
+                    break
+                except EngineDied as died:
+                    deaths += 1
+                    retry = tracker.survivors(died.in_flight)
+                    if speculative and deaths >= DEATHS_BEFORE_NO_SPECULATION:
+                        speculative, deaths = None, 0
+                        stats.note = f"speculation switched off after {DEATHS_BEFORE_NO_SPECULATION} engine deaths"
+                    elif deaths >= DEATHS_BEFORE_GIVING_UP:
+                        raise EngineError(f"the engine died {deaths} times in {name} ({died}). Finished units are "
+                                          "kept: rerun the same command to resume.") from died
+                    stats.note = stats.note or f"engine restarted after {deaths} death(s)"
+                finally:
+                    engine.close()
+                    stats.seconds = round(time.monotonic() - started, 2)
+        if tracker.remaining and not self.stop.is_set():
+            raise RuntimeError(f"[internal] units left open after {name}: {sorted(tracker.remaining)[:3]}")
 
     def _pass1(self, report: RunReport, keys: list[str]) -> None:
         def units():
@@ -159,10 +227,6 @@ class JobRun:
         todo = [k for k in keys if (self.ledger.requeue / f"{k}.parquet").exists() and not self.ledger.done("p2", k)]
         total = sum(pq.ParquetFile(self.ledger.requeue / f"{k}.parquet").metadata.num_rows for k in todo)
 
-        def units():
-            for key in todo:
-                yield key, lambda key=key: self._requeued(key)
-
         def commit(key: str, outcomes: list[Outcome]) -> None:
             bad = [o for o in outcomes if not o.ok]
             if bad:
@@ -171,18 +235,14 @@ class JobRun:
                 write_atomic(self.sink.valid([o for o in outcomes if o.ok], 2), self.output / f"p2-{key}.parquet")
             self.ledger.mark("p2", key)
 
-        self._run_pass(report, "pass2", self.spec.fallback, None, units(), total, commit)
+        units = ((key, lambda key=key: self._requeued(key)) for key in todo)
+        self._run_pass(report, "pass2", self.spec.fallback, None, units, total, commit)
 
     def _requeued(self, key: str) -> list[Prompt]:
         cols = pq.read_table(self.ledger.requeue / f"{key}.parquet").to_pydict()
         ids, texts = cols[self.spec.input.id_column], cols["prompt"]
         return [Prompt(ids[i], key, texts[i], {c: cols[c][i] for c in self.spec.input.passthrough})
                 for i in range(len(ids))]
-
-
-def _chain(first, rest):
-    yield first
-    yield from rest
 
 
 def run_job(spec: JobSpec, output: str | None = None, **kwargs) -> RunReport:

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from batchjson.errors import InputError
@@ -80,3 +81,25 @@ class ParquetSource:
                 except (OSError, pa.ArrowException) as e:
                     raise InputError(f"{path}: row group {rg} cannot be read ({e}). Repair or remove the file and "
                                      "run again; finished work is kept.") from None
+
+    def check_ids(self) -> dict[str, tuple[str, int]]:
+        """Read only the id column of every file. A null id is an input error (a row without a key cannot be
+        tracked); ids that occur more than once map to the unit and row of their first occurrence, and later
+        occurrences are rejected as duplicate_id."""
+        columns = []
+        for f in self.files:
+            column = pq.read_table(f, columns=[self.spec.id_column]).column(0)
+            if column.null_count:
+                row = pc.index(pc.is_null(column), True).as_py()
+                raise InputError(f"{f}: row {row} has a null {self.spec.id_column!r}; every row needs an id. "
+                                 "Fill or drop such rows, or choose another input.id_column.")
+            columns.append(column.cast(pa.string()))
+        counts = pc.value_counts(pa.chunked_array(columns, pa.string()))
+        repeated = {v.as_py() for v, n in zip(counts.field("values"), counts.field("counts")) if n.as_py() > 1}
+        first: dict[str, tuple[str, int]] = {}
+        if repeated:
+            for unit in self.units():
+                for i, row_id in enumerate(unit.batch.column(self.spec.id_column).cast(pa.string()).to_pylist()):
+                    if row_id in repeated:
+                        first.setdefault(row_id, (unit.key, i))
+        return first

@@ -126,6 +126,9 @@ class DecodingSpec:
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     seed: int | None = None
+    repetition_detection: dict | None = None
+    """Stop a row early when its output tail repeats a token pattern (vLLM's RepetitionDetectionParams:
+    max_pattern_size, min_pattern_size, min_count); such rows fail as "repetition" instead of running to max_tokens."""
     structured_output_backend: str | None = None
     """Fallback only: another grammar backend for pass 2 (default: the model's)."""
     enabled: bool = True

@@ -22,6 +22,9 @@ class Validator:
     def check(self, gen: Generation) -> Outcome:
         if gen.error:
             return Outcome(gen, reason=gen.error, detail=gen.detail)
+        if gen.finish_reason == "repetition":
+            return Outcome(gen, reason="repetition", detail=f"stopped after {gen.output_tokens} tokens: the output "
+                           "repeats itself")
         if gen.finish_reason == "length":
             return Outcome(gen, reason="truncated", detail=f"hit max_tokens after {gen.output_tokens} tokens")
         try:

@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 import collections
+import typing
 
 import pyarrow.dataset as ds
 import pytest
 
+from batchjson.records import Reason
 from batchjson.run import run_job
 from batchjson.spec import load_spec
 from conftest import write_job, write_rows
 
 pytestmark = pytest.mark.engine
 
-REASONS = {"truncated", "json_parse", "schema", "repetition", "engine_error", "prompt_too_long", "empty_prompt"}
+REASONS = set(typing.get_args(Reason))
 
 
 def ids_of(folder):

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.engine
 
 def test_sample_job_end_to_end(tmp_path):
     out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "batchjson.cli", "run", str(ROOT / "jobs" / "sample.toml"), "--output", str(out)]
+    cmd = [sys.executable, "-m", "batchjson", "run", str(ROOT / "jobs" / "sample.toml"), "--output", str(out)]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=1500, env=os.environ | {"PYTHONUNBUFFERED": "1"})
     assert result.returncode == 0, result.stderr[-3000:]
     assert "120 input rows" in result.stdout

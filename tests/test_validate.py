@@ -28,6 +28,8 @@ def test_each_failure_has_its_reason_and_detail():
     bad = v.check(gen('{"name":"ab","tags":[1,12]}'))
     assert bad.reason == "schema" and bad.detail.startswith("tags/1: 12 is greater than the maximum of 9")
     assert v.check(gen('{"name":"abcdef"}')).detail.startswith("name: 'abcdef' is too long")
+    looping = v.check(gen('{"name":"ab","tags":[1,1,1,1', finish="repetition"))
+    assert looping.reason == "repetition" and "repeats itself" in looping.detail
     err = v.check(gen("", finish="error", error="engine_error", detail="the engine ended the request (error)"))
     assert (err.reason, err.detail) == ("engine_error", "the engine ended the request (error)")
 

@@ -1,0 +1,106 @@
+"""Airflow: BatchJsonOperator runs a job, or one shard of it, as a task (the only module that imports airflow)."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from pathlib import Path
+
+from airflow.sdk import BaseOperator
+from airflow.sdk.exceptions import AirflowFailException
+
+
+def shards(n: int) -> list[str]:
+    """The shard arguments for n mapped tasks: `.expand(shard=shards(4))` covers the input exactly once."""
+    return [f"{i}/{n}" for i in range(n)]
+
+
+def parse_shard(value: str | None) -> tuple[int, int]:
+    if not value:
+        return (0, 1)
+    try:
+        i, n = (int(x) for x in str(value).split("/"))
+    except ValueError:
+        i, n = -1, 0
+    if not 0 <= i < n:
+        raise AirflowFailException(f"shard: expected I/N with 0 <= I < N, e.g. 0/4; got {value!r}")
+    return (i, n)
+
+
+class BatchJsonOperator(BaseOperator):
+    """Runs a batchjson job (`batchjson run JOB --output OUTPUT --shard I/N`) and returns its report.
+
+    `job`, `output` and `shard` are templated, so `output=".../dt={{ ds }}"` gives each run date its own
+    partition. Running the task again for the same date never writes a row twice: by default it resumes the run
+    already in `output` (a finished run is a no-op); with `replace=True` it rebuilds the partition from scratch
+    beside it and swaps it in, so readers see the old partition or the new one, never a mix.
+
+    The report (`RunReport.to_dict()`) is the task's return value. The task fails without retrying when the run
+    ends with rejects over the spec's output.max_reject_rate (the report is then pushed as XCom `report`), or when
+    batchjson reports a problem the user must fix (bad spec, missing input, output in use): retries would only
+    repeat it. Anything else, an engine crash or a bug, keeps its traceback and the task's retries; a retry resumes.
+
+    Shards: map the task over `shards(N)`; each writes its own part files into the same `output`. A shard's
+    threshold check sees only the rejects written so far, so it can fail late but never wrongly; add one
+    unsharded task on the same `output` after the mapped ones: it finds every unit done, starts no engine,
+    and reports on and checks the whole partition.
+    """
+
+    template_fields = ("job", "output", "shard")
+
+    def __init__(self, *, job: str, output: str | None = None, shard: str | None = None, replace: bool = False,
+                 **kwargs):
+        super().__init__(**kwargs)
+        self.job, self.output, self.shard, self.replace = job, output, shard, replace
+
+    def execute(self, context):
+        # Imported here, not at the top: the DAG processor parses DAG files often and needs none of this.
+        from batchjson.errors import BatchjsonError
+        from batchjson.run import run_job
+        from batchjson.spec import load_spec
+
+        shard = parse_shard(self.shard)
+        try:
+            spec = load_spec(self.job)
+            if self.replace:
+                report = self._replace(spec, shard, context["run_id"])
+            else:
+                report = run_job(spec, self.output, shard=shard)
+        except BatchjsonError as e:
+            raise AirflowFailException(str(e)) from None
+        self.log.info("%s", report.summary())
+        result = report.to_dict()
+        if report.over_threshold:
+            context["ti"].xcom_push(key="report", value=result)  # a failed task has no return value
+            raise AirflowFailException(f"rejects {report.reject_rate:.1%} exceed output.max_reject_rate "
+                                       f"({report.max_reject_rate:.1%}); see {report.rejects}\n{report.summary()}")
+        return result
+
+    def _replace(self, spec, shard: tuple[int, int], run_id: str):
+        """Run fresh into a hidden sibling folder, then rename it into place."""
+        from batchjson.errors import SpecError
+        from batchjson.run import run_job
+
+        if shard != (0, 1):
+            raise SpecError("replace=True rebuilds the whole partition, so it cannot run per shard. Leave replace "
+                            "off for mapped shards (reruns resume), or clear the partition in a task before them.")
+        if spec.output.rejects:
+            raise SpecError("replace=True swaps the output folder whole, rejects included: remove output.rejects "
+                            "from the spec so that rejects stay in <output>/_rejects.")
+        final = Path(self.output or spec.output.path or "")
+        if not final.name:
+            raise SpecError("no output folder: set output.path in the spec or pass output=.")
+        # Leading dot: dataset readers and `dt=*` globs skip the folder while it fills. Named by run, so a retry of
+        # the same run reuses (and, being fresh, clears) what a killed try left.
+        tag = re.sub(r"[^\w.-]", "_", run_id)
+        tmp, old = (final.with_name(f".{final.name}.{kind}-{tag}") for kind in ("tmp", "old"))
+        report = run_job(spec, str(tmp), fresh=True)
+        shutil.rmtree(old, ignore_errors=True)
+        if final.exists():
+            os.rename(final, old)
+        os.rename(tmp, final)  # between the two renames the partition is absent: readers miss it, never mix it
+        shutil.rmtree(old, ignore_errors=True)
+        report.output, report.rejects = str(final), str(final / Path(report.rejects).relative_to(tmp))
+        report.write(final / "_report.json")
+        return report

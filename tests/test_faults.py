@@ -1,0 +1,172 @@
+"""Nothing lost, nothing twice: kills of the runner, deaths of the engine, signals, and bad input."""
+
+from __future__ import annotations
+
+import collections
+import errno
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from batchjson import sink
+from batchjson.engine import VllmEngine
+from batchjson.errors import EngineError, InputError, OutputError, ResumeConflict
+from batchjson.ledger import Ledger
+from batchjson.run import run_job
+from batchjson.spec import load_spec
+from conftest import write_job, write_rows
+from test_run import assert_exactly_once, ids_of
+
+HERE = Path(__file__).parent
+pytestmark = pytest.mark.engine
+
+
+def test_runner_killed_at_many_points_across_both_passes(tmp_path, tiny_model):
+    write_rows(tmp_path / "in.parquet", 30)
+    # Three tokens hold no object: every row fails pass 1 and goes through pass 2 too.
+    job = write_job(tmp_path, tiny_model, tmp_path / "in.parquet", max_tokens=3, batch_size=8)
+    out = tmp_path / "out"
+    env = os.environ | {"PYTHONPATH": f"{HERE.parent}:{HERE}"}
+    for kill_pass, n in [(1, 5), (1, 20), (2, 4), (2, 17), (0, 0)]:
+        run = subprocess.run([sys.executable, str(HERE / "crash_runner.py"), str(job), str(out), str(kill_pass), str(n)],
+                             env=env, start_new_session=True, capture_output=True, text=True, timeout=600)
+        assert run.returncode == (-signal.SIGKILL if n else 0), run.stderr[-2000:]
+        committed = ids_of(out) + ids_of(out / "_rejects")
+        assert not [k for k, v in collections.Counter(committed).items() if v > 1]
+    assert_exactly_once([f"r{i:05d}" for i in range(30)], out, out / "_rejects")
+
+
+class KillEngineProcess:
+    """An engine factory whose engines have their process SIGKILLed after `after` results, `times` times."""
+
+    def __init__(self, after: int, times: int):
+        self.after, self.times, self.speculative_seen = after, times, []
+
+    def __call__(self, spec, decoding, speculative):
+        before = set(psutil.Process().children(recursive=True))
+        engine = VllmEngine(spec.model, decoding, spec.schema_doc, speculative)
+        self.speculative_seen.append(speculative is not None)
+        mine = set(psutil.Process().children(recursive=True)) - before
+        if self.times <= 0:
+            return engine
+        self.times -= 1
+        inner_stream = engine.stream
+
+        def stream(prompts, stop=None):
+            for i, gen in enumerate(inner_stream(prompts, stop), 1):
+                yield gen
+                if i == self.after:
+                    for p in mine:
+                        p.kill()
+        engine.stream = stream
+        return engine
+
+
+def test_engine_deaths_restart_it_then_drop_speculation(tmp_path, tiny_model):
+    write_rows(tmp_path / "in.parquet", 40)
+    job = write_job(tmp_path, tiny_model, tmp_path / "in.parquet", extra="")
+    job.write_text(job.read_text().replace("[fallback]", "[fallback]\nenabled = false"))
+    factory = KillEngineProcess(after=6, times=2)
+    report = run_job(load_spec(job), engine_factory=factory, progress=False)
+    assert factory.speculative_seen == [True, True, False]
+    assert "speculation switched off after 2 engine deaths" in report.passes["pass1"].note
+    assert_exactly_once([f"r{i:05d}" for i in range(40)], tmp_path / "out", tmp_path / "out" / "_rejects")
+
+
+def test_sigterm_stops_cleanly_and_the_rerun_finishes(tmp_path, tiny_model):
+    write_rows(tmp_path / "in.parquet", 400)
+    job = write_job(tmp_path, tiny_model, tmp_path / "in.parquet", batch_size=4, max_tokens=64)
+    cmd = [sys.executable, "-m", "batchjson", "run", str(job)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 300
+    while not list((tmp_path / "out").glob("p1-*.parquet")) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 130, stderr[-2000:]
+    assert "interrupted" in stdout and "run the same command again to resume" in stderr
+    rerun = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert rerun.returncode == 0, rerun.stderr[-2000:]
+    assert "[resumed]" in rerun.stdout
+    assert_exactly_once([f"r{i:05d}" for i in range(400)], tmp_path / "out", tmp_path / "out" / "_rejects")
+
+
+def test_bad_rows_are_rejected_with_their_reason(tmp_path, tiny_model, engines):
+    texts = ["fine one", None, "   ", "word " * 600, "fine two", "dupe"]
+    table = pa.table({"id": ["a", "b", "c", "d", "e", "a"], "text": texts, "source": ["s"] * 6})
+    pq.write_table(table, tmp_path / "in.parquet")
+    spec = load_spec(write_job(tmp_path, tiny_model, tmp_path / "in.parquet"))
+    report = run_job(spec, engine_factory=engines, progress=False)
+    rejects = {(r["id"], r["reason"]): r["detail"] for r in
+               pq.ParquetDataset(tmp_path / "out" / "_rejects").read().to_pylist()}
+    assert rejects[("b", "empty_prompt")] == "column 'text' is null or empty"
+    assert ("c", "empty_prompt") in rejects
+    assert "longer than the maximum model length" in rejects[("d", "prompt_too_long")]
+    assert "already appears in unit" in rejects[("a", "duplicate_id")]
+    assert report.input_rows == 6 and report.valid + report.rejected == 6
+
+
+def test_null_id_names_file_and_row(tmp_path, tiny_model, engines):
+    pq.write_table(pa.table({"id": ["a", None], "text": ["x", "y"], "source": ["s", "s"]}), tmp_path / "in.parquet")
+    spec = load_spec(write_job(tmp_path, tiny_model, tmp_path / "in.parquet"))
+    with pytest.raises(InputError, match=r"in.parquet: row 1 has a null 'id'"):
+        run_job(spec, engine_factory=engines, progress=False)
+
+
+def test_full_disk_fails_clearly_then_resumes(tmp_path, tiny_model, engines, monkeypatch):
+    write_rows(tmp_path / "in.parquet", 16)
+    spec = load_spec(write_job(tmp_path, tiny_model, tmp_path / "in.parquet", batch_size=4))
+    real_write, writes = sink.pq.write_table, []
+
+    def write_until_full(table, path, **kw):
+        writes.append(path)
+        if len(writes) > 2:  # a narrow fault: the disk fills up after two part files
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_write(table, path, **kw)
+    monkeypatch.setattr(sink.pq, "write_table", write_until_full)
+    with pytest.raises(OutputError, match="No space left on device. Free space or fix permissions"):
+        run_job(spec, engine_factory=engines, progress=False)
+    assert not list((tmp_path / "out").rglob(".tmp-*"))
+    monkeypatch.setattr(sink.pq, "write_table", real_write)
+    report = run_job(spec, engine_factory=engines, progress=False)
+    assert report.resumed
+    assert_exactly_once([f"r{i:05d}" for i in range(16)], tmp_path / "out", tmp_path / "out" / "_rejects")
+
+
+def test_output_folder_guards(tmp_path, tiny_model, engines):
+    write_rows(tmp_path / "in.parquet", 4)
+    job = write_job(tmp_path, tiny_model, tmp_path / "in.parquet")
+    spec = load_spec(job)
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(OutputError, match="cannot create"):
+        run_job(spec, str(tmp_path / "file" / "out"), engine_factory=engines, progress=False)
+
+    run_job(spec, engine_factory=engines, progress=False)
+    job.write_text(job.read_text().replace("max_tokens = 48", "max_tokens = 40"))
+    changed = load_spec(job)
+    with pytest.raises(ResumeConflict, match=r"changed: sampling.max_tokens: 48 -> 40.*--fresh"):
+        run_job(changed, engine_factory=engines, progress=False)
+    assert run_job(changed, fresh=True, engine_factory=engines, progress=False).resumed is False
+
+    holder = Ledger(tmp_path / "out", tmp_path / "out" / "_rejects")
+    holder._claim()  # another run holds the folder
+    with pytest.raises(OutputError, match="another batchjson run is writing to"):
+        run_job(changed, engine_factory=engines, progress=False)
+    holder.close()
+
+
+def test_schema_the_backend_cannot_compile_fails_at_start(tmp_path, tiny_model):
+    write_rows(tmp_path / "in.parquet", 2)
+    schema = {"type": "object", "properties": {"tags": {"type": "array", "items": {"type": "integer"},
+                                                        "uniqueItems": True}}}
+    spec = load_spec(write_job(tmp_path, tiny_model, tmp_path / "in.parquet", schema=schema, speculative="none"))
+    with pytest.raises(EngineError, match="xgrammar structured-output backend cannot use this JSON Schema"):
+        run_job(spec, progress=False)
