@@ -141,7 +141,30 @@ class VllmEngine:
         from vllm.v1.engine.exceptions import EngineDeadError
 
         self._dead = EngineDeadError
+        self._closed = threading.Event()
         self._probe(kwargs["structured_outputs_config"]["backend"])
+        self._watch()
+
+    def _watch(self) -> None:
+        """Turn a killed engine process into EngineDeadError.
+
+        vLLM's sync client notices the death but only shuts its output thread down, so a caller waiting in
+        step() waits forever. A watcher thread wakes it with EngineDeadError, which stream() handles.
+        """
+        client = self.llm.llm_engine.engine_core
+        resources, outputs = getattr(client, "resources", None), getattr(client, "outputs_queue", None)
+        processes = list(getattr(getattr(resources, "engine_manager", None), "processes", None) or ())
+        if outputs is None or not processes:
+            return  # the engine runs in this process: nothing to watch
+
+        def watch():
+            while not self._closed.wait(0.5):
+                if resources.engine_dead or not all(p.is_alive() for p in processes):
+                    if not self._closed.is_set():
+                        outputs.put_nowait(self._dead())
+                    return
+
+        threading.Thread(target=watch, name="batchjson-engine-watch", daemon=True).start()
 
     def _probe(self, backend: str) -> None:
         """Fail at start, not on every row, when the grammar backend cannot take the schema."""
@@ -244,6 +267,8 @@ class VllmEngine:
         """Shut the engine process down and free its memory, so the next pass can start its own."""
         if getattr(self, "llm", None) is None:
             return
+        if hasattr(self, "_closed"):
+            self._closed.set()
         try:
             self.llm.llm_engine.engine_core.shutdown()
         except Exception:  # a dead engine may fail its own shutdown; its processes are gone either way
