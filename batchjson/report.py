@@ -17,15 +17,17 @@ class PassStats:
 
     rows: int = 0
     valid: int = 0
+    prompt_tokens: int = 0
     output_tokens: int = 0
     seconds: float = 0.0
     reasons: Counter = field(default_factory=Counter)
     speculative: dict = field(default_factory=dict)
     note: str = ""
 
-    def add(self, ok: bool, reason: str | None, output_tokens: int) -> None:
+    def add(self, ok: bool, reason: str | None, prompt_tokens: int, output_tokens: int) -> None:
         self.rows += 1
         self.valid += ok
+        self.prompt_tokens += prompt_tokens
         self.output_tokens += output_tokens
         if reason:
             self.reasons[reason] += 1

@@ -72,7 +72,7 @@ class _Pass:
 
     def finish(self, gen: Generation) -> None:
         outcome = self.validator.check(gen)
-        self.stats.add(outcome.ok, outcome.reason, gen.output_tokens)
+        self.stats.add(outcome.ok, outcome.reason, gen.prompt_tokens, gen.output_tokens)
         self.bar.update(1)
         key = gen.prompt.unit
         self.outcomes[key].append(outcome)
