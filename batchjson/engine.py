@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import importlib
 import importlib.util
 import os
 import shutil
@@ -141,6 +142,8 @@ class VllmEngine:
         from vllm.v1.engine.exceptions import EngineDeadError
 
         self._dead = EngineDeadError
+        # Requests vLLM refuses when they are added: ValueError, or VLLMClientError (no longer a ValueError in 0.32).
+        self._refused = (ValueError, getattr(importlib.import_module("vllm.exceptions"), "VLLMClientError", ValueError))
         self._closed = threading.Event()
         self._probe(kwargs["structured_outputs_config"]["backend"])
         self._watch()
@@ -170,7 +173,7 @@ class VllmEngine:
         """Fail at start, not on every row, when the grammar backend cannot take the schema."""
         try:
             (request_id,) = self.llm.enqueue("{", self.params, use_tqdm=False)
-        except ValueError as e:
+        except self._refused as e:
             self.close()
             raise EngineError(f"the {backend} structured-output backend cannot use this JSON Schema: {e}. "
                               "Set model.structured_output_backend (or fallback.structured_output_backend) to "
@@ -218,6 +221,15 @@ class VllmEngine:
             yield from self._stream(iter(prompts), in_flight, stop or threading.Event())
         except self._dead as e:
             raise EngineDied(list(in_flight.values()), e) from e
+        finally:
+            # Stopped, or the caller failed mid-stream: requests left in the engine must not finish into a later
+            # stream on the same engine.
+            in_flight.pop("adding", None)
+            if in_flight and not self._closed.is_set():
+                try:
+                    self.llm.llm_engine.abort_request(list(in_flight))
+                except Exception:  # a dead engine has nothing left to abort
+                    pass
 
     def _stream(self, pending: Iterator[Prompt], in_flight: dict[str, Prompt], stop: threading.Event):
         engine = self.llm.llm_engine
@@ -233,9 +245,9 @@ class VllmEngine:
                     (request_id,) = self.llm.enqueue(prompt.text, self.params, use_tqdm=False)
                 except self._dead:
                     raise
-                except ValueError as e:
+                except self._refused as e:
                     del in_flight["adding"]
-                    too_long = "longer than the maximum model length" in str(e)
+                    too_long = any(m in str(e) for m in ("maximum context length", "longer than the maximum model length"))
                     yield Generation(prompt, error="prompt_too_long" if too_long else "engine_error", detail=str(e)[:500])
                     continue
                 # Outputs carry the caller's id; newer vLLM returns it with a random suffix ("7-1a2b3c4d").
