@@ -8,7 +8,9 @@ import shutil
 from pathlib import Path
 
 from airflow.sdk import BaseOperator
-from airflow.sdk.exceptions import AirflowFailException
+from airflow.sdk.exceptions import AirflowException, AirflowFailException
+
+INTERRUPTED = "interrupted (SIGTERM): finished units are committed; a retry resumes"
 
 
 def shards(n: int) -> list[str]:
@@ -24,35 +26,38 @@ def parse_shard(value: str | None) -> tuple[int, int]:
     except ValueError:
         i, n = -1, 0
     if not 0 <= i < n:
-        raise AirflowFailException(f"shard: expected I/N with 0 <= I < N, e.g. 0/4; got {value!r}")
+        raise ValueError(f"shard: expected I/N with 0 <= I < N, e.g. 0/4; got {value!r}")
     return (i, n)
 
 
 class BatchJsonOperator(BaseOperator):
-    """Runs a batchjson job (`batchjson run JOB --output OUTPUT --shard I/N`) and returns its report.
+    """Runs a batchjson job (`batchjson run JOB --output OUTPUT_DIR --shard I/N`) and returns its report.
 
-    `job`, `output` and `shard` are templated, so `output=".../dt={{ ds }}"` gives each run date its own
-    partition. Running the task again for the same date never writes a row twice: by default it resumes the run
-    already in `output` (a finished run is a no-op); with `replace=True` it rebuilds the partition from scratch
-    beside it and swaps it in, so readers see the old partition or the new one, never a mix.
+    `job`, `output_dir` and `shard` are templated, so `output_dir=".../dt={{ ds }}"` gives each run date its own
+    partition (`output`, the CLI's name, is taken: BaseOperator.output is the task's XCom). Running the task again
+    for the same date never writes a row twice: by default it resumes the run already in `output_dir` (a finished
+    run is a no-op); with `replace=True` it rebuilds the partition from scratch beside it and swaps it in, so
+    readers see the old partition or the new one, never a mix.
 
-    The report (`RunReport.to_dict()`) is the task's return value. The task fails without retrying when the run
-    ends with rejects over the spec's output.max_reject_rate (the report is then pushed as XCom `report`), or when
-    batchjson reports a problem the user must fix (bad spec, missing input, output in use): retries would only
-    repeat it. Anything else, an engine crash or a bug, keeps its traceback and the task's retries; a retry resumes.
+    The report (`RunReport.to_dict()`) is the task's return value. Rejects over the spec's output.max_reject_rate
+    fail the task without retrying, since a retry would resume and find the same rejects; the report is then pushed
+    as XCom `report`. Other failures honour the task's retries, and a retry resumes (with replace=True, starts the
+    new partition over): a problem batchjson reports (bad spec, missing input, output in use, an engine that keeps
+    dying) fails the task with batchjson's message alone, SIGTERM from Airflow stops the run keeping finished
+    units, and anything else is a bug that keeps its traceback.
 
-    Shards: map the task over `shards(N)`; each writes its own part files into the same `output`. A shard's
+    Shards: map the task over `shards(N)`; each writes its own part files into the same `output_dir`. A shard's
     threshold check sees only the rejects written so far, so it can fail late but never wrongly; add one
-    unsharded task on the same `output` after the mapped ones: it finds every unit done, starts no engine,
+    unsharded task on the same `output_dir` after the mapped ones: it finds every unit done, starts no engine,
     and reports on and checks the whole partition.
     """
 
-    template_fields = ("job", "output", "shard")
+    template_fields = ("job", "output_dir", "shard")
 
-    def __init__(self, *, job: str, output: str | None = None, shard: str | None = None, replace: bool = False,
+    def __init__(self, *, job: str, output_dir: str | None = None, shard: str | None = None, replace: bool = False,
                  **kwargs):
         super().__init__(**kwargs)
-        self.job, self.output, self.shard, self.replace = job, output, shard, replace
+        self.job, self.output_dir, self.shard, self.replace = job, output_dir, shard, replace
 
     def execute(self, context):
         # Imported here, not at the top: the DAG processor parses DAG files often and needs none of this.
@@ -66,15 +71,17 @@ class BatchJsonOperator(BaseOperator):
             if self.replace:
                 report = self._replace(spec, shard, context["run_id"])
             else:
-                report = run_job(spec, self.output, shard=shard)
+                report = run_job(spec, self.output_dir, shard=shard)
         except BatchjsonError as e:
-            raise AirflowFailException(str(e)) from None
-        self.log.info("%s", report.summary())
+            raise AirflowException(str(e)) from None
+        if report.interrupted:  # run_job stops cleanly on SIGTERM (Airflow's kill) and returns: not a success
+            raise AirflowException(INTERRUPTED)
         result = report.to_dict()
         if report.over_threshold:
             context["ti"].xcom_push(key="report", value=result)  # a failed task has no return value
             raise AirflowFailException(f"rejects {report.reject_rate:.1%} exceed output.max_reject_rate "
                                        f"({report.max_reject_rate:.1%}); see {report.rejects}\n{report.summary()}")
+        self.log.info("%s", report.summary())
         return result
 
     def _replace(self, spec, shard: tuple[int, int], run_id: str):
@@ -88,14 +95,16 @@ class BatchJsonOperator(BaseOperator):
         if spec.output.rejects:
             raise SpecError("replace=True swaps the output folder whole, rejects included: remove output.rejects "
                             "from the spec so that rejects stay in <output>/_rejects.")
-        final = Path(self.output or spec.output.path or "")
+        final = Path(self.output_dir or spec.output.path or "")
         if not final.name:
-            raise SpecError("no output folder: set output.path in the spec or pass output=.")
+            raise SpecError("no output folder: set output.path in the spec or pass output_dir.")
         # Leading dot: dataset readers and `dt=*` globs skip the folder while it fills. Named by run, so a retry of
         # the same run reuses (and, being fresh, clears) what a killed try left.
         tag = re.sub(r"[^\w.-]", "_", run_id)
         tmp, old = (final.with_name(f".{final.name}.{kind}-{tag}") for kind in ("tmp", "old"))
         report = run_job(spec, str(tmp), fresh=True)
+        if report.interrupted:  # keep the old partition; the retry starts the new one over
+            raise AirflowException(INTERRUPTED.replace("a retry resumes", "a retry rebuilds the partition"))
         shutil.rmtree(old, ignore_errors=True)
         if final.exists():
             os.rename(final, old)
