@@ -18,18 +18,6 @@ def shards(n: int) -> list[str]:
     return [f"{i}/{n}" for i in range(n)]
 
 
-def parse_shard(value: str | None) -> tuple[int, int]:
-    if not value:
-        return (0, 1)
-    try:
-        i, n = (int(x) for x in str(value).split("/"))
-    except ValueError:
-        i, n = -1, 0
-    if not 0 <= i < n:
-        raise ValueError(f"shard: expected I/N with 0 <= I < N, e.g. 0/4; got {value!r}")
-    return (i, n)
-
-
 class BatchJsonOperator(BaseOperator):
     """Runs a batchjson job (`batchjson run JOB --output OUTPUT_DIR --shard I/N`) and returns its report.
 
@@ -63,7 +51,7 @@ class BatchJsonOperator(BaseOperator):
         # Imported here, not at the top: the DAG processor parses DAG files often and needs none of this.
         from batchjson.errors import BatchjsonError
         from batchjson.run import run_job
-        from batchjson.spec import load_spec
+        from batchjson.spec import load_spec, parse_shard
 
         shard = parse_shard(self.shard)
         try:

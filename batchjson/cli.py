@@ -12,7 +12,7 @@ import json
 import click
 
 from batchjson.errors import BatchjsonError
-from batchjson.spec import load_spec
+from batchjson.spec import load_spec, parse_shard
 
 EXIT_OK, EXIT_BUG, EXIT_USER, EXIT_REJECTS, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 
@@ -28,14 +28,10 @@ def _user_error(e: BatchjsonError) -> UserError:
 
 
 def _shard(ctx, param, value):
-    if value is None:
-        return (0, 1)
     try:
-        i, n = (int(x) for x in value.split("/"))
-        assert 0 <= i < n
-    except (ValueError, AssertionError):
-        raise click.BadParameter(f"expected I/N with 0 <= I < N, e.g. 0/4; got {value!r}") from None
-    return (i, n)
+        return parse_shard(value)
+    except ValueError as e:
+        raise click.BadParameter(str(e).removeprefix("shard: ")) from None
 
 
 @click.group()

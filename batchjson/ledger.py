@@ -43,6 +43,10 @@ class Ledger:
         """Claim the folder for this spec; returns True when it resumes an earlier run."""
         spec_file = self.state / "spec.json"
         existing = spec_file.exists()
+        if self.shard[1] > 1 and (fresh or if_exists != "resume"):
+            raise OutputError(f'--fresh and output.if_exists = "{if_exists}" cannot be used with --shard: shards '
+                              f"share {self.output}. Clear the folder once before starting the shards, and run them "
+                              'with output.if_exists = "resume".')
         if existing and (fresh or if_exists == "overwrite"):
             self._claim()
             self._clear()
@@ -65,7 +69,7 @@ class Ledger:
                 raise OutputError(f"cannot create {d}: {e.strerror}. Check the path and permissions.") from None
         self._claim()
         if not existing:
-            tmp = spec_file.with_name(".tmp-spec.json")
+            tmp = spec_file.with_name(f".tmp-{os.getpid()}-spec.json")  # shards may write it at the same moment
             tmp.write_text(json.dumps({"hash": spec.hash(), "spec": spec.fingerprint()}, indent=1, default=str))
             os.replace(tmp, spec_file)
         return existing

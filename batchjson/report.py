@@ -95,7 +95,7 @@ class RunReport:
         return d
 
     def write(self, path: Path) -> None:
-        tmp = path.with_name(f".tmp-{path.name}")
+        tmp = path.with_name(f".tmp-{os.getpid()}-{path.name}")  # shards may finish at the same moment
         tmp.write_text(json.dumps(self.to_dict(), indent=2))
         os.replace(tmp, path)
 

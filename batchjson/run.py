@@ -136,7 +136,8 @@ class JobRun:
         report.interrupted = self.stop.is_set()
         report.seconds = round(time.monotonic() - started, 2)
         report.tally()
-        report.write(self.output / "_report.json")
+        i, n = self.shard
+        report.write(self.output / ("_report.json" if n == 1 else f"_report-{i}of{n}.json"))
         return report
 
     @contextmanager

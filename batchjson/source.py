@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import glob
+import os
 import hashlib
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -45,6 +46,8 @@ class ParquetSource:
     def __init__(self, spec: InputSpec, prompt_columns: tuple[str, ...]):
         self.spec = spec
         self.files = list_files(spec.path)
+        root = Path(spec.path)
+        self.root = root if root.is_dir() else Path(os.path.commonpath([f.parent for f in self.files]))
         self.columns = list(dict.fromkeys((spec.id_column, *prompt_columns, *spec.passthrough)))
 
     def _open(self, path: Path) -> pq.ParquetFile:
@@ -69,7 +72,8 @@ class ParquetSource:
         n = 0
         for path in self.files:
             pf = self._open(path)
-            tag = hashlib.sha1(str(path.resolve()).encode()).hexdigest()[:10]
+            # Keyed by the path below the input root, so nodes that mount the input elsewhere agree on the keys.
+            tag = hashlib.sha1(str(path.relative_to(self.root)).encode()).hexdigest()[:10]
             for rg in range(pf.num_row_groups):
                 n += 1
                 if (n - 1) % count != index:

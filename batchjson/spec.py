@@ -291,6 +291,19 @@ def parse_spec(doc: dict, base: Path, source: str = "") -> JobSpec:
     return spec
 
 
+def parse_shard(value: str | None) -> tuple[int, int]:
+    """'I/N' -> (I, N): this run takes every N-th row group starting at the I-th. None means the whole input."""
+    if not value:
+        return (0, 1)
+    try:
+        i, n = (int(x) for x in str(value).split("/"))
+    except ValueError:
+        i, n = -1, 0
+    if not 0 <= i < n:
+        raise ValueError(f"shard: expected I/N with 0 <= I < N, e.g. 0/4; got {value!r}")
+    return (i, n)
+
+
 def load_spec(path: str | Path) -> JobSpec:
     """Read a job spec file. Raises SpecError naming the key and what is allowed."""
     path = Path(path)
