@@ -10,6 +10,7 @@ import string
 import tomllib
 import types
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -229,6 +230,15 @@ def _resolve(base: Path, path: str) -> str:
     return os.path.normpath(base / os.path.expanduser(path))
 
 
+def _read(path: Path, loads: Callable[[str], Any], syntax_error: type[Exception], what: str) -> Any:
+    try:
+        return loads(path.read_text())
+    except OSError as e:
+        raise SpecError(f"{what} {path} cannot be read: {e.strerror}.") from None
+    except syntax_error as e:
+        raise SpecError(f"{what} {path} does not parse: {e}.") from None
+
+
 def load_schema(spec: SchemaSpec, base: Path) -> dict | None:
     """Read and check the output JSON Schema; None means any JSON object."""
     given = [k for k in ("path", "inline") if getattr(spec, k)] + (["json_object"] if spec.json_object else [])
@@ -239,13 +249,7 @@ def load_schema(spec: SchemaSpec, base: Path) -> dict | None:
     if spec.inline:
         doc = spec.inline
     else:
-        path = Path(_resolve(base, spec.path))
-        try:
-            doc = json.loads(path.read_text())
-        except OSError as e:
-            raise SpecError(f"schema.path: cannot read {path}: {e.strerror}.") from None
-        except json.JSONDecodeError as e:
-            raise SpecError(f"schema.path: {path} is not JSON: {e}.") from None
+        doc = _read(Path(_resolve(base, spec.path)), json.loads, json.JSONDecodeError, "schema.path: the JSON Schema")
     _require(isinstance(doc, dict), "the JSON Schema must be an object.")
     try:
         validators.validator_for(doc, default=validators.Draft202012Validator).check_schema(doc)
@@ -307,12 +311,7 @@ def parse_shard(value: str | None) -> tuple[int, int]:
 def load_spec(path: str | Path) -> JobSpec:
     """Read a job spec file. Raises SpecError naming the key and what is allowed."""
     path = Path(path)
-    try:
-        doc = tomllib.loads(path.read_text())
-    except OSError as e:
-        raise SpecError(f"cannot read the job spec {path}: {e.strerror}.") from None
-    except tomllib.TOMLDecodeError as e:
-        raise SpecError(f"{path} is not valid TOML: {e}.") from None
+    doc = _read(path, tomllib.loads, tomllib.TOMLDecodeError, "the job spec")
     try:
         return parse_spec(doc, path.resolve().parent, str(path))
     except SpecError as e:
