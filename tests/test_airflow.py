@@ -109,7 +109,7 @@ def test_example_dags_parse():
 def test_a_problem_to_fix_fails_the_task_with_its_message(tmp_path, capfd):
     tis = run(one_task_dag("bad_input", job=str(tmp_path / "missing.toml"), output_dir=str(tmp_path / "out")))
     assert tis["extract", -1].state == "failed"
-    assert "cannot read the job spec" in "".join(capfd.readouterr())
+    assert "missing.toml cannot be read" in "".join(capfd.readouterr())
 
 
 @pytest.mark.engine
