@@ -21,6 +21,7 @@ class Renderer:
     def __init__(self, spec: PromptSpec, chat_frame: tuple[str, str], id_column: str, passthrough: tuple[str, ...],
                  duplicates: dict[str, tuple[str, int]] | None = None):
         self.spec = spec
+        self.columns = spec.columns  # parsed from the template once, not per row
         self.duplicates = duplicates or {}  # id -> the unit that holds its first occurrence
         self.prefix, self.suffix = chat_frame
         self.id_column = id_column
@@ -32,7 +33,7 @@ class Renderer:
         ids = cols[self.id_column]
         for i, row_id in enumerate(ids):
             extra = {c: cols[c][i] for c in self.passthrough}
-            values = {c: cols[c][i] for c in self.spec.columns}
+            values = {c: cols[c][i] for c in self.columns}
             row_id = str(row_id)
             prompt = Prompt(row_id, unit.key, "", extra)
             first = self.duplicates.get(row_id)

@@ -8,7 +8,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import pyarrow.dataset as ds
+import pyarrow.parquet as pq
 
 
 @dataclass
@@ -43,12 +43,20 @@ class PassStats:
         return d
 
 
-def _count(folder: Path, column: str) -> Counter:
-    files = sorted(str(p) for p in folder.glob("*.parquet"))
-    if not files:
-        return Counter()
-    table = ds.dataset(files, format="parquet").to_table(columns=[column])
-    return Counter(table.column(column).to_pylist())
+def _valid_by_pass(folder: Path) -> Counter:
+    """Valid rows per pass, from the part files' footers (the pass is in the name): no row is read."""
+    counts: Counter = Counter()
+    for p in folder.glob("p[12]-*.parquet"):
+        counts[int(p.name[1])] += pq.ParquetFile(p).metadata.num_rows
+    return counts
+
+
+def _rejects_by_reason(folder: Path) -> Counter:
+    """Rejected rows per reason, one file at a time so memory stays flat however many parts there are."""
+    counts: Counter = Counter()
+    for p in folder.glob("*.parquet"):
+        counts.update(pq.read_table(p, columns=["reason"]).column(0).to_pylist())
+    return counts
 
 
 @dataclass
@@ -68,8 +76,8 @@ class RunReport:
 
     def tally(self) -> None:
         """Count what the committed files hold: the truth for the whole run, across resumes."""
-        self.valid_by_pass = {f"pass{k}": v for k, v in sorted(_count(Path(self.output), "_pass").items())}
-        self.rejects_by_reason = dict(_count(Path(self.rejects), "reason").most_common())
+        self.valid_by_pass = {f"pass{k}": v for k, v in sorted(_valid_by_pass(Path(self.output)).items())}
+        self.rejects_by_reason = dict(_rejects_by_reason(Path(self.rejects)).most_common())
 
     @property
     def valid(self) -> int:
