@@ -108,6 +108,11 @@ class VllmEngine:
         vllm = _vllm()
         from vllm.platforms import current_platform
         from vllm.sampling_params import StructuredOutputsParams
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        self._dead = EngineDeadError
+        # Requests vLLM refuses when they are added: ValueError, or VLLMClientError (no longer a ValueError in 0.32).
+        self._refused = (ValueError, getattr(importlib.import_module("vllm.exceptions"), "VLLMClientError", ValueError))
 
         self.max_in_flight = model.max_in_flight
         kwargs: dict[str, Any] = dict(
@@ -128,7 +133,8 @@ class VllmEngine:
         if speculative is not None and speculative.enabled:
             kwargs["speculative_config"] = self._speculative_config(speculative)
         kwargs.update(model.engine)
-        constraint = StructuredOutputsParams(json=schema) if schema is not None else StructuredOutputsParams(json_object=True)
+        constraint = (StructuredOutputsParams(json=schema) if schema is not None
+                      else StructuredOutputsParams(json_object=True))
         self.params = vllm.SamplingParams(
             temperature=decoding.temperature, top_p=decoding.top_p, max_tokens=decoding.max_tokens,
             repetition_penalty=decoding.repetition_penalty, frequency_penalty=decoding.frequency_penalty,
@@ -139,11 +145,6 @@ class VllmEngine:
         except (ValueError, TypeError, OSError) as e:
             raise EngineError(f"vLLM could not start with model {kwargs['model']}: {e}. "
                               "Check [model], [model.engine] and [speculative].") from e
-        from vllm.v1.engine.exceptions import EngineDeadError
-
-        self._dead = EngineDeadError
-        # Requests vLLM refuses when they are added: ValueError, or VLLMClientError (no longer a ValueError in 0.32).
-        self._refused = (ValueError, getattr(importlib.import_module("vllm.exceptions"), "VLLMClientError", ValueError))
         self._closed = threading.Event()
         self._probe(kwargs["structured_outputs_config"]["backend"])
         self._watch()
@@ -180,15 +181,14 @@ class VllmEngine:
                               "another backend (xgrammar, guidance, outlines), or simplify the schema.") from None
         self.llm.llm_engine.abort_request([request_id], internal=True)
 
-    @staticmethod
-    def _repetition(settings: dict | None) -> dict[str, Any]:
+    def _repetition(self, settings: dict | None) -> dict[str, Any]:
         if not settings:
             return {}
         from vllm.sampling_params import RepetitionDetectionParams
 
         try:
             return {"repetition_detection": RepetitionDetectionParams(**settings)}
-        except (TypeError, ValueError) as e:
+        except (TypeError, *self._refused) as e:
             raise EngineError(f"repetition_detection {settings}: {e}") from None
 
     @staticmethod

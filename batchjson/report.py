@@ -108,14 +108,16 @@ class RunReport:
         os.replace(tmp, path)
 
     def summary(self) -> str:
+        flags = ("  [resumed]" if self.resumed else "") + ("  [interrupted: rerun to resume]" if self.interrupted else "")
         lines = [f"{self.input_rows} input rows -> {self.valid} valid, {self.rejected} rejected "
-                 f"({self.reject_rate:.1%}; threshold {self.max_reject_rate:.1%})" + ("  [resumed]" if self.resumed else "") + ("  [interrupted: rerun to resume]" if self.interrupted else "")]
+                 f"({self.reject_rate:.1%}; threshold {self.max_reject_rate:.1%}){flags}"]
         for name, p in self.passes.items():
             d = p.to_dict()
             acc = f", draft acceptance {d['acceptance']:.2f}" if "acceptance" in d else ""
             reasons = ", ".join(f"{k} {v}" for k, v in p.reasons.most_common()) or "none"
+            note = f"  ({p.note})" if p.note else ""
             lines.append(f"  {name}: {p.rows} rows, {p.valid} valid in {p.seconds:.1f}s ({d['rows_per_s']:.2f} rows/s, "
-                         f"{d['output_tokens_per_s']:.0f} tok/s{acc}); failed: {reasons}" + (f"  ({p.note})" if p.note else ""))
+                         f"{d['output_tokens_per_s']:.0f} tok/s{acc}); failed: {reasons}{note}")
         if "pass2" in self.valid_by_pass:
             lines.append(f"  fallback rescued {self.valid_by_pass['pass2']} rows")
         if self.rejects_by_reason:
