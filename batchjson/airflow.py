@@ -19,10 +19,11 @@ def shards(n: int) -> list[str]:
 
 
 class BatchJsonOperator(BaseOperator):
-    """Runs a batchjson job (`batchjson run JOB --output OUTPUT_DIR --shard I/N`) and returns its report.
+    """Runs a batchjson job (`batchjson run JOB --output OUTPUT_DIR --input INPUT_PATH --shard I/N`) and returns its
+    report.
 
-    `job`, `output_dir` and `shard` are templated, so `output_dir=".../dt={{ ds }}"` gives each run date its own
-    partition (`output`, the CLI's name, is taken: BaseOperator.output is the task's XCom). Running the task again
+    `job`, `output_dir`, `input_path` (overrides the spec's input.path) and `shard` are templated, so
+    `output_dir=".../dt={{ ds }}"` gives each run date its own partition (`output`, the CLI's name, is taken: BaseOperator.output is the task's XCom). Running the task again
     for the same date never writes a row twice: by default it resumes the run already in `output_dir` (a finished
     run is a no-op); with `replace=True` it rebuilds the partition from scratch beside it and swaps it in, so
     readers see the old partition or the new one, never a mix.
@@ -40,22 +41,23 @@ class BatchJsonOperator(BaseOperator):
     and reports on and checks the whole partition.
     """
 
-    template_fields = ("job", "output_dir", "shard")
+    template_fields = ("job", "output_dir", "input_path", "shard")
 
-    def __init__(self, *, job: str, output_dir: str | None = None, shard: str | None = None, replace: bool = False,
-                 **kwargs):
+    def __init__(self, *, job: str, output_dir: str | None = None, input_path: str | None = None,
+                 shard: str | None = None, replace: bool = False, **kwargs):
         super().__init__(**kwargs)
-        self.job, self.output_dir, self.shard, self.replace = job, output_dir, shard, replace
+        self.job, self.output_dir, self.input_path = job, output_dir, input_path
+        self.shard, self.replace = shard, replace
 
     def execute(self, context):
         # Imported here, not at the top: the DAG processor parses DAG files often and needs none of this.
         from batchjson.errors import BatchjsonError
         from batchjson.run import run_job
-        from batchjson.spec import load_spec, parse_shard
+        from batchjson.spec import load_spec, parse_shard, with_input
 
         shard = parse_shard(self.shard)
         try:
-            spec = load_spec(self.job)
+            spec = with_input(load_spec(self.job), self.input_path)
             if self.replace:
                 report = self._replace(spec, shard, context["run_id"])
             else:

@@ -12,7 +12,7 @@ import json
 import click
 
 from batchjson.errors import BatchjsonError
-from batchjson.spec import load_spec, parse_shard
+from batchjson.spec import load_spec, parse_shard, with_input
 
 EXIT_OK, EXIT_BUG, EXIT_USER, EXIT_REJECTS, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 
@@ -43,15 +43,16 @@ def main():
 @main.command()
 @click.argument("job", type=click.Path(exists=True, dir_okay=False))
 @click.option("--output", "-o", type=click.Path(file_okay=False), help="Output folder (overrides output.path).")
+@click.option("--input", "input_path", type=click.Path(), help="Input file, folder or glob (overrides input.path).")
 @click.option("--fresh", is_flag=True, help="Discard a run already in the output folder and start over.")
 @click.option("--shard", callback=_shard, metavar="I/N", help="Process only shard I of N (whole row groups).")
 @click.option("--json-report", is_flag=True, help="Print the JSON report instead of the summary.")
-def run(job, output, fresh, shard, json_report):
+def run(job, output, input_path, fresh, shard, json_report):
     """Run JOB (a TOML spec), or resume it where an earlier run stopped."""
     from batchjson.run import run_job
 
     try:
-        report = run_job(load_spec(job), output, fresh=fresh, shard=shard)
+        report = run_job(with_input(load_spec(job), input_path), output, fresh=fresh, shard=shard)
     except BatchjsonError as e:
         raise _user_error(e) from None
     click.echo(json.dumps(report.to_dict(), indent=2) if json_report else report.summary())
@@ -65,12 +66,13 @@ def run(job, output, fresh, shard, json_report):
 
 @main.command()
 @click.argument("job", type=click.Path(exists=True, dir_okay=False))
-def check(job):
+@click.option("--input", "input_path", type=click.Path(), help="Input file, folder or glob (overrides input.path).")
+def check(job, input_path):
     """Check JOB's spec, schema and input columns without starting an engine."""
     from batchjson.source import ParquetSource
 
     try:
-        spec = load_spec(job)
+        spec = with_input(load_spec(job), input_path)
         source = ParquetSource(spec.input, spec.prompt.columns)
         rows = source.check()
         duplicates = source.check_ids()

@@ -295,6 +295,15 @@ def parse_spec(doc: dict, base: Path, source: str = "") -> JobSpec:
     return spec
 
 
+def with_input(spec: JobSpec, path: str | None) -> JobSpec:
+    """The spec reading another input (a run-local override, e.g. a nightly pipeline's `input/dt=2026-11-30/`).
+
+    The input path is part of the spec's hash: an output folder belongs to one input."""
+    if not path:
+        return spec
+    return dataclasses.replace(spec, input=dataclasses.replace(spec.input, path=os.path.abspath(path)))
+
+
 def parse_shard(value: str | None) -> tuple[int, int]:
     """'I/N' -> (I, N): this run takes every N-th row group starting at the I-th. None means the whole input."""
     if not value:

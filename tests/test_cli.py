@@ -36,6 +36,16 @@ def test_check_missing_input_column_exits_2(tmp_path, tiny_model):
     assert result.exit_code == 2 and "column 'origin' is missing" in result.output
 
 
+def test_input_can_be_overridden_per_run(tmp_path, tiny_model):
+    write_rows(tmp_path / "in.parquet", 3)
+    write_rows(tmp_path / "dt=2026-11-30" / "part.parquet", 5)
+    job = write_job(tmp_path, tiny_model, tmp_path / "in.parquet")
+    result = CliRunner().invoke(main, ["check", str(job), "--input", str(tmp_path / "dt=2026-11-30")])
+    assert result.exit_code == 0 and "5 rows" in result.output
+    result = CliRunner().invoke(main, ["check", str(job), "--input", str(tmp_path / "dt=2026-12-01")])
+    assert result.exit_code == 2 and "no Parquet file at" in result.output
+
+
 def test_shard_argument_is_checked(tmp_path):
     result = CliRunner().invoke(main, ["run", str(ROOT / "jobs" / "sample.toml"), "--shard", "3/3"])
     assert result.exit_code == 2 and "expected I/N" in result.output
