@@ -105,6 +105,8 @@ class VllmEngine:
 
     def __init__(self, model: ModelSpec, decoding: DecodingSpec, schema: dict | None,
                  speculative: SpeculativeSpec | None = None):
+        self.llm = None
+        self._closed = threading.Event()
         vllm = _vllm()
         from vllm.platforms import current_platform
         from vllm.sampling_params import StructuredOutputsParams
@@ -145,7 +147,6 @@ class VllmEngine:
         except (ValueError, TypeError, OSError) as e:
             raise EngineError(f"vLLM could not start with model {kwargs['model']}: {e}. "
                               "Check [model], [model.engine] and [speculative].") from e
-        self._closed = threading.Event()
         self._probe(kwargs["structured_outputs_config"]["backend"])
         self._watch()
 
@@ -277,10 +278,9 @@ class VllmEngine:
 
     def close(self) -> None:
         """Shut the engine process down and free its memory, so the next pass can start its own."""
-        if getattr(self, "llm", None) is None:
+        if self.llm is None:
             return
-        if hasattr(self, "_closed"):
-            self._closed.set()
+        self._closed.set()
         try:
             self.llm.llm_engine.engine_core.shutdown()
         except Exception:  # a dead engine may fail its own shutdown; its processes are gone either way

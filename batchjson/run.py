@@ -123,10 +123,10 @@ class JobRun:
                              self.spec.schema_doc)
         report = RunReport(self.spec.hash(), input_rows, str(self.output), str(self.rejects),
                            max_reject_rate=self.spec.output.max_reject_rate)
+        self.duplicates = self.source.check_ids()  # a null id fails here, before the output folder is claimed
         report.resumed = self.ledger.open(self.spec, self.spec.output.if_exists, self.fresh)
         try:
             with self._signals():
-                self.duplicates = self.source.check_ids()
                 keys: list[str] = []
                 self._pass1(report, keys)
                 if self.spec.fallback.enabled and not self.stop.is_set():

@@ -120,6 +120,7 @@ def test_null_id_names_file_and_row(tmp_path, tiny_model, engines):
     spec = load_spec(write_job(tmp_path, tiny_model, tmp_path / "in.parquet"))
     with pytest.raises(InputError, match=r"in.parquet: row 1 has a null 'id'"):
         run_job(spec, engine_factory=engines, progress=False)
+    assert not (tmp_path / "out").exists()  # nothing claimed: the fixed input starts a clean run
 
 
 def test_full_disk_fails_clearly_then_resumes(tmp_path, tiny_model, engines, monkeypatch):
