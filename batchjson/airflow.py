@@ -78,6 +78,7 @@ class BatchJsonOperator(BaseOperator):
         """Run fresh into a hidden sibling folder, then rename it into place."""
         from batchjson.errors import SpecError
         from batchjson.run import run_job
+        from batchjson.storage import Storage
 
         if shard != (0, 1):
             raise SpecError("replace=True rebuilds the whole partition, so it cannot run per shard. Leave replace "
@@ -101,5 +102,5 @@ class BatchJsonOperator(BaseOperator):
         os.rename(tmp, final)  # between the two renames the partition is absent: readers miss it, never mix it
         shutil.rmtree(old, ignore_errors=True)
         report.output, report.rejects = str(final), str(final / Path(report.rejects).relative_to(tmp))
-        report.write(final / "_report.json")
+        Storage(final).write_report(report.to_dict())
         return report

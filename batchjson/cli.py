@@ -1,13 +1,15 @@
-"""Command line: `batchjson run JOB.toml` and `batchjson check JOB.toml`.
+"""Command line: `batchjson run JOB.toml`, `batchjson check JOB.toml` and `batchjson verify JOB.toml`.
 
 Exit codes: 0 done, rejects within output.max_reject_rate; 1 a bug (the traceback is printed); 2 bad spec, input
 or output folder, or an engine that cannot start or keeps dying (the message says what to do); 3 done, but rejects
-over output.max_reject_rate; 130 stopped by SIGTERM or Ctrl-C (finished units are kept: rerun to resume).
+over output.max_reject_rate, or the exactly-once check failed (verify: not proven); 130 stopped by SIGTERM or
+Ctrl-C (finished units are kept: rerun to resume).
 """
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import click
 
@@ -59,6 +61,10 @@ def run(job, output, input_path, fresh, shard, json_report):
     if report.interrupted:
         click.echo("interrupted: finished units are committed; run the same command again to resume", err=True)
         raise SystemExit(EXIT_INTERRUPTED)
+    if report.verify_failed:
+        click.echo(f"{report.verified_summary}\nThe folder does not hold each input row exactly once; see the "
+                   "problems above.", err=True)
+        raise SystemExit(EXIT_REJECTS)
     if report.over_threshold:
         click.echo(f"rejects {report.reject_rate:.1%} exceed output.max_reject_rate; see {report.rejects}", err=True)
         raise SystemExit(EXIT_REJECTS)
@@ -70,15 +76,41 @@ def run(job, output, input_path, fresh, shard, json_report):
 def check(job, input_path):
     """Check JOB's spec, schema and input columns without starting an engine."""
     from batchjson.source import ParquetSource
+    from batchjson.storage import Storage
 
     try:
         spec = with_input(load_spec(job), input_path)
         source = ParquetSource(spec.input, spec.prompt.columns)
         rows = source.check()
-        duplicates = source.check_ids()
+        if spec.output.path:
+            Storage(Path(spec.output.path), Path(spec.output.rejects) if spec.output.rejects else None) \
+                .check_paths(spec.input.path)
+        duplicates = source.scan().repeated
     except BatchjsonError as e:
         raise _user_error(e) from None
     click.echo(f"ok: {len(source.files)} file(s), {rows} rows, columns {source.columns}, spec {spec.hash()}")
     if duplicates:
         click.echo(f"warning: {len(duplicates)} ids occur more than once (e.g. {next(iter(duplicates))!r}); "
-                   "later occurrences will be rejected as duplicate_id", err=True)
+                   "only one occurrence of each is processed, the others are rejected as duplicate_id", err=True)
+
+
+@main.command()
+@click.argument("job", type=click.Path(exists=True, dir_okay=False))
+@click.option("--output", "-o", type=click.Path(file_okay=False), help="Output folder (overrides output.path).")
+@click.option("--input", "input_path", type=click.Path(), help="Input file, folder or glob (overrides input.path).")
+def verify(job, output, input_path):
+    """Prove that every input row of JOB is in exactly one of the output or the rejects of its output folder.
+
+    Reads only id columns and the run state; starts no engine. Exit 0: proven; 3: not (the first offending ids
+    are named), or the run is not finished yet."""
+    from batchjson.verify import verify_job
+
+    try:
+        verdict = verify_job(with_input(load_spec(job), input_path), output)
+    except BatchjsonError as e:
+        raise _user_error(e) from None
+    click.echo(verdict.summary())
+    if not verdict.complete:
+        if verdict.ok:
+            click.echo("not finished: run the job again to resume, then verify.", err=True)
+        raise SystemExit(EXIT_REJECTS)

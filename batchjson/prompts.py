@@ -1,12 +1,58 @@
-"""Rows -> prompts: the user template filled per row, framed by the model's chat template."""
+"""Rows -> prompts: the user template filled per row, framed by the model's chat template (from its tokenizer,
+before any engine starts)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 
+import pyarrow as pa
+
+from batchjson.errors import EngineError
 from batchjson.records import Generation, Prompt
-from batchjson.source import Unit
+from batchjson.source import Unit, row_ids
 from batchjson.spec import PromptSpec
+
+MARK = "\x00BATCHJSON_USER\x00"
+
+
+def chat_frame(model_dir: str, system: str) -> tuple[str, str]:
+    """The model's chat template rendered around a marker: (text before the user message, text after it).
+
+    Read from the tokenizer files alone, so prompts are plain data before an engine starts. A model without a
+    chat template gets the system text as a plain preamble."""
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    except (OSError, ValueError) as e:
+        raise EngineError(f"model.path: cannot load the tokenizer of {model_dir} ({e}). Point model.path at a "
+                          "Hugging Face model folder with its tokenizer files.") from None
+    if not getattr(tokenizer, "chat_template", None):
+        return (f"{system}\n\n" if system else ""), ""
+    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": MARK}]
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    prefix, _, suffix = text.partition(MARK)
+    return prefix, suffix
+
+
+class _Undecodable:
+    """A string cell that is not valid UTF-8."""
+
+
+BAD = _Undecodable()
+
+
+def _values(column: pa.ChunkedArray | pa.Array) -> list:
+    try:
+        return column.to_pylist()
+    except UnicodeDecodeError:  # Parquet does not check UTF-8; one bad cell must not sink the whole unit
+        out = []
+        for raw in column.cast(pa.binary()).to_pylist():
+            try:
+                out.append(None if raw is None else raw.decode())
+            except UnicodeDecodeError:
+                out.append(BAD)
+        return out
 
 
 class Renderer:
@@ -16,30 +62,32 @@ class Renderer:
     text is formatted, which keeps rendering cheap and gives every prompt the same prefix (prefix caching).
     """
 
-    MARK = "\x00BATCHJSON_USER\x00"
-
-    def __init__(self, spec: PromptSpec, chat_frame: tuple[str, str], id_column: str, passthrough: tuple[str, ...],
-                 duplicates: dict[str, tuple[str, int]] | None = None):
+    def __init__(self, spec: PromptSpec, frame: tuple[str, str], id_column: str, passthrough: tuple[str, ...],
+                 owners: dict[str, tuple[str, int]] | None = None):
         self.spec = spec
         self.columns = spec.columns  # parsed from the template once, not per row
-        self.duplicates = duplicates or {}  # id -> the unit that holds its first occurrence
-        self.prefix, self.suffix = chat_frame
+        self.owners = owners or {}  # a repeated id -> the (unit, row) that is processed; the others are rejected
+        self.prefix, self.suffix = frame
         self.id_column = id_column
         self.passthrough = passthrough
 
     def render(self, unit: Unit) -> Iterator[Prompt | Generation]:
-        """One Prompt per row; a row with a null or empty prompt column comes back as a failed Generation."""
-        cols = {name: unit.batch.column(name).to_pylist() for name in unit.batch.schema.names}
-        ids = cols[self.id_column]
+        """One Prompt per row; a row that cannot be prompted comes back as a failed Generation."""
+        cols = {name: _values(unit.batch.column(name)) for name in unit.batch.schema.names}
+        ids = row_ids(unit.batch.column(self.id_column), unit.ref.file)
         for i, row_id in enumerate(ids):
-            extra = {c: cols[c][i] for c in self.passthrough}
+            extra = {c: (None if cols[c][i] is BAD else cols[c][i]) for c in self.passthrough}
             values = {c: cols[c][i] for c in self.columns}
-            row_id = str(row_id)
             prompt = Prompt(row_id, unit.key, "", extra)
-            first = self.duplicates.get(row_id)
-            if first is not None and first != (unit.key, i):
-                yield Generation(prompt, error="duplicate_id", detail=f"{self.id_column} {row_id!r} already appears "
-                                 f"in unit {first[0]} (row {first[1]}); only the first occurrence is processed")
+            owner = self.owners.get(row_id)
+            if owner is not None and owner != (unit.key, i):
+                yield Generation(prompt, error="duplicate_id", detail=f"{self.id_column} {row_id!r} also appears in "
+                                 f"unit {owner[0]} (row {owner[1]}), which is the one processed")
+                continue
+            bad = [c for c in (*self.columns, *self.passthrough) if cols[c][i] is BAD]
+            if bad:
+                yield Generation(prompt, error="invalid_input", detail=f"column {bad[0]!r} of {unit.ref.file} row "
+                                 f"{unit.ref.offset + i} is not valid UTF-8")
                 continue
             empty = [c for c, v in values.items() if v is None or (isinstance(v, str) and not v.strip())]
             if empty:

@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 # Why a row did not make it into the output; these codes appear unchanged in rejects and the report.
 Reason = Literal["truncated", "repetition", "json_parse", "schema", "engine_error",
-                 "prompt_too_long", "empty_prompt", "duplicate_id"]
+                 "prompt_too_long", "empty_prompt", "invalid_input", "duplicate_id"]
 
 
 @dataclass(slots=True)

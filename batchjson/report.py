@@ -2,13 +2,8 @@
 
 from __future__ import annotations
 
-import json
-import os
 from collections import Counter
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
-
-import pyarrow.parquet as pq
 
 
 @dataclass
@@ -43,22 +38,6 @@ class PassStats:
         return d
 
 
-def _valid_by_pass(folder: Path) -> Counter:
-    """Valid rows per pass, from the part files' footers (the pass is in the name): no row is read."""
-    counts: Counter = Counter()
-    for p in folder.glob("p[12]-*.parquet"):
-        counts[int(p.name[1])] += pq.ParquetFile(p).metadata.num_rows
-    return counts
-
-
-def _rejects_by_reason(folder: Path) -> Counter:
-    """Rejected rows per reason, one file at a time so memory stays flat however many parts there are."""
-    counts: Counter = Counter()
-    for p in folder.glob("*.parquet"):
-        counts.update(pq.read_table(p, columns=["reason"]).column(0).to_pylist())
-    return counts
-
-
 @dataclass
 class RunReport:
     spec_hash: str
@@ -73,11 +52,24 @@ class RunReport:
     rejects_by_reason: dict = field(default_factory=dict)
     seconds: float = 0.0
     max_reject_rate: float = 0.0
+    notes: list[str] = field(default_factory=list)
+    verified: dict = field(default_factory=dict)
+    """The exactly-once check that ends every run (see verify.py): ok, complete, problems."""
+    verified_summary: str = ""
 
-    def tally(self) -> None:
-        """Count what the committed files hold: the truth for the whole run, across resumes."""
-        self.valid_by_pass = {f"pass{k}": v for k, v in sorted(_valid_by_pass(Path(self.output)).items())}
-        self.rejects_by_reason = dict(_rejects_by_reason(Path(self.rejects)).most_common())
+    def tally(self, records: list[dict]) -> None:
+        """Count what the commit records of the folder say: the truth for the whole run, across resumes and shards."""
+        valid: Counter = Counter()
+        reasons: Counter = Counter()
+        for r in records:
+            valid[f"pass{r['stage'][1]}"] += r["rows"].get("output", 0)
+            reasons.update(r.get("reasons", {}))
+        self.valid_by_pass = {k: v for k, v in sorted(valid.items()) if v}
+        self.rejects_by_reason = dict(reasons.most_common())
+
+    @property
+    def verify_failed(self) -> bool:
+        return bool(self.verified) and not self.verified.get("ok", True)
 
     @property
     def valid(self) -> int:
@@ -99,13 +91,9 @@ class RunReport:
         d = asdict(self)
         d["passes"] = {k: v.to_dict() for k, v in self.passes.items()}
         d |= {"valid": self.valid, "rejected": self.rejected, "rescued_by_fallback": self.valid_by_pass.get("pass2", 0),
-              "reject_rate": round(self.reject_rate, 4), "over_threshold": self.over_threshold}
+              "reject_rate": round(self.reject_rate, 4), "over_threshold": self.over_threshold,
+              "verify_failed": self.verify_failed}
         return d
-
-    def write(self, path: Path) -> None:
-        tmp = path.with_name(f".tmp-{os.getpid()}-{path.name}")  # shards may finish at the same moment
-        tmp.write_text(json.dumps(self.to_dict(), indent=2))
-        os.replace(tmp, path)
 
     def summary(self) -> str:
         flags = ("  [resumed]" if self.resumed else "") + ("  [interrupted: rerun to resume]" if self.interrupted else "")
@@ -122,5 +110,8 @@ class RunReport:
             lines.append(f"  fallback rescued {self.valid_by_pass['pass2']} rows")
         if self.rejects_by_reason:
             lines.append("  rejects: " + ", ".join(f"{k} {v}" for k, v in self.rejects_by_reason.items()))
+        lines += [f"  note: {n}" for n in self.notes]
+        if self.verified_summary:
+            lines.append("  " + self.verified_summary.replace("\n", "\n  "))
         lines.append(f"  output {self.output}  rejects {self.rejects}  spec {self.spec_hash}")
         return "\n".join(lines)

@@ -1,32 +1,35 @@
-"""The one place that knows the stage order: source -> prompts -> engine -> validate -> sink, in two passes."""
+"""The one place that knows the stage order: source -> prompts -> engine -> validate -> sink -> storage, in two
+passes, and the exactly-once check that ends every run."""
 
 from __future__ import annotations
 
+import os
 import signal
+import sys
 import threading
 import time
-from itertools import chain
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
+from itertools import chain
 from pathlib import Path
 
-import pyarrow as pa
-import pyarrow.parquet as pq
 from tqdm import tqdm
 
 from batchjson.errors import EngineDied, EngineError, SpecError
-from batchjson.ledger import Ledger
-from batchjson.prompts import Renderer
+from batchjson.prompts import Renderer, chat_frame
 from batchjson.records import Generation, Outcome, Prompt
 from batchjson.report import PassStats, RunReport
-from batchjson.sink import PartSink, write_atomic
-from batchjson.source import ParquetSource
+from batchjson.sink import PartSink
+from batchjson.source import ParquetSource, UnitRef
 from batchjson.spec import DecodingSpec, JobSpec, SpeculativeSpec
+from batchjson.storage import Stage, Storage
 from batchjson.validate import Validator
+from batchjson.verify import verify
 
 # Failures that another pass with the same model cannot fix: they go straight to rejects.
-FINAL_REASONS = {"empty_prompt", "prompt_too_long", "duplicate_id"}
+FINAL_REASONS = {"empty_prompt", "invalid_input", "prompt_too_long", "duplicate_id"}
 # Engine deaths in one pass before speculation is switched off for the rest of it (grammar/speculation desyncs
 # have killed engines in recent vLLM releases), and before the pass gives up without speculation.
 DEATHS_BEFORE_NO_SPECULATION = 2
@@ -34,8 +37,8 @@ DEATHS_BEFORE_GIVING_UP = 3
 # A row in flight at this many engine deaths is taken for the cause and fails with engine_error.
 DEATHS_PER_ROW = 2
 
-# A unit of work on its way into a pass: its key, and a function that makes its rows (called once the engine is up).
-Unit = tuple[str, Callable[[], list[Prompt | Generation]]]
+# A unit of work on its way into a pass: its key and its rows (prompts, or rows that already failed).
+Work = tuple[str, list[Prompt | Generation]]
 EngineFactory = Callable[[JobSpec, DecodingSpec, "SpeculativeSpec | None"], "Engine"]  # noqa: F821
 
 
@@ -45,7 +48,26 @@ def vllm_engine(spec: JobSpec, decoding: DecodingSpec, speculative: SpeculativeS
     return VllmEngine(spec.model, decoding, spec.schema_doc, speculative)
 
 
-class _Pass:
+@dataclass(frozen=True)
+class Pass:
+    """One pass as a value: where it commits, how it decodes, and where its failures go."""
+
+    stage: Stage
+    name: str
+    number: int
+    decoding: DecodingSpec
+    speculative: SpeculativeSpec | None
+    last: bool
+    """Failures of the last pass go to rejects; those of an earlier one to the re-queue of the next."""
+
+
+def plan_passes(spec: JobSpec) -> list[Pass]:
+    speculative = spec.speculative if spec.speculative.enabled else None
+    first = Pass("p1", "pass1", 1, spec.sampling, speculative, last=not spec.fallback.enabled)
+    return [first, Pass("p2", "pass2", 2, spec.fallback, None, last=True)] if spec.fallback.enabled else [first]
+
+
+class _Tracker:
     """Tracks the rows of each open unit through one pass and commits a unit when its last row is checked."""
 
     def __init__(self, validator: Validator, stats: PassStats, commit: Callable[[str, list[Outcome]], None],
@@ -55,12 +77,11 @@ class _Pass:
         self.outcomes: dict[str, list[Outcome]] = {}
         self.deaths_seen: Counter = Counter()
 
-    def feed(self, units: Iterable[Unit]) -> Iterator[Prompt]:
+    def feed(self, work: Iterable[Work]) -> Iterator[Prompt]:
         """Prompts for the engine; rows that failed before reaching it are checked here directly."""
-        for key, rows in units:
+        for key, items in work:
             if self.stop.is_set():
                 return
-            items = rows()
             self.remaining[key], self.outcomes[key] = len(items), []
             if not items:
                 self._close(key)
@@ -106,51 +127,79 @@ class JobRun:
         if not out:
             raise SpecError("no output folder: set output.path in the spec or pass --output.")
         self.spec, self.shard, self.make_engine, self.fresh = spec, shard, engine_factory, fresh
-        self.output = Path(out)
-        self.rejects = Path(spec.output.rejects) if spec.output.rejects else self.output / "_rejects"
+        self.storage = Storage(Path(out), Path(spec.output.rejects) if spec.output.rejects else None, shard)
         self.source = ParquetSource(spec.input, spec.prompt.columns)
         self.progress = None if progress is None else not progress  # tqdm: None hides the bar off a terminal
         self.validator = Validator(spec.schema_doc)
-        self.ledger = Ledger(self.output, self.rejects, shard)
         self.stop = threading.Event()
-        self.renderer: Renderer | None = None
+        self._renderer: Renderer | None = None
+        self.owners: dict[str, tuple[str, int]] = {}
 
     def run(self) -> RunReport:
         started = time.monotonic()
         input_rows = self.source.check()
-        first = pq.ParquetFile(self.source.files[0]).schema_arrow
-        self.sink = PartSink(self.spec.input.id_column, pa.schema([first.field(c) for c in self.spec.input.passthrough]),
-                             self.spec.schema_doc)
-        report = RunReport(self.spec.hash(), input_rows, str(self.output), str(self.rejects),
+        self.storage.check_paths(self.spec.input.path)
+        scan = self.source.scan()  # a null id fails here, before the output folder is claimed
+        everything = self.source.plan()
+        mine = self.source.plan(self.shard) if self.shard[1] > 1 else everything
+        self.refs = {r.key: r for r in mine}
+        self.sink = PartSink(self.spec.input.id_column, self.source.passthrough_schema(), self.spec.schema_doc)
+        storage = self.storage
+        report = RunReport(self.spec.hash(), input_rows, str(storage.output), str(storage.rejects),
                            max_reject_rate=self.spec.output.max_reject_rate)
-        self.duplicates = self.source.check_ids()  # a null id fails here, before the output folder is claimed
-        report.resumed = self.ledger.open(self.spec, self.spec.output.if_exists, self.fresh)
+        report.resumed = storage.open(self.spec.hash(), self.spec.fingerprint(), self.spec.output.if_exists, self.fresh)
         try:
             with self._signals():
-                keys: list[str] = []
-                self._pass1(report, keys)
-                if self.spec.fallback.enabled and not self.stop.is_set():
-                    self._pass2(report, keys)
+                storage.check_inputs(scan.fingerprints)
+                for key in storage.missing(list(self.refs)):
+                    storage.drop(key)
+                    report.notes.append(f"unit {key}: a committed part file was missing; the unit was redone")
+                # A repeated id is processed where it was committed already, else at its first occurrence.
+                self.owners = {row_id: next((p for p in places if storage.done("p1", p[0])), places[0])
+                               for row_id, places in scan.repeated.items()}
+                for p in plan_passes(self.spec):
+                    if self.stop.is_set():
+                        break
+                    self._run_pass(report, p)
+                report.tally(storage.records())
+                verdict = verify(storage, self.source, everything, self.spec.input.id_column)
+                if not self.stop.is_set() and self.shard[1] == 1 and verdict.pending and verdict.ok:
+                    verdict.problems.append(f"[internal] {verdict.pending} units left undone by an uninterrupted run")
+                report.verified = verdict.to_dict()
+                report.verified_summary = verdict.summary()
         finally:
-            self.ledger.close()
+            storage.close()
         report.interrupted = self.stop.is_set()
         report.seconds = round(time.monotonic() - started, 2)
-        report.tally()
-        i, n = self.shard
-        report.write(self.output / ("_report.json" if n == 1 else f"_report-{i}of{n}.json"))
+        storage.write_report(report.to_dict())
         return report
+
+    @property
+    def renderer(self) -> Renderer:
+        """Made on first use: a run with nothing to render never loads the model's tokenizer."""
+        if self._renderer is None:
+            from batchjson.engine import resolve_model
+
+            frame = chat_frame(resolve_model(self.spec.model.path), self.spec.prompt.system)
+            self._renderer = Renderer(self.spec.prompt, frame, self.spec.input.id_column,
+                                      self.spec.input.passthrough, self.owners)
+        return self._renderer
 
     @contextmanager
     def _signals(self):
         """SIGTERM and Ctrl-C stop the run at the next engine step: finished units are committed, the rest are
-        redone by the next run. A second signal acts at once."""
+        redone by the next run. A second signal exits at once (130); the engine processes die with the runner."""
         if threading.current_thread() is not threading.main_thread():
             yield
             return
 
         def handler(signum, frame):
+            if self.stop.is_set():
+                sys.stderr.write("\nstopped at once: finished units are committed; run the same command again to "
+                                 "resume\n")
+                sys.stderr.flush()
+                os._exit(130)
             self.stop.set()
-            signal.signal(signum, previous[signum])
 
         previous = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}
         try:
@@ -159,91 +208,76 @@ class JobRun:
             for s, h in previous.items():
                 signal.signal(s, h)
 
-    def _run_pass(self, report: RunReport, name: str, decoding: DecodingSpec, speculative: SpeculativeSpec | None,
-                  units: Iterator[Unit], total: int, commit) -> None:
+    def _work(self, p: Pass) -> tuple[Iterator[Work], int]:
+        """The units a pass has left to do (found in storage, so a rerun resumes either pass) and their rows."""
+        storage = self.storage
+        if p.stage == "p1":
+            todo = [r for r in self.refs.values() if not storage.done("p1", r.key)]
+            units = ((u.key, list(self.renderer.render(u))) for u in self.source.read(todo))
+            return units, sum(r.rows for r in todo)
+        keys = [k for k in self.refs if storage.requeued(k) and not storage.done("p2", k)]
+        return ((k, self._requeued(k)) for k in keys), sum(storage.record("p1", k)["rows"]["requeue"] for k in keys)
+
+    def _requeued(self, key: str) -> list[Prompt]:
+        cols = self.storage.read_requeue(key).to_pydict()
+        ids, texts = cols[self.spec.input.id_column], cols["prompt"]
+        return [Prompt(ids[i], key, texts[i], {c: cols[c][i] for c in self.spec.input.passthrough})
+                for i in range(len(ids))]
+
+    def _commit(self, p: Pass, key: str, outcomes: list[Outcome]) -> None:
+        ok, final, retry = [], [], []
+        for o in outcomes:
+            (ok if o.ok else final if p.last or o.reason in FINAL_REASONS else retry).append(o)
+        ref = self.refs[key]
+        tables = {"output": self.sink.valid(ok, p.number), "rejects": self.sink.rejected(final, p.number),
+                  "requeue": self.sink.rejected(retry, p.number, with_prompt=True)}
+        meta = {"file": ref.tag, "path": ref.file, "reasons": dict(Counter(o.reason for o in final))}
+        self.storage.commit(p.stage, key, tables, meta)
+
+    def _run_pass(self, report: RunReport, p: Pass) -> None:
         """Run one pass, starting an engine only when the pass has work.
 
         If the engine dies, a new one takes the rows that were in flight; after DEATHS_BEFORE_NO_SPECULATION
         deaths the pass goes on without speculation, and after DEATHS_BEFORE_GIVING_UP more it fails (committed
-        units are kept, so the next run resumes).
+        units are kept, so the next run resumes). A stop never starts an engine: a signal that reached the
+        engine processes too (Ctrl-C in a terminal) kills them, and that is not a death to recover from.
         """
-        first = next(units, None)
+        work, total = self._work(p)
+        first = next(work, None)
         if first is None:
             return
-        stats = report.passes[name] = PassStats()
+        stats = report.passes[p.name] = PassStats()
         started = time.monotonic()
-        with tqdm(total=total, desc=name, unit="row", disable=self.progress) as bar:
-            tracker = _Pass(self.validator, stats, commit, bar, self.stop)
-            feed, retry, deaths = tracker.feed(chain([first], units)), [], 0
-            while True:
-                engine = self.make_engine(self.spec, decoding, speculative)
+        speculative = p.speculative
+        with tqdm(total=total, desc=p.name, unit="row", disable=self.progress) as bar:
+            tracker = _Tracker(self.validator, stats, lambda key, outcomes: self._commit(p, key, outcomes), bar,
+                               self.stop)
+            feed, retry, deaths = tracker.feed(chain([first], work)), [], 0
+            while not self.stop.is_set():
+                engine = self.make_engine(self.spec, p.decoding, speculative)
                 try:
-                    if self.renderer is None:
-                        self.renderer = Renderer(self.spec.prompt, engine.chat_frame(self.spec.prompt.system, Renderer.MARK),
-                                                 self.spec.input.id_column, self.spec.input.passthrough, self.duplicates)
                     # itertools.chain, not a generator: a dead engine's stream must not close `feed` as it goes.
                     for gen in engine.stream(chain(retry, feed), self.stop):
                         tracker.finish(gen)
                     stats.speculative = engine.stats() if speculative else {}
                     break
                 except EngineDied as died:
+                    if self.stop.is_set():
+                        break
                     deaths += 1
                     retry = tracker.survivors(died.in_flight)
                     if speculative and deaths >= DEATHS_BEFORE_NO_SPECULATION:
                         speculative, deaths = None, 0
                         stats.note = f"speculation switched off after {DEATHS_BEFORE_NO_SPECULATION} engine deaths"
                     elif deaths >= DEATHS_BEFORE_GIVING_UP:
-                        raise EngineError(f"the engine died {deaths} times in {name} ({died}). Finished units are "
+                        raise EngineError(f"the engine died {deaths} times in {p.name} ({died}). Finished units are "
                                           "kept: rerun the same command to resume.") from died
                     stats.note = stats.note or f"engine restarted after {deaths} death(s)"
                 finally:
                     engine.close()
                     stats.seconds = round(time.monotonic() - started, 2)
         if tracker.remaining and not self.stop.is_set():
-            raise RuntimeError(f"[internal] units left open after {name}: {sorted(tracker.remaining)[:3]}")
-
-    def _pass1(self, report: RunReport, keys: list[str]) -> None:
-        def units():
-            for unit in self.source.units(self.shard):
-                keys.append(unit.key)
-                if not self.ledger.done("p1", unit.key):
-                    yield unit.key, lambda unit=unit: list(self.renderer.render(unit))
-
-        def commit(key: str, outcomes: list[Outcome]) -> None:
-            bad = [o for o in outcomes if not o.ok]
-            final = [o for o in bad if o.reason in FINAL_REASONS or not self.spec.fallback.enabled]
-            retry = [o for o in bad if o not in final]
-            if final:
-                write_atomic(self.sink.rejected(final, 1), self.rejects / f"p1-{key}.parquet")
-            if retry:
-                write_atomic(self.sink.rejected(retry, 1, with_prompt=True), self.ledger.requeue / f"{key}.parquet")
-            if len(bad) < len(outcomes):
-                write_atomic(self.sink.valid([o for o in outcomes if o.ok], 1), self.output / f"p1-{key}.parquet")
-            self.ledger.mark("p1", key)
-
-        speculative = self.spec.speculative if self.spec.speculative.enabled else None
-        self._run_pass(report, "pass1", self.spec.sampling, speculative, units(), report.input_rows, commit)
-
-    def _pass2(self, report: RunReport, keys: list[str]) -> None:
-        todo = [k for k in keys if (self.ledger.requeue / f"{k}.parquet").exists() and not self.ledger.done("p2", k)]
-        total = sum(pq.ParquetFile(self.ledger.requeue / f"{k}.parquet").metadata.num_rows for k in todo)
-
-        def commit(key: str, outcomes: list[Outcome]) -> None:
-            bad = [o for o in outcomes if not o.ok]
-            if bad:
-                write_atomic(self.sink.rejected(bad, 2), self.rejects / f"p2-{key}.parquet")
-            if len(bad) < len(outcomes):
-                write_atomic(self.sink.valid([o for o in outcomes if o.ok], 2), self.output / f"p2-{key}.parquet")
-            self.ledger.mark("p2", key)
-
-        units = ((key, lambda key=key: self._requeued(key)) for key in todo)
-        self._run_pass(report, "pass2", self.spec.fallback, None, units, total, commit)
-
-    def _requeued(self, key: str) -> list[Prompt]:
-        cols = pq.read_table(self.ledger.requeue / f"{key}.parquet").to_pydict()
-        ids, texts = cols[self.spec.input.id_column], cols["prompt"]
-        return [Prompt(ids[i], key, texts[i], {c: cols[c][i] for c in self.spec.input.passthrough})
-                for i in range(len(ids))]
+            raise RuntimeError(f"[internal] units left open after {p.name}: {sorted(tracker.remaining)[:3]}")
 
 
 def run_job(spec: JobSpec, output: str | None = None, **kwargs) -> RunReport:

@@ -1,15 +1,10 @@
-"""Outcomes -> Parquet part files (valid rows, re-queued rows, rejects), each written under a temporary name
-and renamed into place, so a file that exists is complete."""
+"""Outcomes -> Arrow tables of the three kinds of part files (valid rows, re-queued rows, rejects), with one
+schema per kind for the whole run. Where they are written, and how atomically, is storage.py's business."""
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
 import pyarrow as pa
-import pyarrow.parquet as pq
 
-from batchjson.errors import OutputError
 from batchjson.records import Outcome
 from batchjson.spec import META_COLUMNS
 
@@ -26,18 +21,6 @@ def typed_columns(schema: dict | None, taken: set[str]) -> dict[str, pa.DataType
         if kind in ARROW_TYPES and name not in taken:
             out[name] = ARROW_TYPES[kind]
     return out
-
-
-def write_atomic(table: pa.Table, path: Path) -> None:
-    """Write under a temporary name in the same folder, then rename: readers never see half a file."""
-    tmp = path.with_name(f".tmp-{path.name}")
-    try:
-        pq.write_table(table, tmp)
-        os.replace(tmp, path)
-    except OSError as e:
-        tmp.unlink(missing_ok=True)
-        raise OutputError(f"cannot write {path}: {e.strerror or e}. Free space or fix permissions, then run "
-                          "again: finished units are kept and the run resumes.") from None
 
 
 class PartSink:

@@ -1,10 +1,16 @@
-"""Parquet input -> units of work (record batches keyed by file, row group and batch), streamed with pyarrow."""
+"""Parquet input -> units of work (record batches of one row group of one file), streamed with pyarrow.
+
+Units are planned from the files' footers alone (no row is read to know what work there is), and keyed by the
+file's path below the input root, its row group and the batch's position: a key does not depend on which other
+files exist, and does not grow with the file's name.
+"""
 
 from __future__ import annotations
 
 import glob
-import os
 import hashlib
+import os
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,40 +23,94 @@ from batchjson.errors import InputError
 from batchjson.spec import InputSpec
 
 
-@dataclass(slots=True)
-class Unit:
-    """One committed unit of work: a record batch of one row group of one file."""
+def id_strings(column: pa.Array | pa.ChunkedArray, where: str = "") -> pa.Array | pa.ChunkedArray:
+    """The row identity: the id column as text, the same way everywhere (duplicate check, prompts, resume,
+    verify). Arrow's cast is the one rule: 1.0 -> "1", True -> "true", so 1.0 and 1 are the same row."""
+    try:
+        ids = column.cast(pa.string())
+        ids.validate(full=True)  # invalid UTF-8 would only fail later, in the middle of a unit
+        return ids
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as e:
+        raise InputError(f"{where}: the id column ({column.type}) cannot be used as row ids ({e}). Use a column of "
+                         "strings or integers (valid UTF-8) as input.id_column.") from None
+
+
+def row_ids(column: pa.Array | pa.ChunkedArray, where: str = "") -> list[str]:
+    return id_strings(column, where).to_pylist()
+
+
+@dataclass(slots=True, frozen=True)
+class UnitRef:
+    """One unit of work, known from the footer: rows [start, start + rows) of one row group of one file."""
 
     key: str
-    file: str
-    batch: pa.RecordBatch
+    file: str  # the file's path
+    tag: str  # the file's identity below the input root (a hash of the relative path)
+    row_group: int
+    start: int  # first row of the unit within the row group
+    rows: int
+    offset: int  # first row of the unit within the file
+
+
+@dataclass(slots=True)
+class Unit:
+    """A unit with its rows read."""
+
+    ref: UnitRef
+    batch: pa.Table
+
+    @property
+    def key(self) -> str:
+        return self.ref.key
+
+
+def input_root(path: str) -> Path:
+    """The folder file identities are taken from: the folder itself, a glob's fixed prefix, a file's folder."""
+    p = Path(path)
+    if p.is_dir():
+        return p
+    if any(c in path for c in "*?["):
+        fixed = []
+        for part in p.parts:
+            if any(c in part for c in "*?["):
+                break
+            fixed.append(part)
+        return Path(*fixed) if fixed else Path(".")
+    return p.parent
 
 
 def list_files(path: str) -> list[Path]:
-    """The Parquet files a file, folder or glob names, in a stable order."""
+    """The Parquet files a file, folder or glob names, in a stable order (names starting with _ or . skipped)."""
     p = Path(path)
     if p.is_dir():
         files = sorted(f for f in p.rglob("*.parquet") if not any(s.startswith(("_", ".")) for s in f.parts[len(p.parts):]))
     elif any(c in path for c in "*?["):
-        files = sorted(Path(f) for f in glob.glob(path, recursive=True))
+        files = sorted(Path(f) for f in glob.glob(path, recursive=True) if Path(f).is_file())
     else:
-        files = [p] if p.exists() else []
+        files = [p] if p.is_file() else []
     if not files:
         raise InputError(f"input.path: no Parquet file at {path}. Check the path (relative paths start at the spec's folder).")
     return files
 
 
+def file_tag(root: Path, path: Path) -> str:
+    """A file's identity: the path below the input root, hashed (nodes that mount the input elsewhere agree)."""
+    return hashlib.sha1(path.relative_to(root).as_posix().encode()).hexdigest()[:12]
+
+
 class ParquetSource:
-    """Reads the input files lazily, one record batch at a time; never holds the dataset in memory."""
+    """Reads the input files lazily, one unit at a time; never holds the dataset in memory."""
 
     def __init__(self, spec: InputSpec, prompt_columns: tuple[str, ...]):
         self.spec = spec
         self.files = list_files(spec.path)
-        root = Path(spec.path)
-        self.root = root if root.is_dir() else Path(os.path.commonpath([f.parent for f in self.files]))
+        self.root = input_root(spec.path)
         self.columns = list(dict.fromkeys((spec.id_column, *prompt_columns, *spec.passthrough)))
+        self._footers: dict[Path, pq.ParquetFile] = {}
 
     def _open(self, path: Path) -> pq.ParquetFile:
+        if path in self._footers:
+            return self._footers[path]
         try:
             pf = pq.ParquetFile(path)
         except (OSError, pa.ArrowException) as e:
@@ -60,50 +120,122 @@ class ParquetSource:
         if missing:
             raise InputError(f"{path}: column {missing[0]!r} is missing (the spec needs {self.columns}; the file has "
                              f"{pf.schema_arrow.names}). Fix input.id_column, input.passthrough or the prompt template.")
+        self._footers[path] = pf
         return pf
 
     def check(self) -> int:
-        """Open every file's footer and check the columns; returns the number of input rows."""
-        return sum(self._open(f).metadata.num_rows for f in self.files)
-
-    def units(self, shard: tuple[int, int] = (0, 1)) -> Iterator[Unit]:
-        """Every unit of the input (of one shard: whole row groups dealt round-robin), in a stable order."""
-        index, count = shard
-        n = 0
-        for path in self.files:
-            pf = self._open(path)
-            # Keyed by the path below the input root, so nodes that mount the input elsewhere agree on the keys.
-            tag = hashlib.sha1(str(path.relative_to(self.root)).encode()).hexdigest()[:10]
-            for rg in range(pf.num_row_groups):
-                n += 1
-                if (n - 1) % count != index:
-                    continue
-                try:
-                    batches = pf.iter_batches(batch_size=self.spec.batch_size, row_groups=[rg], columns=self.columns)
-                    for b, batch in enumerate(batches):
-                        yield Unit(f"{path.stem}-{tag}-{rg:05d}-{b:05d}", str(path), batch)
-                except (OSError, pa.ArrowException) as e:
-                    raise InputError(f"{path}: row group {rg} cannot be read ({e}). Repair or remove the file and "
-                                     "run again; finished work is kept.") from None
-
-    def check_ids(self) -> dict[str, tuple[str, int]]:
-        """Read only the id column of every file. A null id is an input error (a row without a key cannot be
-        tracked); ids that occur more than once map to the unit and row of their first occurrence, and later
-        occurrences are rejected as duplicate_id."""
-        columns = []
+        """Open every file's footer, check the columns and that the pass-through columns have one type in every
+        file; returns the number of input rows."""
+        first: dict[str, tuple[pa.DataType, Path]] = {}
+        rows = 0
         for f in self.files:
-            column = pq.read_table(f, columns=[self.spec.id_column]).column(0)
-            if column.null_count:
-                row = pc.index(pc.is_null(column), True).as_py()
-                raise InputError(f"{f}: row {row} has a null {self.spec.id_column!r}; every row needs an id. "
-                                 "Fill or drop such rows, or choose another input.id_column.")
-            columns.append(column.cast(pa.string()))
-        counts = pc.value_counts(pa.chunked_array(columns, pa.string()))
-        repeated = {v.as_py() for v, n in zip(counts.field("values"), counts.field("counts")) if n.as_py() > 1}
-        first: dict[str, tuple[str, int]] = {}
-        if repeated:
-            for unit in self.units():
-                for i, row_id in enumerate(unit.batch.column(self.spec.id_column).cast(pa.string()).to_pylist()):
-                    if row_id in repeated:
-                        first.setdefault(row_id, (unit.key, i))
-        return first
+            pf = self._open(f)
+            rows += pf.metadata.num_rows
+            for name in self.spec.passthrough:
+                kind = pf.schema_arrow.field(name).type
+                seen = first.setdefault(name, (kind, f))
+                if seen[0] != kind:
+                    raise InputError(f"input.passthrough column {name!r} is {seen[0]} in {seen[1]} but {kind} in {f}. "
+                                     "Write it with one type in every file, or leave it out of input.passthrough.")
+        return rows
+
+    def passthrough_schema(self) -> pa.Schema:
+        schema = self._open(self.files[0]).schema_arrow
+        return pa.schema([schema.field(c) for c in self.spec.passthrough])
+
+    def plan(self, shard: tuple[int, int] = (0, 1)) -> list[UnitRef]:
+        """Every unit of the input (of one shard: whole row groups dealt round-robin), from the footers alone."""
+        index, count = shard
+        size = self.spec.batch_size
+        out, n = [], 0
+        for path in self.files:
+            md = self._open(path).metadata
+            tag = file_tag(self.root, path)
+            stem = re.sub(r"[^A-Za-z0-9_.]+", "_", path.stem)[:32] or "file"
+            offset = 0
+            for rg in range(md.num_row_groups):
+                rows = md.row_group(rg).num_rows
+                n += 1
+                if (n - 1) % count == index:
+                    for b, start in enumerate(range(0, rows, size)):
+                        out.append(UnitRef(f"{stem}-{tag}-{rg:05d}-{b:05d}", str(path), tag, rg, start,
+                                           min(size, rows - start), offset + start))
+                offset += rows
+        return out
+
+    def read(self, refs: list[UnitRef]) -> Iterator[Unit]:
+        """The rows of each unit, in order; a row group is read once for all its units that follow each other."""
+        current, table = None, None
+        for ref in refs:
+            if current != (ref.file, ref.row_group):
+                path = Path(ref.file)
+                try:
+                    table = self._open(path).read_row_group(ref.row_group, columns=self.columns)
+                except (OSError, pa.ArrowException) as e:
+                    raise InputError(f"{path}: row group {ref.row_group} cannot be read ({e}). Repair or remove the "
+                                     "file and run again; finished work is kept.") from None
+                current = (ref.file, ref.row_group)
+            yield Unit(ref, table.slice(ref.start, ref.rows))
+
+    def scan(self) -> "InputScan":
+        """Read only the id column of every file: fingerprints, and where each repeated id occurs.
+
+        A null id is an input error (a row without a key cannot be tracked). Ids stay in Arrow memory; only
+        repeated ids become Python objects."""
+        fingerprints, columns = {}, []
+        for path in self.files:
+            column = self.id_column(path)
+            digest = hashlib.sha256()
+            for chunk in column.chunks:
+                digest.update("\x00".join(chunk.to_pylist()).encode() + b"\x01")
+            fingerprints[file_tag(self.root, path)] = self._fingerprint(path, digest.hexdigest()[:16])
+            columns.append(column)
+        counts = pc.value_counts(pa.chunked_array([c for col in columns for c in col.chunks], pa.string()))
+        repeated = pa.array([v.as_py() for v, n in zip(counts.field("values"), counts.field("counts")) if n.as_py() > 1],
+                            pa.string())
+        where: dict[str, list[tuple[str, int]]] = {}
+        if len(repeated):
+            units = {}
+            for ref in self.plan():
+                units.setdefault(ref.file, []).append(ref)
+            for path, column in zip(self.files, columns):
+                hits = pc.indices_nonzero(pc.is_in(column, value_set=repeated)).to_pylist()
+                flat = column.to_pylist() if hits else []
+                for row in hits:
+                    ref = next(r for r in units[str(path)] if r.offset <= row < r.offset + r.rows)
+                    where.setdefault(flat[row], []).append((ref.key, row - ref.offset))
+        return InputScan(fingerprints, where)
+
+    def id_column(self, path: Path) -> pa.ChunkedArray:
+        """A file's row ids (see row_ids), one chunk per row group. A null id is an input error."""
+        try:
+            column = pq.read_table(path, columns=[self.spec.id_column]).column(0)
+        except (OSError, pa.ArrowException) as e:
+            raise InputError(f"{path}: the id column cannot be read ({e}). Repair or remove the file.") from None
+        if column.null_count:
+            row = pc.index(pc.is_null(column), True).as_py()
+            raise InputError(f"{path}: row {row} has a null {self.spec.id_column!r}; every row needs an id. "
+                             "Fill or drop such rows, or choose another input.id_column.")
+        return id_strings(column, f"{path}: {self.spec.id_column}")
+
+    def _fingerprint(self, path: Path, ids_digest: str) -> dict:
+        """What identifies a file's content: size, rows, its footer's bytes and its ids in order. A file rewritten
+        with the same rows in another order has another fingerprint."""
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            f.seek(size - 8)
+            length = int.from_bytes(f.read(4), "little")
+            f.seek(max(0, size - 8 - length))
+            footer = f.read(length)
+        return {"path": path.relative_to(self.root).as_posix(), "size": size,
+                "rows": self._open(path).metadata.num_rows, "footer": hashlib.sha256(footer).hexdigest()[:16],
+                "ids": ids_digest}
+
+
+@dataclass(slots=True)
+class InputScan:
+    """What the id columns say about the input: each file's fingerprint (by file tag), and the (unit, row)
+    positions of every id that occurs more than once, in input order."""
+
+    fingerprints: dict[str, dict]
+    repeated: dict[str, list[tuple[str, int]]]

@@ -21,6 +21,8 @@ from batchjson.errors import SpecError
 
 IfExists = Literal["resume", "fail", "overwrite"]
 META_COLUMNS = ("_pass", "_finish_reason", "_prompt_tokens", "_output_tokens")
+# Columns batchjson writes next to the id and pass-through columns (output, rejects, re-queue).
+WRITTEN_COLUMNS = frozenset({"json", "reason", "detail", "raw_text", "prompt", *META_COLUMNS})
 
 
 def _require(cond: Any, message: str) -> None:
@@ -51,13 +53,21 @@ class PromptSpec:
 
     @property
     def columns(self) -> tuple[str, ...]:
-        names = [f for _, f, _, _ in string.Formatter().parse(self.template) if f is not None]
-        _require(all(n.isidentifier() for n in names),
-                 f"prompt.template placeholders must be plain column names like {{text}}, got {names}.")
-        return tuple(dict.fromkeys(names))
+        return tuple(dict.fromkeys(f for _, f, _, _ in string.Formatter().parse(self.template) if f is not None))
 
     def __post_init__(self):
-        _require(self.columns, "prompt.template names no column: add a placeholder such as {text}.")
+        braces = "Write literal braces as {{ and }} (e.g. a JSON example: {{\"vendor\": \"...\"}})."
+        try:
+            fields = [(f, conv, fmt) for _, f, fmt, conv in string.Formatter().parse(self.template) if f is not None]
+        except ValueError as e:
+            raise SpecError(f"prompt.template: {e}. {braces}") from None
+        for name, conv, fmt in fields:
+            _require(name.isidentifier(), f"prompt.template: {{{name}}} is not a column name. Placeholders are plain "
+                     f"column names like {{text}}. {braces}")
+            _require(not conv and not fmt, f"prompt.template: {{{name}{'!' + conv if conv else ''}"
+                     f"{':' + fmt if fmt else ''}}} has a conversion or format; placeholders are plain column names "
+                     f"like {{{name}}}. {braces}")
+        _require(fields, "prompt.template names no column: add a placeholder such as {text}.")
 
 
 @dataclass(frozen=True)
@@ -136,9 +146,13 @@ class DecodingSpec:
     """Fallback only: false sends pass-1 failures straight to rejects."""
 
     def __post_init__(self):
+        # vLLM's own ranges, checked at load so that a typo fails before an engine starts.
         _require(self.temperature >= 0, "temperature must be >= 0.")
         _require(0 < self.top_p <= 1, "top_p must be in (0, 1].")
         _require(self.max_tokens > 0, "max_tokens must be > 0.")
+        _require(self.repetition_penalty > 0, "repetition_penalty must be > 0 (1.0 = off).")
+        _require(-2 <= self.frequency_penalty <= 2, "frequency_penalty must be in [-2, 2].")
+        _require(-2 <= self.presence_penalty <= 2, "presence_penalty must be in [-2, 2].")
 
 
 @dataclass(frozen=True)
@@ -289,6 +303,11 @@ def parse_spec(doc: dict, base: Path, source: str = "") -> JobSpec:
     _require(spec.sampling.structured_output_backend is None,
              "sampling.structured_output_backend is not allowed: pass 1 uses model.structured_output_backend.")
     _require(spec.sampling.enabled, "sampling.enabled is not allowed: pass 1 always runs.")
+    taken = [c for c in spec.input.passthrough if c in WRITTEN_COLUMNS or c == spec.input.id_column]
+    if taken:
+        raise SpecError(f"input.passthrough: {taken[0]!r} is also the name of a column batchjson writes (or the id "
+                        f"column); pass-through names must differ from {sorted(WRITTEN_COLUMNS)} and input.id_column. "
+                        "Rename the column in the input, or leave it out.")
     if spec.speculative.draft_model:
         spec = dataclasses.replace(spec, speculative=dataclasses.replace(
             spec.speculative, draft_model=_resolve(base, spec.speculative.draft_model)))

@@ -1,0 +1,364 @@
+"""The run's files on disk: every path and file name, the locks, the run state and the unit commit protocol.
+
+Nothing else in batchjson builds or parses these names. The layout of an output folder OUT (rejects in
+OUT/_rejects unless output.rejects says otherwise):
+
+    OUT/p1-<unit>.parquet, OUT/p2-<unit>.parquet          valid rows of pass 1 and pass 2
+    REJECTS/rejects-p1-<unit>.parquet, rejects-p2-...     rejected rows with their reason
+    OUT/_report.json (_report-IofN.json for a shard)      the run report
+    OUT/_batchjson/spec.json                              the spec the folder belongs to
+    OUT/_batchjson/inputs/<file>.json                     each input file's fingerprint
+    OUT/_batchjson/units/p1-<unit>.json, p2-<unit>.json   commit records: a unit's files, rows and reasons
+    OUT/_batchjson/requeue/<unit>.parquet                 pass-1 failures waiting for pass 2
+    OUT/_batchjson/lock-of<N>, lock-<I>of<N>              locks
+
+The commit protocol of one unit of one pass: `begin` deletes every file of any earlier attempt, of every kind;
+`stage` writes each file under a hidden name (".<name>") in its final folder; `commit` writes the commit record
+atomically (the commit point); `publish` renames the hidden files into place. A kill before the record leaves
+only hidden files, which the next attempt deletes; a kill after it is rolled forward at the next open. So a
+unit's rows are either all in the output and rejects, once, or not there at all, whatever its outcome.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import shutil
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+from typing import Literal
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from batchjson.errors import OutputError, ResumeConflict
+
+Stage = Literal["p1", "p2"]
+Kind = Literal["output", "rejects", "requeue"]
+STATE = "_batchjson"  # leading underscore: Parquet dataset readers (pyarrow, DuckDB, Polars) skip it
+
+
+def _diff(old: dict, new: dict, prefix: str = "") -> list[str]:
+    out = []
+    for k in sorted(set(old) | set(new)):
+        a, b = old.get(k), new.get(k)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += _diff(a, b, f"{prefix}{k}.")
+        elif a != b:
+            out.append(f"{prefix}{k}: {a!r} -> {b!r}")
+    return out
+
+
+def write_json(path: Path, data) -> None:
+    """Write under a temporary name, then rename: a reader sees the old content or the new, never half."""
+    tmp = path.with_name(f".tmp-{os.getpid()}-{path.name}")
+    tmp.write_text(json.dumps(data, indent=1, default=str))
+    os.replace(tmp, path)
+
+
+def within(inner: Path, outer: Path) -> bool:
+    inner, outer = inner.resolve(), outer.resolve()
+    return inner == outer or outer in inner.parents
+
+
+class Storage:
+    """The output folder of one job (one shard of it): layout, locks, run state and unit commits."""
+
+    def __init__(self, output: Path, rejects: Path | None = None, shard: tuple[int, int] = (0, 1)):
+        self.output = Path(output)
+        self.rejects = Path(rejects) if rejects else self.output / "_rejects"
+        self.shard = shard
+        self.state = self.output / STATE
+        self.units = self.state / "units"
+        self.inputs = self.state / "inputs"
+        self.requeue_dir = self.state / "requeue"
+        self._locks: list = []
+        self._committed: set[str] | None = None
+        self.after: Callable[[str], None] = lambda step: None
+        """Called after each step of the commit protocol; tests use it to kill the process there."""
+
+    # ----- where things go -------------------------------------------------------------------------------------
+    def check_paths(self, input_path: str | None = None) -> None:
+        """Refuse layouts that would mix or lose rows, before anything is written."""
+        out, rej = self.output, self.rejects
+        if out.exists() and not out.is_dir():
+            raise OutputError(f"the output path {out} is a file. Point output.path (or --output) at a folder.")
+        if rej.resolve() == out.resolve():
+            raise OutputError(f"output.rejects is the output folder {out}: rejected rows would be read as output. "
+                              "Leave output.rejects out (rejects go to <output>/_rejects) or choose another folder.")
+        if within(rej, out) and not any(p.startswith(("_", ".")) for p in rej.resolve().relative_to(out.resolve()).parts):
+            raise OutputError(f"output.rejects {rej} is inside the output folder under a name that dataset readers "
+                              f"take for output rows. Name it with a leading underscore (e.g. {out / '_rejects'}).")
+        if within(out, rej):
+            raise OutputError(f"the output folder {out} is inside output.rejects {rej}. Choose separate folders.")
+        if input_path:
+            source = Path(input_path)
+            for name, folder in (("output folder", out), ("output.rejects folder", rej)):
+                probe = folder.resolve() / "p1-x.parquet"  # a file this run would write there
+                if source.is_dir():
+                    hit = within(folder, source) and not any(
+                        p.startswith(("_", ".")) for p in folder.resolve().relative_to(source.resolve()).parts)
+                else:
+                    hit = any(c in input_path for c in "*?[") and probe.match(str(source.resolve()))
+                if hit:
+                    raise OutputError(f"the {name} {folder} is inside the input {input_path}: its part files would be "
+                                      "read back as input on the next run. Choose a folder outside the input.")
+
+    def part(self, stage: Stage, key: str, kind: Kind) -> Path:
+        if kind == "output":
+            return self.output / f"{stage}-{key}.parquet"
+        if kind == "rejects":
+            return self.rejects / f"rejects-{stage}-{key}.parquet"
+        return self.requeue_dir / f"{key}.parquet"
+
+    def report_path(self) -> Path:
+        i, n = self.shard
+        return self.output / ("_report.json" if n == 1 else f"_report-{i}of{n}.json")
+
+    def _record(self, stage: Stage, key: str) -> Path:
+        return self.units / f"{stage}-{key}.json"
+
+    @staticmethod
+    def _hidden(path: Path) -> Path:
+        return path.with_name(f".{path.name}")
+
+    # ----- claiming the folder ---------------------------------------------------------------------------------
+    def open(self, spec_hash: str, fingerprint: dict, if_exists: str = "resume", fresh: bool = False) -> bool:
+        """Claim the folder for this spec; returns True when it resumes an earlier run."""
+        i, n = self.shard
+        if n > 1 and (fresh or if_exists != "resume"):
+            raise OutputError(f'--fresh and output.if_exists = "{if_exists}" cannot be used with --shard: shards '
+                              f"share {self.output}. Clear the folder once before starting the shards, and run them "
+                              'with output.if_exists = "resume".')
+        spec_file = self.state / "spec.json"
+        if not spec_file.exists() and self.output.exists() and \
+                any(not p.name.startswith(("_", ".")) for p in self.output.iterdir()):
+            raise OutputError(f"{self.output} is not empty and holds no batchjson run. Choose an empty or new folder.")
+        for d in (self.output, self.state, self.units, self.inputs, self.requeue_dir, self.rejects):
+            try:
+                d.mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                raise OutputError(f"cannot create {d}: {e.strerror}. Check the path and permissions.") from None
+        self.claim()
+        existing = spec_file.exists()
+        if existing and (fresh or if_exists == "overwrite"):
+            self._clear()
+            existing = False
+        elif existing and if_exists == "fail":
+            raise OutputError(f"{self.output} already holds a run (output.if_exists = \"fail\"). Choose another "
+                              "--output, or pass --fresh to start over.")
+        elif existing:
+            old = json.loads(spec_file.read_text())
+            if old["hash"] != spec_hash and self.committed():
+                changes = _diff(old["spec"], json.loads(json.dumps(fingerprint, default=str)))
+                raise ResumeConflict(f"{self.output} holds a run of a different spec (changed: {'; '.join(changes[:5])}). "
+                                     "Rerun with --fresh to discard it and start over, or choose another --output.")
+        if not existing or json.loads(spec_file.read_text())["hash"] != spec_hash:
+            # Until a unit commits, the folder belongs to no spec: a corrected rerun after a failed start is welcome.
+            write_json(spec_file, {"hash": spec_hash, "spec": fingerprint})
+        self.recover()
+        return existing and bool(self.committed())
+
+    def claim(self) -> None:
+        """Lock the folder: shards of one job (same N) run together, anything else waits its turn.
+
+        Every run holds lock-of<N> shared and lock-<I>of<N> exclusively, then checks that no lock-of<M> of another
+        layout is held. Both runs of a race may refuse, never both proceed. The kernel drops the locks when the
+        process dies, so a killed run never leaves them stuck."""
+        if self._locks:
+            return
+        i, n = self.shard
+        self.state.mkdir(parents=True, exist_ok=True)
+        busy = (f"another batchjson run is writing to {self.output} right now. Wait for it to finish, or choose "
+                "another --output.")
+        self._lock(f"lock-of{n}", fcntl.LOCK_SH, busy)
+        for other in self.state.glob("lock-of*"):
+            if other.name != f"lock-of{n}":
+                with open(other, "a") as fd:
+                    try:
+                        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    except BlockingIOError:
+                        self.close()
+                        raise OutputError(busy.replace("right now", f"right now (with --shard ?/{other.name[7:]})")) from None
+        self._lock(f"lock-{i}of{n}", fcntl.LOCK_EX, busy.replace("right now", f"right now (shard {i}/{n})"))
+
+    def _lock(self, name: str, mode: int, message: str) -> None:
+        fd = open(self.state / name, "a")
+        try:
+            fcntl.flock(fd, mode | fcntl.LOCK_NB)
+        except BlockingIOError:
+            fd.close()
+            self.close()
+            raise OutputError(message) from None
+        self._locks.append(fd)
+
+    def close(self) -> None:
+        for fd in self._locks:
+            fd.close()
+        self._locks = []
+
+    def _clear(self) -> None:
+        for folder in (self.output, self.rejects):
+            for p in folder.glob("*.parquet"):
+                p.unlink()
+            for p in folder.glob(".*.parquet"):
+                p.unlink()
+        for p in self.state.iterdir():
+            if not p.name.startswith("lock"):
+                shutil.rmtree(p) if p.is_dir() else p.unlink()
+        for d in (self.units, self.inputs, self.requeue_dir):
+            d.mkdir(parents=True, exist_ok=True)
+        self._committed = None
+
+    # ----- input fingerprints ----------------------------------------------------------------------------------
+    def check_inputs(self, fingerprints: dict[str, dict], write: bool = True) -> list[str]:
+        """Compare the input with the one committed units came from; returns the tags of new files.
+
+        New files are added work. A file that changed or disappeared is refused when units from it are committed
+        (their rows could no longer be matched to the input); otherwise its fingerprint is simply replaced."""
+        used = Counter(r["file"] for r in self._records("p1"))
+        known = {p.stem: json.loads(p.read_text()) for p in self.inputs.glob("*.json")}
+        for tag, old in known.items():
+            new = fingerprints.get(tag)
+            if new == old or not used[tag]:
+                continue
+            if new is None:
+                raise OutputError(f"input file {old['path']} was removed, but {used[tag]} unit(s) of it are committed in "
+                                  f"{self.output}. Put it back, or start over with --fresh (or another --output).")
+            what = [k for k in ("size", "rows", "footer", "ids") if old.get(k) != new.get(k)]
+            raise OutputError(f"input file {new['path']} changed since {self.output} began ({', '.join(what)} differ), and "
+                              f"{used[tag]} unit(s) of it are committed: their rows would be lost or written twice. "
+                              "Restore the file, or start over with --fresh (or another --output); to add rows, add "
+                              "a new file instead of rewriting one.")
+        if not write:
+            return [t for t in fingerprints if t not in known]
+        for tag, new in fingerprints.items():
+            if known.get(tag) != new:
+                write_json(self.inputs / f"{tag}.json", new)
+        for tag in set(known) - set(fingerprints):
+            (self.inputs / f"{tag}.json").unlink(missing_ok=True)
+        return [t for t in fingerprints if t not in known]
+
+    # ----- units ------------------------------------------------------------------------------------------------
+    def committed(self) -> set[str]:
+        """Names ("p1-<unit>") of the committed units of every shard, listed once and kept up to date."""
+        if self._committed is None:
+            self._committed = {p.name[:-5] for p in self.units.glob("p[12]-*.json")} if self.units.exists() else set()
+        return self._committed
+
+    def done(self, stage: Stage, key: str) -> bool:
+        return f"{stage}-{key}" in self.committed() or self._record(stage, key).exists()
+
+    def record(self, stage: Stage, key: str) -> dict | None:
+        try:
+            return json.loads(self._record(stage, key).read_text())
+        except FileNotFoundError:
+            return None
+
+    def _records(self, stage: Stage | None = None) -> list[dict]:
+        pattern = f"{stage}-*.json" if stage else "p[12]-*.json"
+        return [json.loads(p.read_text()) for p in sorted(self.units.glob(pattern))]
+
+    def records(self) -> list[dict]:
+        return self._records()
+
+    def begin(self, stage: Stage, key: str) -> None:
+        """Start (or restart) a unit: every file an earlier attempt may have left, of every kind, goes."""
+        for kind in ("output", "rejects", "requeue"):
+            if kind == "requeue" and stage == "p2":
+                continue
+            path = self.part(stage, key, kind)
+            self._hidden(path).unlink(missing_ok=True)
+            path.unlink(missing_ok=True)
+        self.after("begin")
+
+    def commit(self, stage: Stage, key: str, tables: dict[Kind, pa.Table], meta: dict) -> None:
+        """Commit one unit of one pass: stage its files, write its record, publish the files."""
+        self.begin(stage, key)
+        files, rows = {}, {}
+        for kind, table in tables.items():
+            if table is None or not table.num_rows:
+                continue
+            path = self.part(stage, key, kind)
+            self._write(table, self._hidden(path))
+            files[kind], rows[kind] = path.name, table.num_rows
+            self.after(f"staged {kind}")
+        record = {"stage": stage, "key": key, "files": files, "rows": rows} | meta
+        write_json(self._record(stage, key), record)
+        self.committed().add(f"{stage}-{key}")
+        self.after("committed")
+        self._publish(record)
+
+    def _publish(self, record: dict) -> None:
+        for kind, name in record["files"].items():
+            path = self.part(record["stage"], record["key"], kind)
+            try:
+                os.replace(self._hidden(path), path)
+            except FileNotFoundError:
+                pass  # published already (by an earlier try, or by another shard's recovery)
+            self.after(f"published {kind}")
+
+    def recover(self) -> None:
+        """Roll forward units committed by a run that was killed before it published their files."""
+        for folder in {self.output, self.rejects, self.requeue_dir}:
+            for hidden in folder.glob(".*.parquet"):
+                name = hidden.name[1:]
+                if folder == self.requeue_dir:
+                    stage, key = "p1", name[:-8]
+                else:
+                    stage, key = name.removeprefix("rejects-")[:2], name.removeprefix("rejects-")[3:-8]
+                record = self.record(stage, key) if stage in ("p1", "p2") else None
+                if record is not None:
+                    self._publish(record)
+
+    def missing(self, keys: list[str]) -> list[str]:
+        """Of these committed units, those with a file their record lists that is gone (e.g. deleted by hand)."""
+        out = []
+        for key in keys:
+            for stage in ("p1", "p2"):
+                record = self.record(stage, key) if self.done(stage, key) else None
+                if record and any(not self.part(stage, key, kind).exists() for kind in record["files"]):
+                    out.append(key)
+                    break
+        return out
+
+    def drop(self, key: str) -> None:
+        """Uncommit a unit in both passes (records first, then files), so that it is redone from scratch."""
+        for stage in ("p2", "p1"):
+            self._record(stage, key).unlink(missing_ok=True)
+            self.committed().discard(f"{stage}-{key}")
+        for stage in ("p2", "p1"):
+            self.begin(stage, key)
+
+    def requeued(self, key: str) -> bool:
+        record = self.record("p1", key)
+        return bool(record and "requeue" in record["files"])
+
+    def read_requeue(self, key: str) -> pa.Table:
+        return pq.read_table(self.part("p1", key, "requeue"))
+
+    def read_ids(self, stage: Stage, key: str, kind: Kind, columns: list[str]) -> pa.Table:
+        """Some columns of one committed file (its hidden name while a killed run's commit is not yet published)."""
+        path = self.part(stage, key, kind)
+        if not path.exists() and self._hidden(path).exists():
+            path = self._hidden(path)
+        return pq.read_table(path, columns=columns)
+
+    def stray(self) -> list[Path]:
+        """Part files in the output or rejects folder that no commit record lists."""
+        listed = {(self.part(r["stage"], r["key"], k)) for r in self._records() for k in r["files"]}
+        found = set(self.output.glob("p[12]-*.parquet")) | set(self.rejects.glob("rejects-p[12]-*.parquet"))
+        return sorted(found - listed)
+
+    def _write(self, table: pa.Table, path: Path) -> None:
+        try:
+            pq.write_table(table, path)
+        except OSError as e:
+            path.unlink(missing_ok=True)
+            raise OutputError(f"cannot write {path}: {e.strerror or e}. Free space or fix permissions, then run "
+                              "again: finished units are kept and the run resumes.") from None
+
+    def write_report(self, data: dict) -> None:
+        write_json(self.report_path(), data)

@@ -1,0 +1,158 @@
+"""Proof of exactly once: the input's ids, unit by unit, against the ids in the committed output and rejects.
+
+Reads only id (and reject reason) columns and the run state, so it is cheap enough to end every run.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from batchjson.source import ParquetSource, UnitRef
+from batchjson.storage import Storage
+
+SHOWN = 5  # offending ids named per problem
+
+
+@dataclass
+class Verdict:
+    """What verify found. `ok`: nothing lost or doubled among committed units; `complete`: and nothing pending."""
+
+    units: int = 0
+    committed: int = 0
+    pending: int = 0
+    output_rows: int = 0
+    reject_rows: int = 0
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    @property
+    def complete(self) -> bool:
+        return self.ok and not self.pending
+
+    def to_dict(self) -> dict:
+        return {"ok": self.ok, "complete": self.complete, "units": self.units, "committed": self.committed,
+                "pending": self.pending, "output_rows": self.output_rows, "reject_rows": self.reject_rows,
+                "problems": self.problems}
+
+    def summary(self) -> str:
+        if not self.ok:
+            return "exactly-once check FAILED:\n  " + "\n  ".join(self.problems)
+        rows = f"{self.output_rows} output + {self.reject_rows} rejected rows, each input row once"
+        if self.pending:
+            return f"exactly-once check ok so far: {rows}; {self.pending} of {self.units} units still to do"
+        return f"exactly-once check ok: {rows} ({self.units} units)"
+
+
+def _few(ids) -> str:
+    ids = sorted(ids)
+    return ", ".join(map(repr, ids[:SHOWN])) + (f" and {len(ids) - SHOWN} more" if len(ids) > SHOWN else "")
+
+
+def verify(storage: Storage, source: ParquetSource, refs: list[UnitRef], id_column: str) -> Verdict:
+    """Check every committed unit of the folder against the input (`refs`: the whole input's plan, in file order,
+    so one file's ids are in memory at a time)."""
+    v = Verdict(units=len(refs))
+    file_ids: tuple[str, list[str]] = ("", [])
+    out_ids: Counter = Counter()  # id -> rows in the output
+    outcomes: Counter = Counter()  # id -> rows in output or rejects for another reason than duplicate_id
+
+    def read(stage, key, kind, record) -> list[str] | None:
+        columns = [id_column] + (["reason"] if kind == "rejects" else [])
+        try:
+            table = storage.read_ids(stage, key, kind, columns)
+        except FileNotFoundError:
+            v.problems.append(f"unit {key}: {record['files'][kind]} is listed in its commit record but missing "
+                              "(deleted by hand?). Run the job again: it redoes the unit.")
+            return None
+        ids = table.column(0).to_pylist()
+        if kind == "output":
+            out_ids.update(ids)
+            outcomes.update(ids)
+            v.output_rows += len(ids)
+        elif kind == "rejects":
+            reasons = table.column(1).to_pylist()
+            outcomes.update(i for i, r in zip(ids, reasons) if r != "duplicate_id")
+            v.reject_rows += len(ids)
+        return ids
+
+    planned = set()
+    for ref in refs:
+        planned.add(ref.key)
+        p1 = storage.record("p1", ref.key)
+        if p1 is None:
+            v.pending += 1
+            continue
+        v.committed += 1
+        if file_ids[0] != ref.file:
+            file_ids = (ref.file, source.id_column(Path(ref.file)).to_pylist())
+        expected = Counter(file_ids[1][ref.offset:ref.offset + ref.rows])
+        got: Counter = Counter()
+        requeued = None
+        for kind in p1["files"]:
+            ids = read("p1", ref.key, kind, p1)
+            got.update(ids or ())
+            if kind == "requeue":
+                requeued = Counter(ids or ())
+        if got != expected:
+            v.problems.append(f"unit {ref.key} ({ref.file}, rows {ref.offset}-{ref.offset + ref.rows - 1}): pass 1 "
+                              f"holds other rows than the input (missing {_few(expected - got) or 'none'}; extra "
+                              f"{_few(got - expected) or 'none'})")
+        if requeued is not None:
+            p2 = storage.record("p2", ref.key)
+            if p2 is None:
+                v.pending += 1
+                continue
+            again: Counter = Counter()
+            for kind in p2["files"]:
+                again.update(read("p2", ref.key, kind, p2) or ())
+            if again != requeued:
+                v.problems.append(f"unit {ref.key}: pass 2 holds other rows than pass 1 re-queued (missing "
+                                  f"{_few(requeued - again) or 'none'}; extra {_few(again - requeued) or 'none'})")
+    for record in storage.records():
+        if record["key"] not in planned:
+            v.problems.append(f"unit {record['key']} ({record.get('path', '?')}) is committed but no longer in the "
+                              "input. Restore the input, or start over with --fresh.")
+            planned.add(record["key"])
+    twice = [i for i, n in out_ids.items() if n > 1]
+    if twice:
+        v.problems.append(f"{len(twice)} id(s) written to the output more than once: {_few(twice)}")
+    both = [i for i, n in outcomes.items() if n > 1 and i not in twice]
+    if both:
+        v.problems.append(f"{len(both)} id(s) in both output and rejects (or rejected twice): {_few(both)}")
+    for path in storage.stray():
+        v.problems.append(f"{path} is a part file that no commit lists (copied in by hand, or left by another "
+                          "tool). Remove it.")
+    return v
+
+
+def verify_job(spec, output: str | None = None) -> Verdict:
+    """`batchjson verify`: check a job's output folder against its input, without an engine."""
+    from batchjson.errors import OutputError, SpecError
+
+    out = output or spec.output.path
+    if not out:
+        raise SpecError("no output folder: set output.path in the spec or pass --output.")
+    storage = Storage(Path(out), Path(spec.output.rejects) if spec.output.rejects else None)
+    if not (storage.state / "spec.json").exists():
+        raise OutputError(f"{out} holds no batchjson run (no {storage.state / 'spec.json'}). Check --output.")
+    source = ParquetSource(spec.input, spec.prompt.columns)
+    source.check()
+    scan = source.scan()
+    storage.claim()  # no run may write while the folder is checked (and a killed run's commits are rolled forward)
+    try:
+        storage.recover()
+        problems = []
+        try:
+            storage.check_inputs(scan.fingerprints, write=False)
+        except OutputError as e:
+            problems.append(str(e))
+        verdict = verify(storage, source, source.plan(), spec.input.id_column)
+        verdict.problems[:0] = problems
+        return verdict
+    finally:
+        storage.close()

@@ -1,0 +1,59 @@
+"""A fake engine (the Engine protocol, no model) for fast tests of routing, commits, resume and kills.
+
+Each prompt gets a random outcome, unless the engine is seeded: valid JSON for the tests' schema, broken JSON,
+or a cut at max_tokens. So a unit redone after a kill usually comes out differently, as it does with sampling.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import threading
+import time
+
+from batchjson.records import Generation
+
+VALID = json.dumps({"name": "ab", "n": 3}, separators=(",", ":"))
+
+
+class FakeEngine:
+    def __init__(self, valid: float = 0.6, seed: int | None = None, delay: float = 0.0, die_after: int | None = None):
+        self.rng = random.Random(seed)
+        self.valid, self.delay, self.die_after = valid, delay, die_after
+        self.closed = False
+
+    def stream(self, prompts, stop: threading.Event | None = None):
+        stop = stop or threading.Event()
+        for i, prompt in enumerate(prompts, 1):
+            if stop.is_set():
+                return
+            if self.die_after is not None and i > self.die_after:
+                from batchjson.errors import EngineDied
+
+                raise EngineDied([prompt])
+            time.sleep(self.delay)
+            roll = self.rng.random()
+            if roll < self.valid:
+                yield Generation(prompt, VALID, "stop", 10, 8)
+            elif roll < (1 + self.valid) / 2:
+                yield Generation(prompt, '{"name":', "stop", 10, 3)
+            else:
+                yield Generation(prompt, '{"name":"abababab', "length", 10, 48)
+
+    def stats(self):
+        return {}
+
+    def close(self):
+        self.closed = True
+
+
+class FakeEngines:
+    """An engine factory: a new FakeEngine per start, counting the starts."""
+
+    def __init__(self, **kwargs):
+        self.kwargs, self.started = kwargs, []
+
+    def __call__(self, spec, decoding, speculative):
+        engine = FakeEngine(**self.kwargs)
+        self.started.append((decoding, speculative))
+        return engine

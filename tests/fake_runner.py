@@ -1,0 +1,41 @@
+"""Runs a job with the fake engine and SIGKILLs itself at the N-th time the commit protocol reaches STEP.
+
+    python tests/fake_runner.py JOB OUTPUT STEP N [SHARD]     (N = 0 never kills)
+Steps: begin, staged output|rejects|requeue, committed, published output|rejects|requeue (see storage.py).
+"""
+
+import os
+import signal
+import sys
+
+from batchjson import storage
+from batchjson.run import run_job
+from batchjson.spec import load_spec, parse_shard
+from fake_engine import FakeEngines
+
+
+def main():
+    job, output, step, n = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+    shard = parse_shard(sys.argv[5] if len(sys.argv) > 5 else None)
+    seen = []
+
+    def after(name):
+        if name == step:
+            seen.append(name)
+            if len(seen) == n:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    real_init = storage.Storage.__init__
+
+    def init(self, *args, **kwargs):
+        real_init(self, *args, **kwargs)
+        self.after = after
+
+    storage.Storage.__init__ = init
+    report = run_job(load_spec(job), output, shard=shard, engine_factory=FakeEngines(), progress=False)
+    print(report.summary())
+    sys.exit(3 if report.verify_failed else 0)
+
+
+if __name__ == "__main__":
+    main()
