@@ -1,6 +1,6 @@
 """batchjson's own cost per row, outside the engine: run_job against an in-process fake engine (no vLLM).
 
-The fake implements batchjson.engine.Engine (chat_frame, stream, stats, close), keeps max_in_flight prompts
+The fake implements batchjson.engine.Engine (stream, stats, close), keeps max_in_flight prompts
 buffered as the real engine does, and answers with canned outputs: a share of pass-1 rows fail (schema errors
 and truncations, as SmolLM2 does on the sample task) so pass 2's re-queue paths run too.
 """
@@ -48,7 +48,8 @@ class FakeEngine:
         self.log, self.tag, self.fail_kinds = (log if log is not None else []), tag, fail_kinds
         self.n = 0
 
-    def chat_frame(self, system: str, marker: str) -> tuple[str, str]:
+    @staticmethod
+    def chat_frame(system: str) -> tuple[str, str]:
         return f"<|im_start|>system\n{system}<|im_end|>\n<|im_start|>user\n", "<|im_end|>\n<|im_start|>assistant\n"
 
     def _answer(self, prompt):
@@ -92,8 +93,8 @@ STAGES = {
     "render prompts (Renderer.render)": [("batchjson/prompts.py", "render")],
     "validate (Validator.check)": [("batchjson/validate.py", "check"), ("bench/overhead.py", "check")],
     "build Arrow tables (PartSink.valid/rejected)": [("batchjson/sink.py", "valid"), ("batchjson/sink.py", "rejected")],
-    "write Parquet parts (write_atomic)": [("batchjson/sink.py", "write_atomic")],
-    "ledger markers (done/mark)": [("batchjson/ledger.py", "done"), ("batchjson/ledger.py", "mark")],
+    "write Parquet parts (Storage._write)": [("batchjson/storage.py", "_write")],
+    "commit records (Storage.commit/done)": [("batchjson/storage.py", "commit"), ("batchjson/storage.py", "done")],
     "pass-2 re-read (JobRun._requeued)": [("batchjson/run.py", "_requeued")],
     "report tally (re-read all outputs)": [("batchjson/report.py", "tally")],
     "source.check (footers)": [("batchjson/source.py", "check")],
@@ -149,7 +150,8 @@ def micro(spec) -> dict:
 
     from batchjson.prompts import Renderer
     from batchjson.records import Generation, Prompt
-    from batchjson.sink import PartSink, write_atomic
+    from batchjson.sink import PartSink
+    from batchjson.storage import Storage
     from batchjson.source import ParquetSource
     from batchjson.validate import Validator
 
@@ -164,8 +166,8 @@ def micro(spec) -> dict:
         value = orjson.loads(VALID[0])
         out["jsonschema_is_valid_us"] = _per_call(lambda: v._validator.is_valid(value), 3000)
     source = ParquetSource(spec.input, spec.prompt.columns)
-    unit = next(source.units())
-    renderer = Renderer(spec.prompt, FakeEngine(1, 0).chat_frame(spec.prompt.system, Renderer.MARK),
+    unit = next(source.read(source.plan()[:1]))
+    renderer = Renderer(spec.prompt, FakeEngine.chat_frame(spec.prompt.system),
                         spec.input.id_column, spec.input.passthrough)
     n = unit.batch.num_rows
     out["render_us_per_row"] = round(_per_call(lambda: list(renderer.render(unit)), 200) / n, 2)
@@ -177,7 +179,7 @@ def micro(spec) -> dict:
     table = sink.valid(outcomes, 1)
     with tempfile.TemporaryDirectory() as d:
         target = Path(d) / "p.parquet"
-        out["write_part_us_per_unit"] = _per_call(lambda: write_atomic(table, target), 200)
+        out["write_part_us_per_unit"] = _per_call(lambda: Storage(Path(d))._write(table, target), 200)
         names = iter(range(10**9))  # a new file each time: creating a marker is what the ledger does per unit
         out["create_marker_us"] = _per_call(lambda: (Path(d) / f"m{next(names)}").touch(), 2000)
     out["rows_per_unit"] = n

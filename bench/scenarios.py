@@ -101,7 +101,7 @@ def _prompts(spec, frame):
 
     renderer = Renderer(spec.prompt, frame, spec.input.id_column, spec.input.passthrough)
     source = ParquetSource(spec.input, spec.prompt.columns)
-    return [p for unit in source.units() for p in renderer.render(unit) if isinstance(p, Prompt)]
+    return [p for unit in source.read(source.plan()) for p in renderer.render(unit) if isinstance(p, Prompt)]
 
 
 def _params_summary(p) -> dict:
@@ -126,7 +126,7 @@ def bare(sc: dict) -> dict:
     import vllm
     from vllm.sampling_params import StructuredOutputsParams
 
-    from batchjson.prompts import Renderer
+    from batchjson.prompts import MARK
     from batchjson.records import Generation
     from batchjson.validate import Validator
 
@@ -145,11 +145,11 @@ def bare(sc: dict) -> dict:
                                  **_repetition(getattr(d, "repetition_detection", None)))
     timer = StepTimer(llm.llm_engine)
     with Clock() as render:
-        # The same chat frame as VllmEngine.chat_frame: the template rendered once around a marker.
+        # The same chat frame as batchjson's: the template rendered once around a marker.
         messages = ([{"role": "system", "content": spec.prompt.system}] if spec.prompt.system else []) + \
-                   [{"role": "user", "content": Renderer.MARK}]
+                   [{"role": "user", "content": MARK}]
         text = llm.get_tokenizer().apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        prefix, _, suffix = text.partition(Renderer.MARK)
+        prefix, _, suffix = text.partition(MARK)
         prompts = _prompts(spec, (prefix, suffix))
     before = spec_counters(llm)
     with Clock() as gen:
@@ -198,9 +198,6 @@ class _TimedEngine:
 
     def __getattr__(self, name):
         return getattr(self.engine, name)
-
-    def chat_frame(self, *args, **kwargs):
-        return self.engine.chat_frame(*args, **kwargs)
 
     def stream(self, *args, **kwargs):
         c = Clock().__enter__()
@@ -280,8 +277,8 @@ def sweep(sc: dict) -> dict:
     method = sc.get("method", "none")
     if method == "suffix" and importlib.util.find_spec("arctic_inference") is None:
         return {"method": method, "skipped": "arctic-inference is not importable here (suffix decoding needs it)"}
-    from batchjson.engine import VllmEngine
-    from batchjson.prompts import Renderer
+    from batchjson.engine import VllmEngine, resolve_model
+    from batchjson.prompts import chat_frame
     from batchjson.validate import Validator
 
     spec = build_spec(sc)
@@ -290,7 +287,7 @@ def sweep(sc: dict) -> dict:
     with Clock() as start:
         engine = VllmEngine(spec.model, spec.sampling, spec.schema_doc, _speculative(spec))
     timer = StepTimer(engine.llm.llm_engine)
-    prompts = _prompts(spec, engine.chat_frame(spec.prompt.system, Renderer.MARK))
+    prompts = _prompts(spec, chat_frame(resolve_model(spec.model.path), spec.prompt.system))
     validator = Validator(spec.schema_doc)
     warm = int(sc.get("warmup", 2))
     engine.max_in_flight = max(warm, 1)

@@ -50,10 +50,11 @@ class FakeEngine:
 class FakeEngines:
     """An engine factory: a new FakeEngine per start, counting the starts."""
 
-    def __init__(self, **kwargs):
-        self.kwargs, self.started = kwargs, []
+    def __init__(self, start_delay: float = 0.0, **kwargs):
+        self.kwargs, self.started, self.start_delay = kwargs, [], start_delay
 
     def __call__(self, spec, decoding, speculative):
+        time.sleep(self.start_delay)  # an engine start takes a while; signals arrive meanwhile
         engine = FakeEngine(**self.kwargs)
         self.started.append((decoding, speculative))
         return engine

@@ -32,9 +32,10 @@ def main():
         self.after = after
 
     storage.Storage.__init__ = init
-    report = run_job(load_spec(job), output, shard=shard, engine_factory=FakeEngines(), progress=False)
+    engines = FakeEngines(start_delay=float(os.environ.get("FAKE_START_DELAY", "0")))
+    report = run_job(load_spec(job), output, shard=shard, engine_factory=engines, progress=False)
     print(report.summary())
-    sys.exit(3 if report.verify_failed else 0)
+    sys.exit(130 if report.interrupted else 3 if report.verify_failed else 0)
 
 
 if __name__ == "__main__":

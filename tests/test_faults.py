@@ -17,10 +17,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from batchjson import sink
+from batchjson import storage
 from batchjson.engine import VllmEngine
 from batchjson.errors import EngineError, InputError, OutputError, ResumeConflict
-from batchjson.ledger import Ledger
+from batchjson.storage import Storage
 from batchjson.run import run_job
 from batchjson.spec import load_spec
 from conftest import write_job, write_rows
@@ -126,18 +126,18 @@ def test_null_id_names_file_and_row(tmp_path, tiny_model, engines):
 def test_full_disk_fails_clearly_then_resumes(tmp_path, tiny_model, engines, monkeypatch):
     write_rows(tmp_path / "in.parquet", 16)
     spec = load_spec(write_job(tmp_path, tiny_model, tmp_path / "in.parquet", batch_size=4))
-    real_write, writes = sink.pq.write_table, []
+    real_write, writes = storage.pq.write_table, []
 
     def write_until_full(table, path, **kw):
         writes.append(path)
         if len(writes) > 2:  # a narrow fault: the disk fills up after two part files
             raise OSError(errno.ENOSPC, "No space left on device")
         real_write(table, path, **kw)
-    monkeypatch.setattr(sink.pq, "write_table", write_until_full)
+    monkeypatch.setattr(storage.pq, "write_table", write_until_full)
     with pytest.raises(OutputError, match="No space left on device. Free space or fix permissions"):
         run_job(spec, engine_factory=engines, progress=False)
-    assert not list((tmp_path / "out").rglob(".tmp-*"))
-    monkeypatch.setattr(sink.pq, "write_table", real_write)
+    assert not list((tmp_path / "out").rglob("[!.]*.parquet")), "no unit committed, so no part file is visible"
+    monkeypatch.setattr(storage.pq, "write_table", real_write)
     report = run_job(spec, engine_factory=engines, progress=False)
     assert report.resumed
     assert_exactly_once([f"r{i:05d}" for i in range(16)], tmp_path / "out", tmp_path / "out" / "_rejects")
@@ -158,8 +158,8 @@ def test_output_folder_guards(tmp_path, tiny_model, engines):
         run_job(changed, engine_factory=engines, progress=False)
     assert run_job(changed, fresh=True, engine_factory=engines, progress=False).resumed is False
 
-    holder = Ledger(tmp_path / "out", tmp_path / "out" / "_rejects")
-    holder._claim()  # another run holds the folder
+    holder = Storage(tmp_path / "out")
+    holder.claim()  # another run holds the folder
     with pytest.raises(OutputError, match="another batchjson run is writing to"):
         run_job(changed, engine_factory=engines, progress=False)
     holder.close()
@@ -172,3 +172,19 @@ def test_schema_the_backend_cannot_compile_fails_at_start(tmp_path, tiny_model):
     spec = load_spec(write_job(tmp_path, tiny_model, tmp_path / "in.parquet", schema=schema, speculative="none"))
     with pytest.raises(EngineError, match="xgrammar structured-output backend cannot use this JSON Schema"):
         run_job(spec, progress=False)
+
+
+def test_engine_processes_die_with_a_killed_runner(tmp_path, tiny_model):
+    write_rows(tmp_path / "in.parquet", 400)
+    job = write_job(tmp_path, tiny_model, tmp_path / "in.parquet", batch_size=4, max_tokens=64)
+    proc = subprocess.Popen([sys.executable, "-m", "batchjson", "run", str(job)], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 300
+    while not list((tmp_path / "out").glob("p1-*.parquet")) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    children = psutil.Process(proc.pid).children(recursive=True)
+    assert children, "the engine runs in processes of its own"
+    proc.kill()  # the runner alone, as the OOM killer would: not its process group
+    proc.wait()
+    gone, alive = psutil.wait_procs(children, timeout=30)
+    assert not alive, f"engine processes outlived the runner: {alive}"

@@ -29,7 +29,7 @@ def ids_of(folder):
 
 
 def units_by_shard(source, n):
-    return [[(u.key, u.batch.column("id").to_pylist()) for u in source.units((i, n))] for i in range(n)]
+    return [[(u.key, u.batch.column("id").to_pylist()) for u in source.read(source.plan((i, n)))] for i in range(n)]
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 8, 20])

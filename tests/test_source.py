@@ -17,10 +17,10 @@ def test_folder_is_read_in_batches_with_stable_keys(tmp_path):
     write_rows(tmp_path / "_skip" / "c.parquet", 5, start=100)
     src = ParquetSource(InputSpec(path=str(tmp_path), batch_size=3), ("text",))
     assert src.check() == 13
-    units = list(src.units())
+    units = list(src.read(src.plan()))
     ids = [i for u in units for i in u.batch.column("id").to_pylist()]
     assert ids == [f"r{i:05d}" for i in range(13)]
-    assert [u.key for u in units] == [u.key for u in src.units()]
+    assert [u.key for u in units] == [u.key for u in src.plan()]
     assert len({u.key for u in units}) == len(units)
     assert max(u.batch.num_rows for u in units) <= 3
 
@@ -28,8 +28,8 @@ def test_folder_is_read_in_batches_with_stable_keys(tmp_path):
 def test_shards_split_row_groups_exactly(tmp_path):
     write_rows(tmp_path / "a.parquet", 50, row_group_size=7)
     src = ParquetSource(InputSpec(path=str(tmp_path)), ("text",))
-    every = sorted(i for u in src.units() for i in u.batch.column("id").to_pylist())
-    shards = [[i for u in src.units((k, 3)) for i in u.batch.column("id").to_pylist()] for k in range(3)]
+    every = sorted(i for u in src.read(src.plan()) for i in u.batch.column("id").to_pylist())
+    shards = [[i for u in src.read(src.plan((k, 3))) for i in u.batch.column("id").to_pylist()] for k in range(3)]
     assert sorted(sum(shards, [])) == every and all(shards)
 
 

@@ -1,0 +1,306 @@
+"""Exactly once, attacked: kills at every step of the commit protocol, odd ids, inputs that change between runs,
+folders that overlap, concurrent runs, and user mistakes that must end in a message (exit 2), not a traceback.
+
+The engine here is the fake one (tests/fake_engine.py): outcomes are random, so a redone unit differs."""
+
+from __future__ import annotations
+
+import collections
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from click.testing import CliRunner
+
+from batchjson.cli import main
+from batchjson.errors import EngineError, OutputError, SpecError
+from batchjson.run import run_job
+from batchjson.spec import load_spec
+from batchjson.storage import Storage
+from conftest import write_job, write_rows
+from fake_engine import FakeEngine, FakeEngines
+from test_run import assert_exactly_once, ids_of
+
+HERE = Path(__file__).parent
+ENV = os.environ | {"PYTHONPATH": f"{HERE.parent}:{HERE}"}
+STEPS = ["begin", "staged output", "staged rejects", "staged requeue", "committed", "published output",
+         "published rejects", "published requeue"]
+
+
+def rows(path: Path, ids, **columns) -> Path:
+    n = len(ids)
+    table = pa.table({"id": ids, "text": [f"item {i}" for i in range(n)], "source": ["s"] * n, **columns})
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(table, path)
+    return path
+
+
+def run(job, **kwargs):
+    kwargs.setdefault("engine_factory", FakeEngines())
+    return run_job(load_spec(job), progress=False, **kwargs)
+
+
+def verify_cli(job, *args):
+    return CliRunner().invoke(main, ["verify", str(job), *args])
+
+
+def test_kill_at_every_step_of_the_commit_protocol(tmp_path, tiny_model):
+    write_rows(tmp_path / "in.parquet", 40)
+    job = write_job(tmp_path, tiny_model, tmp_path / "in.parquet", batch_size=4)
+    out = tmp_path / "out"
+    for step in STEPS:
+        for n in (1, 3):
+            p = subprocess.run([sys.executable, str(HERE / "fake_runner.py"), str(job), str(out), step, str(n)],
+                               env=ENV, capture_output=True, text=True, timeout=300)
+            assert p.returncode in (0, -signal.SIGKILL), p.stderr[-2000:]
+            committed = ids_of(out) + ids_of(out / "_rejects")
+            assert not [k for k, v in collections.Counter(committed).items() if v > 1], f"doubled after {step}"
+    final = subprocess.run([sys.executable, str(HERE / "fake_runner.py"), str(job), str(out), "none", "0"],
+                           env=ENV, capture_output=True, text=True, timeout=300)
+    assert final.returncode == 0, final.stderr[-2000:]
+    assert "exactly-once check ok" in final.stdout
+    assert_exactly_once([f"r{i:05d}" for i in range(40)], out, out / "_rejects")
+    result = verify_cli(job)
+    assert result.exit_code == 0 and "exactly-once check ok: " in result.output, result.output
+
+
+def test_float_and_bool_ids_are_one_identity(tmp_path, tiny_model):
+    rows(tmp_path / "in.parquet", [1.0, 2.0, 1.0])
+    job = write_job(tmp_path, tiny_model, tmp_path / "in.parquet")
+    report = run(job, engine_factory=FakeEngines(valid=1.0))
+    assert ids_of(tmp_path / "out") == ["1", "2"]
+    rejects = pq.read_table(next((tmp_path / "out" / "_rejects").glob("*.parquet"))).to_pylist()
+    assert [(r["id"], r["reason"]) for r in rejects] == [("1", "duplicate_id")]
+    assert report.verified["complete"]
+
+
+def test_glob_input_grows_by_a_file_in_a_new_folder(tmp_path, tiny_model):
+    write_rows(tmp_path / "in" / "x" / "a.parquet", 10)
+    job = write_job(tmp_path, tiny_model, tmp_path / "in" / "*" / "*.parquet")
+    run(job)
+    write_rows(tmp_path / "in" / "y" / "b.parquet", 5, start=10)
+    again = run(job)
+    assert again.passes["pass1"].rows == 5, "only the new file is new work"
+    assert_exactly_once([f"r{i:05d}" for i in range(15)], tmp_path / "out", tmp_path / "out" / "_rejects")
+
+
+def test_a_new_file_that_sorts_first_cannot_repeat_a_committed_id(tmp_path, tiny_model):
+    rows(tmp_path / "in" / "b.parquet", [f"r{i}" for i in range(6)])
+    job = write_job(tmp_path, tiny_model, tmp_path / "in")
+    run(job, engine_factory=FakeEngines(valid=1.0))
+    rows(tmp_path / "in" / "a.parquet", ["r3", "new"])
+    report = run(job, engine_factory=FakeEngines(valid=1.0))
+    assert sorted(ids_of(tmp_path / "out")) == sorted([f"r{i}" for i in range(6)] + ["new"])
+    rejects = pq.read_table(next((tmp_path / "out" / "_rejects").glob("*.parquet"))).to_pylist()
+    assert [(r["id"], r["reason"]) for r in rejects] == [("r3", "duplicate_id")]
+    assert report.verified["complete"]
+
+
+def test_shards_run_together_but_nothing_else_meanwhile(tmp_path):
+    out = tmp_path / "out"
+    shards = [Storage(out, shard=(i, 2)) for i in range(2)]
+    for s in shards:
+        s.claim()
+    with pytest.raises(OutputError, match="another batchjson run is writing"):
+        Storage(out).claim()
+    with pytest.raises(OutputError, match="shard 0/2"):
+        Storage(out, shard=(0, 2)).claim()
+    with pytest.raises(OutputError, match="another batchjson run is writing"):
+        Storage(out, shard=(0, 3)).claim()
+    for s in shards:
+        s.close()
+    whole = Storage(out)
+    whole.claim()
+    with pytest.raises(OutputError, match="another batchjson run is writing"):
+        Storage(out, shard=(1, 2)).claim()
+    whole.close()
+
+
+@pytest.mark.parametrize("rejects, ok", [("out", False), ("out/rejected", False), ("out/_rejected", True),
+                                         ("elsewhere", True)])
+def test_rejects_folder_must_not_be_read_as_output(tmp_path, tiny_model, rejects, ok):
+    write_rows(tmp_path / "in.parquet", 4)
+    job = write_job(tmp_path, tiny_model, tmp_path / "in.parquet", extra=f'rejects = "{rejects}"')
+    if ok:
+        run(job)
+        assert_exactly_once([f"r{i:05d}" for i in range(4)], tmp_path / "out", tmp_path / rejects)
+    else:
+        with pytest.raises(OutputError, match="rejects"):
+            run(job)
+        result = CliRunner().invoke(main, ["check", str(job)])
+        assert result.exit_code == 2 and "rejects" in result.output
+
+
+@pytest.mark.parametrize("name", ["json", "reason", "_pass", "id"])
+def test_a_passthrough_column_cannot_shadow_a_written_one(tmp_path, name):
+    job = write_job(tmp_path, "no-model", tmp_path / "in.parquet")
+    job.write_text(job.read_text().replace('passthrough = ["source"]', f'passthrough = ["{name}"]'))
+    with pytest.raises(SpecError, match=f"input.passthrough: '{name}' is also the name"):
+        load_spec(job)
+
+
+def test_a_deleted_output_part_is_found_and_redone(tmp_path, tiny_model):
+    write_rows(tmp_path / "in.parquet", 12)
+    job = write_job(tmp_path, tiny_model, tmp_path / "in.parquet", batch_size=4)
+    run(job, engine_factory=FakeEngines(valid=1.0))
+    victim = sorted((tmp_path / "out").glob("p1-*.parquet"))[1]
+    victim.unlink()
+    result = verify_cli(job)
+    assert result.exit_code == 3 and victim.name in result.output and "Run the job again" in result.output
+    report = run(job, engine_factory=FakeEngines(valid=1.0))
+    assert report.passes["pass1"].rows == 4 and "was missing; the unit was redone" in report.summary()
+    assert verify_cli(job).exit_code == 0
+    assert_exactly_once([f"r{i:05d}" for i in range(12)], tmp_path / "out", tmp_path / "out" / "_rejects")
+
+
+def test_a_stray_part_file_fails_verify(tmp_path, tiny_model):
+    write_rows(tmp_path / "in.parquet", 4)
+    job = write_job(tmp_path, tiny_model, tmp_path / "in.parquet")
+    run(job, engine_factory=FakeEngines(valid=1.0))
+    part = next((tmp_path / "out").glob("p1-*.parquet"))
+    (tmp_path / "out" / part.name.replace("00000.", "00009.")).write_bytes(part.read_bytes())
+    result = verify_cli(job)
+    assert result.exit_code == 3 and "no commit lists" in result.output and "Remove it" in result.output
+
+
+def test_an_input_file_rewritten_between_runs_is_refused(tmp_path, tiny_model):
+    ids = [f"r{i}" for i in range(8)]
+    rows(tmp_path / "in.parquet", ids)
+    job = write_job(tmp_path, tiny_model, tmp_path / "in.parquet", batch_size=4)
+    run(job)
+    rows(tmp_path / "in.parquet", ids[::-1])  # same rows, other order: same size
+    with pytest.raises(OutputError, match=r"in.parquet changed since .* ids differ.*--fresh"):
+        run(job)
+    result = verify_cli(job)
+    assert result.exit_code == 3 and "changed since" in result.output
+    rows(tmp_path / "in.parquet", ids)
+    run(job)  # restored: accepted again
+
+
+def test_output_inside_the_input_folder_is_refused(tmp_path, tiny_model):
+    write_rows(tmp_path / "in" / "a.parquet", 4)
+    job = write_job(tmp_path, tiny_model, tmp_path / "in")
+    with pytest.raises(OutputError, match="inside the input"):
+        run(job, output=str(tmp_path / "in" / "out"))
+    run(job, output=str(tmp_path / "in" / "_out"))  # skipped by the folder reader: fine
+
+
+def test_a_failed_engine_start_does_not_claim_the_folder_for_its_spec(tmp_path, tiny_model):
+    write_rows(tmp_path / "in.parquet", 4)
+    job = write_job(tmp_path, tiny_model, tmp_path / "in.parquet")
+
+    def broken(*args):
+        raise EngineError("cannot start")
+
+    with pytest.raises(EngineError):
+        run(job, engine_factory=broken)
+    job.write_text(job.read_text().replace("max_tokens = 48", "max_tokens = 40"))  # the user's fix
+    assert run(job).verified["complete"]
+
+
+def test_a_stop_never_starts_an_engine(tmp_path, tiny_model):
+    """Ctrl-C in a terminal reaches the engine processes too: their death is the stop, not a crash."""
+    write_rows(tmp_path / "in.parquet", 8)
+    job = write_job(tmp_path, tiny_model, tmp_path / "in.parquet")
+    engines = FakeEngines()
+    runner = None
+
+    def factory(*args):
+        engines(*args)
+        engine = FakeEngine(die_after=2)
+        inner = engine.stream
+
+        def stream(prompts, stop=None):
+            stop.set()  # the signal arrived...
+            yield from inner(prompts)  # ...and the engine dies of it
+
+        engine.stream = stream
+        return engine
+
+    from batchjson.run import JobRun
+
+    runner = JobRun(load_spec(job), engine_factory=factory, progress=False)
+    report = runner.run()
+    assert report.interrupted and len(engines.started) == 1
+
+
+def test_second_ctrl_c_exits_at_once(tmp_path, tiny_model):
+    """The first Ctrl-C waits for the engine to start (a minute on a big model); the second one does not."""
+    write_rows(tmp_path / "in.parquet", 8)
+    job = write_job(tmp_path, tiny_model, tmp_path / "in.parquet", batch_size=4)
+    p = subprocess.Popen([sys.executable, str(HERE / "fake_runner.py"), str(job), str(tmp_path / "out"), "none", "0"],
+                         env=ENV | {"FAKE_START_DELAY": "120"}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not (tmp_path / "out" / "_batchjson" / "spec.json").exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    time.sleep(2)  # inside the engine start
+    p.send_signal(signal.SIGINT)
+    time.sleep(0.5)
+    p.send_signal(signal.SIGINT)
+    _, err = p.communicate(timeout=20)
+    assert p.returncode == 130 and "Traceback" not in err, err[-2000:]
+    assert "stopped at once" in err
+
+
+# ----- user mistakes: a message and exit 2, never a traceback ---------------------------------------------------
+def check(job):
+    result = CliRunner().invoke(main, ["check", str(job)])
+    assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
+    return result
+
+
+def test_passthrough_type_differing_between_files_is_caught_by_check(tmp_path, tiny_model):
+    rows(tmp_path / "in" / "a.parquet", ["a"])
+    pq.write_table(pa.table({"id": ["b"], "text": ["t"], "source": [7]}), tmp_path / "in" / "b.parquet")
+    result = check(write_job(tmp_path, tiny_model, tmp_path / "in"))
+    assert result.exit_code == 2 and "'source' is string in" in result.output and "b.parquet" in result.output
+
+
+def test_invalid_utf8_rejects_the_row_and_names_it(tmp_path, tiny_model):
+    text = pa.array([b"fine", b"\xff\xfe broken"], pa.binary()).view(pa.string())
+    pq.write_table(pa.table({"id": ["a", "b"], "text": text, "source": ["s", "s"]}), tmp_path / "in.parquet")
+    run(write_job(tmp_path, tiny_model, tmp_path / "in.parquet"), engine_factory=FakeEngines(valid=1.0))
+    assert ids_of(tmp_path / "out") == ["a"]
+    (reject,) = pq.read_table(next((tmp_path / "out" / "_rejects").glob("*.parquet"))).to_pylist()
+    assert reject["reason"] == "invalid_input" and "'text'" in reject["detail"] and "row 1" in reject["detail"]
+
+
+def test_a_very_long_file_name_keeps_names_short(tmp_path, tiny_model):
+    name = "x" * 240 + ".parquet"
+    write_rows(tmp_path / "in" / name, 3)
+    job = write_job(tmp_path, tiny_model, tmp_path / "in")
+    assert run(job).verified["complete"]
+    assert max(len(p.name) for p in (tmp_path / "out").rglob("*")) < 100
+
+
+@pytest.mark.parametrize("template", ["Describe {text:d}", "Describe {text!x}", "Describe { text", "Return {\"a\": 1} for {text}"])
+def test_template_mistakes_are_explained(tmp_path, template):
+    write_rows(tmp_path / "in.parquet", 2)
+    job = write_job(tmp_path, "no-model", tmp_path / "in.parquet")
+    job.write_text(job.read_text().replace('template = "Describe: {text}"', f"template = '{template}'"))
+    result = check(job)
+    assert result.exit_code == 2 and "prompt.template" in result.output and "{{" in result.output, result.output
+
+
+def test_output_path_that_is_a_file(tmp_path, tiny_model):
+    write_rows(tmp_path / "in.parquet", 2)
+    (tmp_path / "out").write_text("not a folder")
+    result = CliRunner().invoke(main, ["run", str(write_job(tmp_path, tiny_model, tmp_path / "in.parquet"))])
+    assert result.exit_code == 2 and "is a file" in result.output
+
+
+@pytest.mark.parametrize("setting, message", [("repetition_penalty = 0.0", "repetition_penalty must be > 0"),
+                                              ("frequency_penalty = 5.0", "frequency_penalty must be in"),
+                                              ("top_p = 0.0", "top_p must be in")])
+def test_out_of_range_sampling_values_fail_at_load(tmp_path, setting, message):
+    write_rows(tmp_path / "in.parquet", 2)
+    job = write_job(tmp_path, "no-model", tmp_path / "in.parquet")
+    job.write_text(job.read_text().replace("[sampling]", f"[sampling]\n{setting}"))
+    result = check(job)
+    assert result.exit_code == 2 and message in result.output
