@@ -72,9 +72,10 @@ def run(job, output, input_path, fresh, shard, json_report):
 
 @main.command()
 @click.argument("job", type=click.Path(exists=True, dir_okay=False))
+@click.option("--output", "-o", type=click.Path(), help="Output folder (overrides output.path).")
 @click.option("--input", "input_path", type=click.Path(), help="Input file, folder or glob (overrides input.path).")
-def check(job, input_path):
-    """Check JOB's spec, schema and input columns without starting an engine."""
+def check(job, output, input_path):
+    """Check JOB's spec, schema, input and output folders without starting an engine."""
     from batchjson.source import ParquetSource
     from batchjson.storage import Storage
 
@@ -82,17 +83,20 @@ def check(job, input_path):
         spec = with_input(load_spec(job), input_path)
         source = ParquetSource(spec.input, spec.prompt.columns)
         rows = source.check()
-        if spec.output.path:
-            Storage(Path(spec.output.path), Path(spec.output.rejects) if spec.output.rejects else None) \
-                .check_paths(spec.input.path)
-        duplicates = source.scan().repeated
+        scan = source.scan()
+        out = output or spec.output.path
+        if out:
+            storage = Storage(Path(out), Path(spec.output.rejects) if spec.output.rejects else None)
+            storage.check_paths(spec.input.path)
+            if (storage.state / "spec.json").exists():
+                new = storage.check_inputs(scan.fingerprints, write=False)
+                click.echo(f"resumes {out}: {len(new)} new input file(s)")
     except BatchjsonError as e:
         raise _user_error(e) from None
     click.echo(f"ok: {len(source.files)} file(s), {rows} rows, columns {source.columns}, spec {spec.hash()}")
-    if duplicates:
-        click.echo(f"warning: {len(duplicates)} ids occur more than once (e.g. {next(iter(duplicates))!r}); "
+    if scan.repeated:
+        click.echo(f"warning: {len(scan.repeated)} ids occur more than once (e.g. {next(iter(scan.repeated))!r}); "
                    "only one occurrence of each is processed, the others are rejected as duplicate_id", err=True)
-
 
 @main.command()
 @click.argument("job", type=click.Path(exists=True, dir_okay=False))
