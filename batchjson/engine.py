@@ -24,6 +24,8 @@ INSTALL_HINT = "pip install 'batchjson[cpu]' (CPU) or 'batchjson[gpu]' (NVIDIA G
 class Engine(Protocol):
     """What run.py needs from an engine: bounded in flight, results yielded as they finish."""
 
+    def accepts(self, decoding: DecodingSpec, speculative: SpeculativeSpec | None) -> bool: ...
+    def use(self, decoding: DecodingSpec) -> None: ...
     def stream(self, prompts: Iterable[Prompt], stop: threading.Event | None = None) -> Iterator[Generation]: ...
     def stats(self) -> dict[str, float]: ...
     def close(self) -> None: ...
@@ -124,26 +126,24 @@ class VllmEngine:
         )
         if model.max_model_len:
             kwargs["max_model_len"] = model.max_model_len
-        seed = decoding.seed
-        if current_platform.is_cpu():
+        self._cpu = current_platform.is_cpu()
+        self.seed = decoding.seed
+        if self._cpu:
             kwargs["enforce_eager"] = True  # compiling costs a minute per start on CPU and gains little there
             # A per-request seed kills the CPU engine once a prefill is chunked ("CPU Generator does not use
             # offset"): seed the engine instead, which is reproducible for the same input and settings.
-            if seed is not None:
-                kwargs["seed"], seed = seed, None
-        if speculative is not None and speculative.enabled:
+            if self.seed is not None:
+                kwargs["seed"] = self.seed
+        self.backend = kwargs["structured_outputs_config"]["backend"]
+        self.speculative = speculative if speculative is not None and speculative.enabled else None
+        if self.speculative is not None:
             kwargs["speculative_config"] = self._speculative_config(speculative)
         kwargs.update(model.engine)
-        constraint = (StructuredOutputsParams(json=schema) if schema is not None
-                      else StructuredOutputsParams(json_object=True))
-        try:
-            self.params = vllm.SamplingParams(
-                temperature=decoding.temperature, top_p=decoding.top_p, max_tokens=decoding.max_tokens,
-                repetition_penalty=decoding.repetition_penalty, frequency_penalty=decoding.frequency_penalty,
-                presence_penalty=decoding.presence_penalty, seed=seed, structured_outputs=constraint,
-                **self._repetition(decoding.repetition_detection))
-        except (TypeError, *self._refused) as e:
-            raise EngineError(f"vLLM refuses these sampling settings: {e}. Fix [sampling] or [fallback].") from None
+        self._model = model
+        self._constraint = (StructuredOutputsParams(json=schema) if schema is not None
+                            else StructuredOutputsParams(json_object=True))
+        self._sampling = vllm.SamplingParams
+        self.use(decoding)
         # Engine processes started from here die with this process, however it dies (see vllm_plugin.py).
         os.environ["BATCHJSON_RUNNER_PID"] = str(os.getpid())
         try:
@@ -153,6 +153,25 @@ class VllmEngine:
                               "Check [model], [model.engine] and [speculative].") from e
         self._probe(kwargs["structured_outputs_config"]["backend"])
         self._watch()
+
+    def accepts(self, decoding: DecodingSpec, speculative: SpeculativeSpec | None) -> bool:
+        """Whether a pass with these settings can run on this engine: sampling is per request, but the grammar
+        backend, whitespace and speculation are engine-wide (and on CPU the seed is too)."""
+        backend = decoding.structured_output_backend or self._model.structured_output_backend
+        wanted = speculative if speculative is not None and speculative.enabled else None
+        seed_ok = not self._cpu or decoding.seed is None or decoding.seed == self.seed
+        return backend == self.backend and wanted == self.speculative and seed_ok
+
+    def use(self, decoding: DecodingSpec) -> None:
+        """Decode the next streams with these sampling settings (per request: no engine restart)."""
+        try:
+            self.params = self._sampling(
+                temperature=decoding.temperature, top_p=decoding.top_p, max_tokens=decoding.max_tokens,
+                repetition_penalty=decoding.repetition_penalty, frequency_penalty=decoding.frequency_penalty,
+                presence_penalty=decoding.presence_penalty, seed=None if self._cpu else decoding.seed,
+                structured_outputs=self._constraint, **self._repetition(decoding.repetition_detection))
+        except (TypeError, *self._refused) as e:
+            raise EngineError(f"vLLM refuses these sampling settings: {e}. Fix [sampling] or [fallback].") from None
 
     def _watch(self) -> None:
         """Turn a killed engine process into EngineDeadError.
@@ -206,6 +225,8 @@ class VllmEngine:
             config["model"] = resolve_model(spec.draft_model)
         return config | spec.options
 
+    def accepts(self, decoding: DecodingSpec, speculative: SpeculativeSpec | None) -> bool: ...
+    def use(self, decoding: DecodingSpec) -> None: ...
     def stream(self, prompts: Iterable[Prompt], stop: threading.Event | None = None) -> Iterator[Generation]: ...
     def stats(self) -> dict[str, float]: ...
     def close(self) -> None: ...
@@ -306,26 +327,24 @@ class VllmEngine:
         )
         if model.max_model_len:
             kwargs["max_model_len"] = model.max_model_len
-        seed = decoding.seed
-        if current_platform.is_cpu():
+        self._cpu = current_platform.is_cpu()
+        self.seed = decoding.seed
+        if self._cpu:
             kwargs["enforce_eager"] = True  # compiling costs a minute per start on CPU and gains little there
             # A per-request seed kills the CPU engine once a prefill is chunked ("CPU Generator does not use
             # offset"): seed the engine instead, which is reproducible for the same input and settings.
-            if seed is not None:
-                kwargs["seed"], seed = seed, None
-        if speculative is not None and speculative.enabled:
+            if self.seed is not None:
+                kwargs["seed"] = self.seed
+        self.backend = kwargs["structured_outputs_config"]["backend"]
+        self.speculative = speculative if speculative is not None and speculative.enabled else None
+        if self.speculative is not None:
             kwargs["speculative_config"] = self._speculative_config(speculative)
         kwargs.update(model.engine)
-        constraint = (StructuredOutputsParams(json=schema) if schema is not None
-                      else StructuredOutputsParams(json_object=True))
-        try:
-            self.params = vllm.SamplingParams(
-                temperature=decoding.temperature, top_p=decoding.top_p, max_tokens=decoding.max_tokens,
-                repetition_penalty=decoding.repetition_penalty, frequency_penalty=decoding.frequency_penalty,
-                presence_penalty=decoding.presence_penalty, seed=seed, structured_outputs=constraint,
-                **self._repetition(decoding.repetition_detection))
-        except (TypeError, *self._refused) as e:
-            raise EngineError(f"vLLM refuses these sampling settings: {e}. Fix [sampling] or [fallback].") from None
+        self._model = model
+        self._constraint = (StructuredOutputsParams(json=schema) if schema is not None
+                            else StructuredOutputsParams(json_object=True))
+        self._sampling = vllm.SamplingParams
+        self.use(decoding)
         # Engine processes started from here die with this process, however it dies (see vllm_plugin.py).
         os.environ["BATCHJSON_RUNNER_PID"] = str(os.getpid())
         try:
@@ -335,6 +354,25 @@ class VllmEngine:
                               "Check [model], [model.engine] and [speculative].") from e
         self._probe(kwargs["structured_outputs_config"]["backend"])
         self._watch()
+
+    def accepts(self, decoding: DecodingSpec, speculative: SpeculativeSpec | None) -> bool:
+        """Whether a pass with these settings can run on this engine: sampling is per request, but the grammar
+        backend, whitespace and speculation are engine-wide (and on CPU the seed is too)."""
+        backend = decoding.structured_output_backend or self._model.structured_output_backend
+        wanted = speculative if speculative is not None and speculative.enabled else None
+        seed_ok = not self._cpu or decoding.seed is None or decoding.seed == self.seed
+        return backend == self.backend and wanted == self.speculative and seed_ok
+
+    def use(self, decoding: DecodingSpec) -> None:
+        """Decode the next streams with these sampling settings (per request: no engine restart)."""
+        try:
+            self.params = self._sampling(
+                temperature=decoding.temperature, top_p=decoding.top_p, max_tokens=decoding.max_tokens,
+                repetition_penalty=decoding.repetition_penalty, frequency_penalty=decoding.frequency_penalty,
+                presence_penalty=decoding.presence_penalty, seed=None if self._cpu else decoding.seed,
+                structured_outputs=self._constraint, **self._repetition(decoding.repetition_detection))
+        except (TypeError, *self._refused) as e:
+            raise EngineError(f"vLLM refuses these sampling settings: {e}. Fix [sampling] or [fallback].") from None
 
     def _watch(self) -> None:
         """Turn a killed engine process into EngineDeadError.

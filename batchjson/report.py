@@ -14,6 +14,8 @@ class PassStats:
     valid: int = 0
     prompt_tokens: int = 0
     output_tokens: int = 0
+    failed_output_tokens: int = 0
+    """Output tokens of rows that failed this pass: decoding paid for nothing (loops cut late, truncation)."""
     seconds: float = 0.0
     reasons: Counter = field(default_factory=Counter)
     speculative: dict = field(default_factory=dict)
@@ -24,6 +26,8 @@ class PassStats:
         self.valid += ok
         self.prompt_tokens += prompt_tokens
         self.output_tokens += output_tokens
+        if not ok:
+            self.failed_output_tokens += output_tokens
         if reason:
             self.reasons[reason] += 1
 
@@ -32,6 +36,9 @@ class PassStats:
         d["reasons"] = dict(self.reasons)
         d["rows_per_s"] = round(self.rows / self.seconds, 3) if self.seconds else 0.0
         d["output_tokens_per_s"] = round(self.output_tokens / self.seconds, 1) if self.seconds else 0.0
+        # The pass's wall time, engine start included: on a GPU that is what the pass costs.
+        d["gpu_seconds_per_valid_row"] = round(self.seconds / self.valid, 4) if self.valid else None
+        d["failed_output_token_share"] = round(self.failed_output_tokens / self.output_tokens, 3) if self.output_tokens else 0.0
         drafted = self.speculative.get("draft_tokens", 0)
         if drafted:
             d["acceptance"] = round(self.speculative["accepted_tokens"] / drafted, 3)
@@ -90,6 +97,8 @@ class RunReport:
     def to_dict(self) -> dict:
         d = asdict(self)
         d["passes"] = {k: v.to_dict() for k, v in self.passes.items()}
+        made = sum(p.valid for p in self.passes.values())
+        d["gpu_seconds_per_valid_row"] = round(sum(p.seconds for p in self.passes.values()) / made, 4) if made else None
         d |= {"valid": self.valid, "rejected": self.rejected, "rescued_by_fallback": self.valid_by_pass.get("pass2", 0),
               "reject_rate": round(self.reject_rate, 4), "over_threshold": self.over_threshold,
               "verify_failed": self.verify_failed}
@@ -104,8 +113,11 @@ class RunReport:
             acc = f", draft acceptance {d['acceptance']:.2f}" if "acceptance" in d else ""
             reasons = ", ".join(f"{k} {v}" for k, v in p.reasons.most_common()) or "none"
             note = f"  ({p.note})" if p.note else ""
+            cost = (f", {d['gpu_seconds_per_valid_row'] * 1000:.0f} ms per valid row"
+                    if d["gpu_seconds_per_valid_row"] is not None else "")
+            wasted = f", {d['failed_output_token_share']:.0%} of tokens on failed rows" if p.failed_output_tokens else ""
             lines.append(f"  {name}: {p.rows} rows, {p.valid} valid in {p.seconds:.1f}s ({d['rows_per_s']:.2f} rows/s, "
-                         f"{d['output_tokens_per_s']:.0f} tok/s{acc}); failed: {reasons}{note}")
+                         f"{d['output_tokens_per_s']:.0f} tok/s{acc}{cost}{wasted}); failed: {reasons}{note}")
         if "pass2" in self.valid_by_pass:
             lines.append(f"  fallback rescued {self.valid_by_pass['pass2']} rows")
         if self.rejects_by_reason:

@@ -3,6 +3,7 @@ passes, and the exactly-once check that ends every run."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import sys
@@ -134,6 +135,8 @@ class JobRun:
         self.stop = threading.Event()
         self._renderer: Renderer | None = None
         self.owners: dict[str, tuple[str, int]] = {}
+        self.engine = None  # kept from pass to pass while their engine-wide settings agree
+        self.passes = plan_passes(spec)
 
     def run(self) -> RunReport:
         started = time.monotonic()
@@ -157,10 +160,11 @@ class JobRun:
                 # A repeated id is processed where it was committed already, else at its first occurrence.
                 self.owners = {row_id: next((p for p in places if storage.done("p1", p[0])), places[0])
                                for row_id, places in scan.repeated.items()}
-                for p in plan_passes(self.spec):
+                for p in self.passes:
                     if self.stop.is_set():
                         break
                     self._run_pass(report, p)
+                self._close_engine()
                 report.tally(storage.records())
                 verdict = verify(storage, self.source, everything, self.spec.input.id_column)
                 if not self.stop.is_set() and self.shard[1] == 1 and verdict.pending and verdict.ok:
@@ -168,6 +172,7 @@ class JobRun:
                 report.verified = verdict.to_dict()
                 report.verified_summary = verdict.summary()
         finally:
+            self._close_engine()
             storage.close()
         report.interrupted = self.stop.is_set()
         report.seconds = round(time.monotonic() - started, 2)
@@ -207,6 +212,26 @@ class JobRun:
         finally:
             for s, h in previous.items():
                 signal.signal(s, h)
+
+    def _engine_for(self, p: Pass, speculative: SpeculativeSpec | None):
+        """The engine for a pass: the previous pass's one when its engine-wide settings fit (sampling is per
+        request), so a small fallback does not pay a second engine start; else a new one."""
+        if self.engine is not None and self.engine.accepts(p.decoding, speculative):
+            self.engine.use(p.decoding)
+            return self.engine, True
+        self._close_engine()
+        # On CPU the seed is engine-wide: seed the engine with the first seed any pass asks for, so that the
+        # fallback's seed holds when it runs on this engine.
+        seed = next((q.decoding.seed for q in self.passes if q.decoding.seed is not None), None)
+        decoding = p.decoding if p.decoding.seed is not None else dataclasses.replace(p.decoding, seed=seed)
+        self.engine = self.make_engine(self.spec, decoding, speculative)
+        self.engine.use(p.decoding)
+        return self.engine, False
+
+    def _close_engine(self) -> None:
+        if self.engine is not None:
+            engine, self.engine = self.engine, None
+            engine.close()
 
     def _work(self, p: Pass) -> tuple[Iterator[Work], int]:
         """The units a pass has left to do (found in storage, so a rerun resumes either pass) and their rows."""
@@ -254,7 +279,9 @@ class JobRun:
                                self.stop)
             feed, retry, deaths = tracker.feed(chain([first], work)), [], 0
             while not self.stop.is_set():
-                engine = self.make_engine(self.spec, p.decoding, speculative)
+                engine, reused = self._engine_for(p, speculative)
+                if reused:
+                    stats.note = stats.note or "ran on the previous pass's engine (no second engine start)"
                 try:
                     # itertools.chain, not a generator: a dead engine's stream must not close `feed` as it goes.
                     for gen in engine.stream(chain(retry, feed), self.stop):
@@ -262,6 +289,7 @@ class JobRun:
                     stats.speculative = engine.stats() if speculative else {}
                     break
                 except EngineDied as died:
+                    self._close_engine()
                     if self.stop.is_set():
                         break
                     deaths += 1
@@ -274,7 +302,6 @@ class JobRun:
                                           "kept: rerun the same command to resume.") from died
                     stats.note = stats.note or f"engine restarted after {deaths} death(s)"
                 finally:
-                    engine.close()
                     stats.seconds = round(time.monotonic() - started, 2)
         if tracker.remaining and not self.stop.is_set():
             raise RuntimeError(f"[internal] units left open after {p.name}: {sorted(tracker.remaining)[:3]}")

@@ -22,6 +22,12 @@ class FakeEngine:
         self.valid, self.delay, self.die_after = valid, delay, die_after
         self.closed = False
 
+    def accepts(self, decoding, speculative):
+        return speculative is None
+
+    def use(self, decoding):
+        self.decoding = decoding
+
     def stream(self, prompts, stop: threading.Event | None = None):
         stop = stop or threading.Event()
         for i, prompt in enumerate(prompts, 1):

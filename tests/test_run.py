@@ -71,3 +71,25 @@ def test_rerun_resumes_without_redoing_or_duplicating(tmp_path, tiny_model, engi
     assert again.resumed and again.passes == {}
     assert (again.valid, again.rejected) == (first.valid, first.rejected)
     assert_exactly_once([f"r{i:05d}" for i in range(20)], tmp_path / "out", tmp_path / "out" / "_rejects")
+
+
+def test_pass_two_reuses_the_engine_when_its_settings_allow(tmp_path, tiny_model):
+    """No speculation in pass 1: the fallback's sampling is per request, so no second engine start."""
+    from batchjson.run import vllm_engine
+
+    write_rows(tmp_path / "in.parquet", 12)
+    spec = load_spec(write_job(tmp_path, tiny_model, tmp_path / "in.parquet", max_tokens=3, speculative="none"))
+    starts = []
+
+    def counting(spec_, decoding, speculative):
+        starts.append(decoding)
+        return vllm_engine(spec_, decoding, speculative)
+
+    report = run_job(spec, engine_factory=counting, progress=False)
+    assert len(starts) == 1
+    assert report.passes["pass2"].rows == 12 and "previous pass's engine" in report.passes["pass2"].note
+    assert report.valid_by_pass.get("pass2", 0) > 0  # the fallback's own budget and sampling were used
+    d = report.to_dict()
+    assert d["passes"]["pass1"]["failed_output_token_share"] == 1.0
+    assert d["passes"]["pass2"]["gpu_seconds_per_valid_row"] > 0 and d["gpu_seconds_per_valid_row"] > 0
+    assert_exactly_once([f"r{i:05d}" for i in range(12)], tmp_path / "out", tmp_path / "out" / "_rejects")
