@@ -304,3 +304,16 @@ def test_out_of_range_sampling_values_fail_at_load(tmp_path, setting, message):
     job.write_text(job.read_text().replace("[sampling]", f"[sampling]\n{setting}"))
     result = check(job)
     assert result.exit_code == 2 and message in result.output
+
+
+def test_two_shards_at_once_then_verify(tmp_path, tiny_model):
+    write_rows(tmp_path / "in.parquet", 60, row_group_size=10)
+    job = write_job(tmp_path, tiny_model, tmp_path / "in.parquet", batch_size=5)
+    out = tmp_path / "out"
+    shards = [subprocess.Popen([sys.executable, str(HERE / "fake_runner.py"), str(job), str(out), "none", "0", f"{i}/2"],
+                               env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+    for p in shards:
+        _, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err[-2000:]
+    assert verify_cli(job).exit_code == 0
+    assert_exactly_once([f"r{i:05d}" for i in range(60)], out, out / "_rejects")
