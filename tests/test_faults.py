@@ -111,7 +111,7 @@ def test_bad_rows_are_rejected_with_their_reason(tmp_path, tiny_model, engines):
     assert rejects[("b", "empty_prompt")] == "column 'text' is null or empty"
     assert ("c", "empty_prompt") in rejects
     assert re.search("maximum (context|model) length", rejects[("d", "prompt_too_long")])
-    assert "already appears in unit" in rejects[("a", "duplicate_id")]
+    assert "also appears in unit" in rejects[("a", "duplicate_id")]
     assert report.input_rows == 6 and report.valid + report.rejected == 6
 
 
