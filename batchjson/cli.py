@@ -70,6 +70,54 @@ def run(job, output, input_path, fresh, shard, json_report):
         raise SystemExit(EXIT_REJECTS)
 
 
+def _schema_lines(spec) -> list[str]:
+    """What `check` says about the schema: output columns, each pass's grammar backend and its coverage, formats."""
+    from batchjson.errors import SpecError
+    from batchjson.grammar import choose, coverage
+    from batchjson.sink import typed_columns
+    from batchjson.spec import is_object_root, root_types
+    from batchjson.validate import FORMATS, unchecked_formats
+
+    schema, lines = spec.schema_doc, []
+    if schema is not None and not is_object_root(schema):
+        typed = typed_columns(schema, set())
+        kind = "/".join(root_types(schema)) or "any JSON value"
+        lines.append(f"schema: root {kind} -> output column json" + (
+            f" and value ({typed['value']})" if typed else " (no typed column: the root does not map to one Arrow type)"))
+    passes = [("pass1", spec.model.structured_output_backend)]
+    if spec.fallback.enabled:
+        passes.append(("pass2", spec.fallback.structured_output_backend or spec.model.structured_output_backend))
+    seen = {}
+    for name, backend in passes:
+        choice = choose(schema, backend, spec.model.disable_any_whitespace)
+        if not choice.backend:
+            raise SpecError(f"{name}: {choice.reason}. Simplify the schema or set model.structured_output_backend.")
+        if backend in seen:
+            lines.append(f"{name} grammar: same as {seen[backend]}")
+            continue
+        seen[backend] = name
+        lines.append(f"{name} grammar: {choice.summary}")
+        lines += [f"  {line}" for line in coverage(schema, choice).lines()]
+    used = sorted({f for f in _formats(schema)})
+    if used and not spec.schema.check_format:
+        lines.append(f"format: not asserted (schema.check_format = false): {', '.join(used)}")
+    elif used:
+        nobody = unchecked_formats(schema)
+        checked = [f for f in used if f in FORMATS.checkers]
+        if checked:
+            lines.append(f"format: validation checks {', '.join(checked)}")
+        if nobody:
+            lines.append(f"format: nothing checks {', '.join(nobody)} (no checker exists): check such values "
+                         "downstream, or add a pattern to the schema")
+    return lines
+
+
+def _formats(schema) -> set[str]:
+    from batchjson.grammar import subschemas
+
+    return {n["format"] for _, n in subschemas(schema or {}) if isinstance(n.get("format"), str)}
+
+
 @main.command()
 @click.argument("job", type=click.Path(exists=True, dir_okay=False))
 @click.option("--output", "-o", type=click.Path(), help="Output folder (overrides output.path).")
@@ -94,6 +142,11 @@ def check(job, output, input_path):
     except BatchjsonError as e:
         raise _user_error(e) from None
     click.echo(f"ok: {len(source.files)} file(s), {rows} rows, columns {source.columns}, spec {spec.hash()}")
+    try:
+        for line in _schema_lines(spec):
+            click.echo(line)
+    except BatchjsonError as e:
+        raise _user_error(e) from None
     if scan.repeated:
         click.echo(f"warning: {len(scan.repeated)} ids occur more than once (e.g. {next(iter(scan.repeated))!r}); "
                    "only one occurrence of each is processed, the others are rejected as duplicate_id", err=True)

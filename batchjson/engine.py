@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from batchjson.errors import EngineDied, EngineError
+from batchjson.grammar import choose
 from batchjson.records import Generation, Prompt
 from batchjson.spec import DecodingSpec, ModelSpec, SpeculativeSpec
 
@@ -118,10 +119,18 @@ class VllmEngine:
         self._refused = (ValueError, getattr(importlib.import_module("vllm.exceptions"), "VLLMClientError", ValueError))
 
         self.max_in_flight = model.max_in_flight
+        # vLLM refuses its own "auto" with disable_any_whitespace: batchjson picks the backend, and gives it the
+        # schema minus what it cannot compile (validation checks that part).
+        self._schema = schema
+        self.choice = choose(schema, decoding.structured_output_backend or model.structured_output_backend,
+                             model.disable_any_whitespace)
+        if not self.choice.backend:
+            raise EngineError(f"{self.choice.reason}. Simplify the schema, or set model.structured_output_backend to "
+                              "a backend (xgrammar, guidance, outlines); `batchjson check` shows each one's answer.")
         kwargs: dict[str, Any] = dict(
             model=resolve_model(model.path), dtype=model.dtype, disable_log_stats=False,
             # Per-request disable_any_whitespace is ignored by vLLM: the grammar settings are engine-wide.
-            structured_outputs_config={"backend": decoding.structured_output_backend or model.structured_output_backend,
+            structured_outputs_config={"backend": self.choice.backend,
                                        "disable_any_whitespace": model.disable_any_whitespace},
         )
         if model.max_model_len:
@@ -140,7 +149,7 @@ class VllmEngine:
             kwargs["speculative_config"] = self._speculative_config(speculative)
         kwargs.update(model.engine)
         self._model = model
-        self._constraint = (StructuredOutputsParams(json=schema) if schema is not None
+        self._constraint = (StructuredOutputsParams(json=self.choice.grammar_schema) if schema is not None
                             else StructuredOutputsParams(json_object=True))
         self._sampling = vllm.SamplingParams
         self.use(decoding)
@@ -157,7 +166,8 @@ class VllmEngine:
     def accepts(self, decoding: DecodingSpec, speculative: SpeculativeSpec | None) -> bool:
         """Whether a pass with these settings can run on this engine: sampling is per request, but the grammar
         backend, whitespace and speculation are engine-wide (and on CPU the seed is too)."""
-        backend = decoding.structured_output_backend or self._model.structured_output_backend
+        backend = choose(self._schema, decoding.structured_output_backend or self._model.structured_output_backend,
+                         self._model.disable_any_whitespace).backend
         wanted = speculative if speculative is not None and speculative.enabled else None
         seed_ok = not self._cpu or decoding.seed is None or decoding.seed == self.seed
         return backend == self.backend and wanted == self.speculative and seed_ok

@@ -20,6 +20,8 @@ class PassStats:
     reasons: Counter = field(default_factory=Counter)
     speculative: dict = field(default_factory=dict)
     note: str = ""
+    grammar: str = ""
+    """The grammar backend this pass decoded with, and why it was chosen."""
 
     def add(self, ok: bool, reason: str | None, prompt_tokens: int, output_tokens: int) -> None:
         self.rows += 1
@@ -118,6 +120,8 @@ class RunReport:
             wasted = f", {d['failed_output_token_share']:.0%} of tokens on failed rows" if p.failed_output_tokens else ""
             lines.append(f"  {name}: {p.rows} rows, {p.valid} valid in {p.seconds:.1f}s ({d['rows_per_s']:.2f} rows/s, "
                          f"{d['output_tokens_per_s']:.0f} tok/s{acc}{cost}{wasted}); failed: {reasons}{note}")
+            if p.grammar:
+                lines.append(f"    grammar: {p.grammar}")
         if "pass2" in self.valid_by_pass:
             lines.append(f"  fallback rescued {self.valid_by_pass['pass2']} rows")
         if self.rejects_by_reason:

@@ -131,7 +131,7 @@ class JobRun:
         self.storage = Storage(Path(out), Path(spec.output.rejects) if spec.output.rejects else None, shard)
         self.source = ParquetSource(spec.input, spec.prompt.columns)
         self.progress = None if progress is None else not progress  # tqdm: None hides the bar off a terminal
-        self.validator = Validator(spec.schema_doc)
+        self.validator = Validator(spec.schema_doc, spec.schema.check_format)
         self.stop = threading.Event()
         self._renderer: Renderer | None = None
         self.owners: dict[str, tuple[str, int]] = {}
@@ -280,6 +280,7 @@ class JobRun:
             feed, retry, deaths = tracker.feed(chain([first], work)), [], 0
             while not self.stop.is_set():
                 engine, reused = self._engine_for(p, speculative)
+                stats.grammar = stats.grammar or getattr(getattr(engine, "choice", None), "summary", "")
                 if reused:
                     stats.note = stats.note or "ran on the previous pass's engine (no second engine start)"
                 try:

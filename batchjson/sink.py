@@ -6,15 +6,33 @@ from __future__ import annotations
 import pyarrow as pa
 
 from batchjson.records import Outcome
-from batchjson.spec import META_COLUMNS
+from batchjson.spec import META_COLUMNS, is_object_root, root_types
 
 # JSON Schema types that map cleanly onto one Arrow type; other properties stay in the `json` column only.
 ARROW_TYPES = {"string": pa.string(), "integer": pa.int64(), "number": pa.float64(), "boolean": pa.bool_()}
 META_TYPES = dict(zip(META_COLUMNS, (pa.int8(), pa.string(), pa.int32(), pa.int32())))
 
 
+VALUE_COLUMN = "value"
+
+
+def _arrow_type(schema: dict | None) -> pa.DataType | None:
+    """The Arrow type of values of `schema`: a scalar type (null allowed), or a list of one; None when none fits."""
+    kinds = [k for k in root_types(schema) if k != "null"] if isinstance(schema, dict) else []
+    if len(kinds) != 1:
+        return None
+    if kinds[0] == "array":
+        item = _arrow_type(schema.get("items")) if isinstance(schema.get("items"), dict) else None
+        return pa.list_(item) if item is not None and not pa.types.is_list(item) else None
+    return ARROW_TYPES.get(kinds[0])
+
+
 def typed_columns(schema: dict | None, taken: set[str]) -> dict[str, pa.DataType]:
-    """Top-level schema properties that become their own Arrow column."""
+    """Top-level schema properties that become their own Arrow column; a non-object root becomes one `value`
+    column when its type maps to Arrow."""
+    if schema is not None and not is_object_root(schema):
+        kind = _arrow_type(schema)
+        return {VALUE_COLUMN: kind} if kind is not None and VALUE_COLUMN not in taken else {}
     out = {}
     for name, prop in ((schema or {}).get("properties") or {}).items():
         kind = prop.get("type") if isinstance(prop, dict) else None
@@ -32,6 +50,7 @@ class PartSink:
         base = [pa.field(id_column, pa.string()), *passthrough]
         taken = {id_column, "json", *passthrough.names, *META_COLUMNS}
         self.typed = typed_columns(schema, taken)
+        self.root_value = schema is not None and not is_object_root(schema)
         meta = [pa.field(k, t) for k, t in META_TYPES.items()]
         self.output_schema = pa.schema([*base, pa.field("json", pa.string()),
                                         *(pa.field(k, t) for k, t in self.typed.items()), *meta])
@@ -52,7 +71,8 @@ class PartSink:
         cols = self._common(outcomes, pass_no)
         cols["json"] = [o.generation.text for o in outcomes]  # already checked JSON: stored as the model wrote it
         for name, kind in self.typed.items():
-            values = [o.value.get(name) for o in outcomes]
+            values = [o.value if self.root_value else
+                      o.value.get(name) if isinstance(o.value, dict) else None for o in outcomes]
             try:
                 cols[name] = pa.array(values, kind)
             except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError):

@@ -18,8 +18,10 @@ from typing import Any, Literal
 from jsonschema import SchemaError, validators
 
 from batchjson.errors import SpecError
+from batchjson.grammar import local_refs
 
 IfExists = Literal["resume", "fail", "overwrite"]
+BACKEND_NAMES = ("auto", "xgrammar", "guidance", "outlines")
 META_COLUMNS = ("_pass", "_finish_reason", "_prompt_tokens", "_output_tokens")
 # Columns batchjson writes next to the id and pass-through columns (output, rejects, re-queue).
 WRITTEN_COLUMNS = frozenset({"json", "reason", "detail", "raw_text", "prompt", *META_COLUMNS})
@@ -78,6 +80,9 @@ class SchemaSpec:
     """The JSON Schema as a TOML table, instead of `path`."""
     json_object: bool = False
     """Any JSON object, no schema: the grammar only enforces JSON syntax."""
+    check_format: bool = True
+    """Validation asserts `format` (date-time, email, uri...) with every checker jsonschema has; false treats
+    `format` as an annotation, as JSON Schema 2019-09 and later do by default."""
 
 
 @dataclass(frozen=True)
@@ -87,8 +92,9 @@ class ModelSpec:
     dtype: str = "auto"
     max_model_len: int | None = None
     """Prompt plus output tokens; longer prompts are rejected per row as prompt_too_long."""
-    structured_output_backend: str = "xgrammar"
-    """Grammar backend of pass 1 (xgrammar, guidance, outlines). It is engine-wide in vLLM."""
+    structured_output_backend: str = "auto"
+    """Grammar backend (auto, xgrammar, guidance, outlines); engine-wide in vLLM. "auto" picks, per job and pass, the
+    first backend of a measured order that builds the schema's grammar in time (`batchjson check` says which)."""
     disable_any_whitespace: bool = True
     """Forbid whitespace between JSON tokens. Small models otherwise pad with spaces until max_tokens."""
     max_in_flight: int = 256
@@ -97,6 +103,9 @@ class ModelSpec:
     """Any other vllm.LLM keyword argument, passed through unchanged (e.g. gpu_memory_utilization)."""
 
     def __post_init__(self):
+        _require(self.structured_output_backend in BACKEND_NAMES,
+                 f"model.structured_output_backend must be one of {list(BACKEND_NAMES)}, "
+                 f"got {self.structured_output_backend!r}.")
         _require(self.max_in_flight > 0, "model.max_in_flight must be > 0.")
         _require(self.max_model_len is None or self.max_model_len > 0, "model.max_model_len must be > 0.")
 
@@ -141,7 +150,7 @@ class DecodingSpec:
     """Stop a row early when its output tail repeats a token pattern (vLLM's RepetitionDetectionParams:
     max_pattern_size, min_pattern_size, min_count); such rows fail as "repetition" instead of running to max_tokens."""
     structured_output_backend: str | None = None
-    """Fallback only: another grammar backend for pass 2 (default: the model's)."""
+    """Fallback only: another grammar backend for pass 2 (default: the model's, "auto" unless set)."""
     enabled: bool = True
     """Fallback only: false sends pass-1 failures straight to rejects."""
 
@@ -153,6 +162,8 @@ class DecodingSpec:
         _require(self.repetition_penalty > 0, "repetition_penalty must be > 0 (1.0 = off).")
         _require(-2 <= self.frequency_penalty <= 2, "frequency_penalty must be in [-2, 2].")
         _require(-2 <= self.presence_penalty <= 2, "presence_penalty must be in [-2, 2].")
+        _require(self.structured_output_backend in (None, *BACKEND_NAMES),
+                 f"structured_output_backend must be one of {list(BACKEND_NAMES)}, got {self.structured_output_backend!r}.")
 
 
 @dataclass(frozen=True)
@@ -264,14 +275,42 @@ def load_schema(spec: SchemaSpec, base: Path) -> dict | None:
         doc = spec.inline
     else:
         doc = _read(Path(_resolve(base, spec.path)), json.loads, json.JSONDecodeError, "schema.path: the JSON Schema")
-    _require(isinstance(doc, dict), "the JSON Schema must be an object.")
+    _require(isinstance(doc, dict), "the JSON Schema must be a JSON object ({...}), got "
+             f"{type(doc).__name__}: wrap it, e.g. {{\"type\": \"string\"}}.")
     try:
         validators.validator_for(doc, default=validators.Draft202012Validator).check_schema(doc)
     except SchemaError as e:
         raise SpecError(f"the JSON Schema is invalid at {'/'.join(map(str, e.absolute_path)) or 'its root'}: "
                         f"{e.message}.") from None
-    _require(doc.get("type", "object") == "object", 'the JSON Schema must describe an object ("type": "object").')
+    # jsonschema would fetch a remote $ref over the network while validating, row after row.
+    _, remote = local_refs(doc)
+    if remote:
+        raise SpecError(f"the JSON Schema refers to another document ($ref {remote[0]!r}"
+                        f"{f' and {len(remote) - 1} more' if len(remote) > 1 else ''}): batchjson does not fetch "
+                        "schemas. Inline the referenced schema under \"$defs\" and point the $ref at \"#/$defs/<name>\".")
     return doc
+
+
+def root_types(schema: dict | None) -> tuple[str, ...]:
+    """The JSON types the schema allows at its root; () means any. json_object jobs (None) are objects."""
+    if schema is None:
+        return ("object",)
+    kind = schema.get("type")
+    if isinstance(kind, str):
+        return (kind,)
+    if isinstance(kind, list):
+        return tuple(k for k in kind if isinstance(k, str))
+    if "const" in schema or isinstance(schema.get("enum"), list):
+        values = [schema["const"]] if "const" in schema else schema["enum"]
+        names = {bool: "boolean", int: "integer", float: "number", str: "string", type(None): "null",
+                 list: "array", dict: "object"}
+        return tuple(dict.fromkeys(names.get(type(v), "string") for v in values))
+    return ()
+
+
+def is_object_root(schema: dict | None) -> bool:
+    """Object roots get one typed column per property; a type list containing "object" counts as an object."""
+    return "object" in root_types(schema) or (schema is not None and not root_types(schema) and "properties" in schema)
 
 
 def parse_spec(doc: dict, base: Path, source: str = "") -> JobSpec:

@@ -3,21 +3,38 @@
 from __future__ import annotations
 
 import orjson
-from jsonschema import validators
+from jsonschema import FormatChecker, validators
 from jsonschema.exceptions import best_match
+from jsonschema_specifications import REGISTRY as META_SCHEMAS
+
+from batchjson.grammar import subschemas
 
 from batchjson.records import Generation, Outcome
 
 
-class Validator:
-    """Checks every output; compiled once for the schema's declared draft (2020-12 when none is declared)."""
+# Every format checker jsonschema has (with its format extras installed), whatever the declared draft: a schema that
+# says "format": "date-time" means it, and the draft's own checker set lacks formats later drafts added.
+FORMATS = FormatChecker()
 
-    def __init__(self, schema: dict | None):
+
+def unchecked_formats(schema: dict | None) -> list[str]:
+    """Formats the schema uses that no checker knows: nothing checks them, neither the grammar nor validation."""
+    used = {node["format"] for _, node in subschemas(schema or {}) if isinstance(node.get("format"), str)}
+    return sorted(used - set(FORMATS.checkers))
+
+
+class Validator:
+    """Checks every output; compiled once for the schema's declared draft (2020-12 when none is declared).
+
+    `format` is asserted unless check_format is false. $refs resolve inside the schema and to the JSON Schema
+    meta-schemas only: nothing is fetched (the spec loader refuses remote $refs)."""
+
+    def __init__(self, schema: dict | None, check_format: bool = True):
         self.schema = schema
         self._validator = None
         if schema is not None:
             cls = validators.validator_for(schema, default=validators.Draft202012Validator)
-            self._validator = cls(schema, format_checker=cls.FORMAT_CHECKER)
+            self._validator = cls(schema, format_checker=FORMATS if check_format else None, registry=META_SCHEMAS)
 
     def check(self, gen: Generation) -> Outcome:
         if gen.error:

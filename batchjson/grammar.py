@@ -1,0 +1,443 @@
+"""The grammar stage's choices: which backend decodes a job's schema, the schema it is given, and what it enforces.
+
+vLLM hands a JSON Schema to one grammar backend per engine. Backends refuse some schemas outright (vLLM's request
+check) and silently weaken or tighten others. batchjson therefore gives the backend a *grammar schema*: the job's
+schema with what that backend cannot compile removed (never added), so the grammar accepts every valid answer the
+backend can represent, and validation (jsonschema, the source of truth) checks what was removed.
+
+No vLLM import here: the backends' own libraries (xgrammar, llguidance) build the grammar on CPU, configured the way
+vLLM configures them for a batchjson job, so `batchjson check` answers in a second without an engine.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import re
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from urllib.parse import urldefrag, urljoin
+
+# Candidates of "auto", best first: measured on the SchemaStore corpus (BENCHMARKS.md, "Schemas"): llguidance
+# blocks fewer valid answers and lets fewer invalid ones through than xgrammar, and compiles every corpus schema in
+# milliseconds. outlines is left out of "auto": it allows free whitespace whatever disable_any_whitespace says, and
+# its regex for large schemas ran out of memory on the corpus.
+AUTO_ORDER = ("guidance", "xgrammar")
+BACKENDS = ("xgrammar", "guidance", "outlines")
+COMPILE_BUDGET_S = 10.0
+"""A backend that takes longer than this to build a job's grammar on CPU is passed over by "auto"."""
+
+# JSON Schema keywords (2020-12 and the older drafts). Other keys are annotations or vendor extensions: they never
+# constrain a value, and are left out of the grammar schema.
+KEYWORDS = frozenset("""
+$schema $id id $ref $defs definitions $anchor $dynamicRef $dynamicAnchor $recursiveRef $recursiveAnchor $vocabulary
+type enum const multipleOf maximum exclusiveMaximum minimum exclusiveMinimum maxLength minLength pattern format
+maxItems minItems uniqueItems maxContains minContains maxProperties minProperties required dependentRequired
+properties patternProperties additionalProperties propertyNames items prefixItems additionalItems contains
+unevaluatedItems unevaluatedProperties allOf anyOf oneOf not if then else dependentSchemas dependencies
+contentEncoding contentMediaType contentSchema
+""".split())
+_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_ONE = ("additionalProperties", "unevaluatedProperties", "propertyNames", "contains", "additionalItems",
+        "unevaluatedItems", "not", "if", "then", "else", "contentSchema", "items")
+_LISTS = ("prefixItems", "allOf", "anyOf", "oneOf", "items")
+_LOOKAROUND = re.compile(r"\(\?<?[=!]|\\[1-9]|\\[pPkKZzGA]|\(\?[a-zA-Z]+\)|\(\?P[<=]")
+# Formats xgrammar turns into a grammar (vLLM refuses the others for xgrammar).
+XGRAMMAR_FORMATS = frozenset({"email", "date", "time", "date-time", "duration", "ipv4", "ipv6", "hostname", "uuid",
+                              "uri", "uri-reference", "uri-template", "json-pointer", "relative-json-pointer"})
+
+# What each backend enforces while decoding, among the keywords it is given (measured: BENCHMARKS.md). Keywords
+# outside the set are checked by validation only.
+ENFORCED = {
+    "xgrammar": frozenset("""type enum const maximum exclusiveMaximum minimum exclusiveMinimum maxLength minLength
+        pattern format maxItems minItems required properties patternProperties additionalProperties items prefixItems
+        anyOf $ref $defs definitions minProperties maxProperties""".split()),
+    "guidance": frozenset("""type enum const maximum exclusiveMaximum minimum exclusiveMinimum maxLength minLength
+        pattern format maxItems minItems required properties patternProperties additionalProperties items prefixItems
+        anyOf oneOf allOf $ref $defs definitions minProperties maxProperties multipleOf""".split()),
+}
+ENFORCED["outlines"] = ENFORCED["xgrammar"]
+_WHY_HOLE = {"oneOf": "oneOf is decoded as anyOf (no 'exactly one')", "format": "format not in the grammar",
+             "uniqueItems": "unique items", "not": "not", "if": "if/then/else", "then": "if/then/else",
+             "else": "if/then/else", "multipleOf": "multipleOf", "allOf": "allOf of several branches"}
+
+
+def esc(name: str) -> str:
+    return name.replace("~", "~0").replace("/", "~1")
+
+
+def subschemas(node, path: str = "") -> Iterator[tuple[str, dict]]:
+    """Every subschema (a dict) with its JSON pointer, depth first; boolean subschemas are skipped."""
+    if not isinstance(node, dict):
+        return
+    yield path, node
+    for key in _MAPS:
+        if isinstance(node.get(key), dict):
+            for name, sub in node[key].items():
+                yield from subschemas(sub, f"{path}/{key}/{esc(name)}")
+    for key in _ONE:
+        if isinstance(node.get(key), dict):
+            yield from subschemas(node[key], f"{path}/{key}")
+    for key in _LISTS:
+        if isinstance(node.get(key), list):
+            for i, sub in enumerate(node[key]):
+                yield from subschemas(sub, f"{path}/{key}/{i}")
+    if isinstance(node.get("dependencies"), dict):
+        for name, sub in node["dependencies"].items():
+            yield from subschemas(sub, f"{path}/dependencies/{esc(name)}")
+
+
+def _types(node: dict) -> set[str]:
+    t = node.get("type")
+    return {t} if isinstance(t, str) else {x for x in t if isinstance(x, str)} if isinstance(t, list) else set()
+
+
+def _draft(schema: dict) -> int:
+    """The declared draft as a year-ish number: 4, 6, 7, 2019, 2020 (2020 when none is declared)."""
+    declared = str(schema.get("$schema", ""))
+    for mark, n in (("draft-04", 4), ("draft-03", 4), ("draft-06", 6), ("draft-07", 7), ("2019-09", 2019)):
+        if mark in declared:
+            return n
+    return 2020
+
+
+def local_refs(schema: dict) -> tuple[dict, list[str]]:
+    """The schema with every `$ref` that points into the document itself written as '#/...', and the refs that
+    point elsewhere (another file or URL, which would have to be fetched).
+
+    A ref to the document's own `$id` (or to a subschema's `$id`) is local; refs to the JSON Schema meta-schemas
+    are left alone (jsonschema ships them)."""
+    from jsonschema_specifications import REGISTRY as META
+
+    doc = copy.deepcopy(schema)
+    id_key = "id" if _draft(schema) == 4 else "$id"
+    bases: dict[str, str] = {}  # absolute $id (no fragment) -> JSON pointer of the subschema that declares it
+    anchors: dict[str, str] = {}
+
+    def ids(node, path, base):
+        if not isinstance(node, dict):
+            return
+        if isinstance(node.get(id_key), str):
+            absolute, frag = urldefrag(urljoin(base, node[id_key]))
+            if absolute:
+                base = absolute
+                bases.setdefault(absolute, path)
+            if frag and not frag.startswith("/"):
+                anchors[urljoin(base, "#" + frag)] = path
+        if isinstance(node.get("$anchor"), str):
+            anchors[urljoin(base, "#" + node["$anchor"])] = path
+        for sub_path, sub in _children(node, path):
+            ids(sub, sub_path, base)
+
+    root_base = urldefrag(doc.get(id_key, "")).url if isinstance(doc.get(id_key), str) else ""
+    bases[root_base] = ""
+    ids(doc, "", root_base)
+    remote: list[str] = []
+
+    def fix(node, base):
+        if not isinstance(node, dict):
+            return
+        if isinstance(node.get(id_key), str) and urldefrag(urljoin(base, node[id_key])).url:
+            base = urldefrag(urljoin(base, node[id_key])).url
+        ref = node.get("$ref")
+        if isinstance(ref, str):
+            target = urljoin(base, ref) if base else ref
+            absolute, frag = urldefrag(target)
+            if target in anchors:
+                node["$ref"] = "#" + anchors[target]
+            elif absolute in bases and (not frag or frag.startswith("/")):
+                node["$ref"] = "#" + bases[absolute] + frag
+            elif not absolute and (not frag or frag.startswith("/")):
+                node["$ref"] = "#" + frag
+            elif absolute.rstrip("#") not in META and absolute not in META:
+                remote.append(ref)
+        for _, sub in _children(node, ""):
+            fix(sub, base)
+
+    fix(doc, root_base)
+    return doc, remote
+
+
+def _children(node: dict, path: str) -> Iterator[tuple[str, dict]]:
+    for key in _MAPS + ("dependencies",):
+        if isinstance(node.get(key), dict):
+            for name, sub in node[key].items():
+                if isinstance(sub, dict):
+                    yield f"{path}/{key}/{esc(name)}", sub
+    for key in _ONE:
+        if isinstance(node.get(key), dict):
+            yield f"{path}/{key}", node[key]
+    for key in _LISTS:
+        if isinstance(node.get(key), list):
+            for i, sub in enumerate(node[key]):
+                if isinstance(sub, dict):
+                    yield f"{path}/{key}/{i}", sub
+
+
+@dataclass(frozen=True)
+class Relaxed:
+    """A backend's grammar schema and what was taken out of the job's schema to get it."""
+
+    backend: str
+    schema: dict
+    dropped: tuple[tuple[str, str, str], ...] = ()
+    """(JSON pointer, keyword, why) for each constraint left to validation."""
+
+
+def relax(schema: dict, backend: str, disable_any_whitespace: bool = True) -> Relaxed:
+    """The grammar schema for `backend`: the job's schema minus what the backend cannot compile or vLLM refuses."""
+    doc, _ = local_refs(schema)
+    draft = _draft(schema)
+    dropped: list[tuple[str, str, str]] = []
+
+    def drop(path, node, key, why):
+        if key in node:
+            del node[key]
+            dropped.append((path or "/", key, why))
+
+    for path, node in list(subschemas(doc)):
+        for key in [k for k in node if k not in KEYWORDS or k in ("$comment", "$schema", "$id", "id", "$vocabulary")]:
+            if key in ("$schema", "$id", "id") and path == "":
+                continue
+            del node[key]  # annotations and extensions constrain nothing
+        if "$ref" in node and draft <= 7:
+            for key in [k for k in node if k not in ("$ref", "definitions", "$defs")]:
+                del node[key]  # before 2019-09 a $ref's siblings are ignored: validation ignores them too
+        if isinstance(node.get("items"), list):  # draft 4-7 tuples, in the 2020-12 form both backends know
+            node["prefixItems"] = node.pop("items")
+            extra = node.pop("additionalItems", True)
+            node["items"] = {} if extra is True else extra
+        if isinstance(node.get("pattern"), str) and _LOOKAROUND.search(node["pattern"]):
+            drop(path, node, "pattern", "look-around or back-reference: no grammar backend can decode it")
+        if isinstance(node.get("format"), str) and node["format"] not in XGRAMMAR_FORMATS:
+            drop(path, node, "format", f"format {node['format']!r} has no grammar")
+        for key in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"):
+            if isinstance(node.get(key), (int, float)) and not isinstance(node[key], bool) and abs(node[key]) > 2**53:
+                drop(path, node, key, "a bound beyond 2^53 has no grammar")
+        if backend in ("xgrammar", "outlines"):
+            _relax_xgrammar(path, node, drop)
+        else:
+            _relax_guidance(path, node, drop)
+    if backend == "guidance":
+        # Options the grammar compiler reads from the schema itself: ignore keywords it cannot decode (validation
+        # checks them) and decode oneOf as anyOf; no free whitespace when the job forbids it.
+        doc["x-guidance"] = {"lenient": True, "coerce_one_of": True, "whitespace_flexible": not disable_any_whitespace}
+    return Relaxed(backend, doc, tuple(dropped))
+
+
+def _relax_xgrammar(path: str, node: dict, drop) -> None:
+    """What vLLM's request check refuses for xgrammar (has_xgrammar_unsupported_json_features), removed."""
+    drop(path, node, "multipleOf", "xgrammar has no multipleOf")
+    for key in ("uniqueItems", "contains", "minContains", "maxContains"):
+        drop(path, node, key, f"xgrammar has no {key}")
+    if ("pattern" in node or "format" in node) and ("minLength" in node or "maxLength" in node):
+        drop(path, node, "minLength", "xgrammar cannot combine a length with a pattern or format")
+        drop(path, node, "maxLength", "xgrammar cannot combine a length with a pattern or format")
+    if "propertyNames" in node:
+        drop(path, node, "propertyNames", "xgrammar cannot combine propertyNames with other object keywords")
+    if isinstance(node.get("patternProperties"), dict) and ("properties" in node or len(node["patternProperties"]) > 1):
+        drop(path, node, "patternProperties", "xgrammar cannot combine patternProperties with properties")
+        node.setdefault("additionalProperties", True)
+    if isinstance(node.get("allOf"), list) and len(node["allOf"]) >= 2:
+        drop(path, node, "allOf", "xgrammar has no allOf of several branches")
+    for key in ("not", "if", "then", "else", "dependentRequired", "dependentSchemas", "dependencies",
+                "unevaluatedProperties", "unevaluatedItems"):
+        drop(path, node, key, f"xgrammar has no {key}")
+
+
+def _relax_guidance(path: str, node: dict, drop) -> None:
+    if ("minProperties" in node or "maxProperties" in node) and set(node.get("properties") or ()) - set(
+            node.get("required") or ()):
+        drop(path, node, "minProperties", "llguidance counts properties only when all are required")
+        drop(path, node, "maxProperties", "llguidance counts properties only when all are required")
+
+
+@dataclass(frozen=True)
+class Trial:
+    backend: str
+    ok: bool
+    seconds: float
+    error: str = ""
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The backend one pass decodes with, its grammar schema, and why it was chosen."""
+
+    backend: str
+    relaxed: Relaxed | None
+    reason: str
+    trials: tuple[Trial, ...] = field(default=())
+
+    @property
+    def grammar_schema(self) -> dict | None:
+        return self.relaxed.schema if self.relaxed else None
+
+    @property
+    def summary(self) -> str:
+        return f"{self.backend} ({self.reason})" if self.backend else self.reason
+
+
+@contextmanager
+def _quiet_stderr():
+    """xgrammar's C++ code prints a warning line per weakened keyword on fd 2; coverage says it in one place."""
+    try:
+        saved = os.dup(2)
+    except OSError:
+        yield
+        return
+    with open(os.devnull, "w") as null:
+        os.dup2(null.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+
+
+def build(relaxed: Relaxed, disable_any_whitespace: bool = True):
+    """Build the backend's grammar for the grammar schema, as vLLM does when it checks a request; raises on refusal."""
+    schema = relaxed.schema
+    if relaxed.backend == "xgrammar":
+        import xgrammar as xgr
+
+        with _quiet_stderr():
+            return xgr.Grammar.from_json_schema(schema, any_whitespace=not disable_any_whitespace,
+                                                separators=(",", ":") if disable_any_whitespace else None)
+    if relaxed.backend == "guidance":
+        import llguidance
+
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(
+            schema, defaults={"whitespace_flexible": not disable_any_whitespace})
+        error = llguidance.LLMatcher.validate_grammar(grammar, None)
+        if error:
+            raise ValueError(error)
+        return grammar
+    if relaxed.backend == "outlines":
+        from outlines_core import json_schema
+
+        return json_schema.build_regex_from_schema(json.dumps(schema))
+    raise ValueError(f"unknown backend {relaxed.backend!r}")
+
+
+def _timed_build(relaxed: Relaxed, disable_any_whitespace: bool, budget_s: float) -> Trial:
+    """Build in a worker thread so a backend that takes too long is passed over after `budget_s`."""
+    result: list = []
+
+    def work():
+        t = time.perf_counter()
+        try:
+            build(relaxed, disable_any_whitespace)
+            result.append(Trial(relaxed.backend, True, time.perf_counter() - t))
+        except Exception as e:  # a refusal of this backend, not a batchjson bug
+            result.append(Trial(relaxed.backend, False, time.perf_counter() - t, _first_line(e)))
+
+    worker = threading.Thread(target=work, daemon=True, name=f"batchjson-grammar-{relaxed.backend}")
+    worker.start()
+    worker.join(budget_s)
+    return result[0] if result else Trial(relaxed.backend, False, budget_s, f"took over {budget_s:g}s to build")
+
+
+def _first_line(e: Exception) -> str:
+    text = str(e).strip().splitlines()
+    return (text[0] if text else type(e).__name__)[:200]
+
+
+_CACHE: dict[tuple, Choice] = {}
+
+
+def choose(schema: dict | None, backend: str = "auto", disable_any_whitespace: bool = True,
+           budget_s: float = COMPILE_BUDGET_S) -> Choice:
+    """The backend to decode `schema` with. "auto" takes the first of AUTO_ORDER that builds the grammar within
+    `budget_s`; an explicit backend is kept (its grammar schema is still relaxed so that vLLM accepts it)."""
+    key = (json.dumps(schema, sort_keys=True), backend, disable_any_whitespace, budget_s)
+    if key in _CACHE:
+        return _CACHE[key]
+    if schema is None:
+        chosen = "xgrammar" if backend == "auto" else backend
+        choice = Choice(chosen, None, "any JSON object (json_object = true)" if backend == "auto" else "set in the spec")
+    elif backend != "auto":
+        relaxed = relax(schema, backend, disable_any_whitespace) if backend in BACKENDS else None
+        trial = _timed_build(relaxed, disable_any_whitespace, budget_s) if relaxed else None
+        reason = "set in the spec"
+        if trial and not trial.ok:
+            reason += f"; it refuses this schema here: {trial.error}"
+        choice = Choice(backend, relaxed, reason, (trial,) if trial else ())
+    else:
+        trials = []
+        choice = None
+        for name in AUTO_ORDER:
+            relaxed = relax(schema, name, disable_any_whitespace)
+            trial = _timed_build(relaxed, disable_any_whitespace, budget_s)
+            trials.append(trial)
+            if trial.ok:
+                passed = "; ".join(f"{t.backend} refused: {t.error}" for t in trials[:-1])
+                reason = (f"auto: first of {'/'.join(AUTO_ORDER)} to build the grammar "
+                          f"({trial.seconds * 1000:.0f} ms)" + (f"; {passed}" if passed else ""))
+                choice = Choice(name, relaxed, reason, tuple(trials))
+                break
+        if choice is None:
+            why = "; ".join(f"{t.backend}: {t.error}" for t in trials)
+            choice = Choice("", None, f"no grammar backend builds this schema ({why})", tuple(trials))
+    _CACHE[key] = choice
+    return choice
+
+
+@dataclass(frozen=True)
+class Coverage:
+    """Where each constraint of the schema is checked."""
+
+    backend: str
+    enforced: tuple[str, ...]
+    """Keywords the grammar enforces while decoding."""
+    validation_only: tuple[tuple[str, str], ...]
+    """(keyword, why) checked only after decoding: such rows fail as `schema` and go to the fallback pass."""
+    over_constrained: tuple[tuple[str, str], ...]
+    """(JSON pointer, what) where the grammar forbids answers the schema allows."""
+
+    def lines(self, limit: int = 4) -> list[str]:
+        out = [f"grammar enforces: {', '.join(self.enforced) or 'JSON syntax only'}"]
+        if self.validation_only:
+            out.append("validation only (the grammar lets these through; failures go to the fallback pass): "
+                       + ", ".join(f"{k} ({why})" if why else k for k, why in self.validation_only))
+        if self.over_constrained:
+            shown = ", ".join(f"{p} {what}" for p, what in self.over_constrained[:limit])
+            more = f" and {len(self.over_constrained) - limit} more" if len(self.over_constrained) > limit else ""
+            out.append(f"over-constrained (the grammar may block a correct answer): {shown}{more}")
+        return out
+
+
+def coverage(schema: dict | None, choice: Choice) -> Coverage:
+    """Which keywords of `schema` the chosen backend enforces, which only validation checks, and where its grammar
+    forbids what the schema allows."""
+    if schema is None or choice.relaxed is None:
+        return Coverage(choice.backend, (), (), ())
+    backend = choice.backend
+    used: dict[str, None] = {}
+    for _, node in subschemas(local_refs(schema)[0]):
+        for key in node:
+            if key in KEYWORDS and key not in ("$schema", "$id", "id", "$comment", "$defs", "definitions", "$anchor"):
+                used.setdefault(key, None)
+    dropped = {k: why for _, k, why in choice.relaxed.dropped}
+    enforced = ENFORCED.get(backend, frozenset())
+    kept = tuple(k for k in used if k in enforced and k not in dropped)
+    only: dict[str, str] = {}
+    for k in used:
+        if k in dropped:
+            only.setdefault(k, dropped[k])
+        elif k not in enforced:
+            only.setdefault(k, _WHY_HOLE.get(k, ""))
+        elif k == "oneOf":
+            only.setdefault(k, _WHY_HOLE["oneOf"])
+    over: list[tuple[str, str]] = []
+    if backend == "xgrammar":
+        for path, node in subschemas(choice.relaxed.schema):
+            if ("properties" in node or "object" in _types(node)) and "additionalProperties" not in node \
+                    and "patternProperties" not in node:
+                over.append((path or "/", "undeclared properties (additionalProperties unset: xgrammar's strict "
+                                           "mode forbids them; set it to true in the schema to allow them)"))
+    return Coverage(backend, kept, tuple(only.items()), tuple(over))

@@ -1,0 +1,102 @@
+"""Build bench/corpus/schemastore.jsonl.gz from a SchemaStore checkout (github.com/SchemaStore/schemastore).
+
+Each line: {"name", "schema", "valid": [...], "invalid": [...]}: the schema src/schemas/json/<name>.json, up to
+MAX_PER_KIND instances from src/test/<name>/ (valid) and src/negative_test/<name>/ (invalid), YAML and TOML
+tests converted to JSON. Schemas with no test instance, or larger than MAX_SCHEMA bytes, are left out.
+
+    python bench/corpus/extract_schemastore.py /path/to/schemastore [--commit REV]
+(a bare git directory works too: files are read with `git show REV:path`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gzip
+import json
+import subprocess
+import tomllib
+from pathlib import Path
+
+import yaml
+
+MAX_SCHEMA = 96_000
+MAX_INSTANCE = 12_000
+MAX_PER_KIND = 4
+OUT = Path(__file__).parent / "schemastore.jsonl.gz"
+
+
+def git(repo: str, *args: str) -> bytes:
+    return subprocess.run(["git", "-C", repo, *args], check=True, capture_output=True).stdout
+
+
+def plain(value):
+    """YAML/TOML values as JSON would hold them (dates become the ISO strings the YAML/TOML text had)."""
+    if isinstance(value, dict):
+        return {str(k): plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [plain(v) for v in value]
+    if isinstance(value, (datetime.date, datetime.time)):
+        return value.isoformat()
+    return value
+
+
+def parse(name: str, data: bytes):
+    text = data.decode("utf-8-sig")
+    if name.endswith(".json"):
+        return json.loads(text)
+    if name.endswith((".yaml", ".yml")):
+        docs = list(yaml.safe_load_all(text))
+        if len(docs) != 1:
+            raise ValueError("multi-document YAML")
+        return plain(docs[0])
+    if name.endswith(".toml"):
+        return plain(tomllib.loads(text))
+    raise ValueError("unknown test file type")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("repo")
+    ap.add_argument("--commit", default="HEAD")
+    a = ap.parse_args()
+    rev = git(a.repo, "rev-parse", a.commit).decode().strip()
+    listing = git(a.repo, "ls-tree", "-r", "-l", rev, "src/schemas/json", "src/test", "src/negative_test").decode()
+    files: dict[str, int] = {}
+    for line in listing.splitlines():
+        meta, path = line.split("\t", 1)
+        size = meta.split()[3]
+        if size.isdigit():  # a blob missing from a partial clone has no size: left out
+            files[path] = int(size)
+    tests: dict[tuple[str, str], list[str]] = {}
+    for path in sorted(files):
+        parts = path.split("/")
+        if parts[1] in ("test", "negative_test") and len(parts) == 4:
+            tests.setdefault((parts[2], parts[1]), []).append(path)
+    n = 0
+    with gzip.open(OUT, "wt", compresslevel=9) as out:
+        for path in sorted(files):
+            if not path.startswith("src/schemas/json/") or not path.endswith(".json") or files[path] > MAX_SCHEMA:
+                continue
+            name = path.rsplit("/", 1)[1][:-5]
+            try:
+                schema = json.loads(git(a.repo, "show", f"{rev}:{path}").decode("utf-8-sig"))
+            except (ValueError, UnicodeDecodeError):
+                continue
+            row = {"name": name, "schema": schema, "valid": [], "invalid": []}
+            for kind, folder in (("valid", "test"), ("invalid", "negative_test")):
+                for test in tests.get((name, folder), []):
+                    if len(row[kind]) >= MAX_PER_KIND or files[test] > MAX_INSTANCE:
+                        continue
+                    try:
+                        row[kind].append(parse(test, git(a.repo, "show", f"{rev}:{test}")))
+                    except Exception:  # unparseable or multi-document test files are left out
+                        continue
+            if row["valid"] or row["invalid"]:
+                out.write(json.dumps(row, separators=(",", ":"), sort_keys=True) + "\n")
+                n += 1
+    print(f"{n} schemas from SchemaStore {rev} -> {OUT} ({OUT.stat().st_size / 1e6:.2f} MB)")
+
+
+if __name__ == "__main__":
+    main()
