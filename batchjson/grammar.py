@@ -231,6 +231,8 @@ def relax(schema: dict, backend: str, disable_any_whitespace: bool = True) -> Re
 
 def _relax_xgrammar(path: str, node: dict, drop) -> None:
     """What vLLM's request check refuses for xgrammar (has_xgrammar_unsupported_json_features), removed."""
+    if "array" in _types(node) and "items" not in node and "prefixItems" not in node:
+        node["items"] = {}  # strict mode would otherwise allow only the empty array
     drop(path, node, "multipleOf", "xgrammar has no multipleOf")
     for key in ("uniqueItems", "contains", "minContains", "maxContains"):
         drop(path, node, key, f"xgrammar has no {key}")
@@ -441,3 +443,36 @@ def coverage(schema: dict | None, choice: Choice) -> Coverage:
                 over.append((path or "/", "undeclared properties (additionalProperties unset: xgrammar's strict "
                                            "mode forbids them; set it to true in the schema to allow them)"))
     return Coverage(backend, kept, tuple(only.items()), tuple(over))
+
+
+class _ByteVocabulary:
+    """A 256-token vocabulary (one token per byte) plus an end token: lets llguidance match a text byte by byte."""
+
+    eos_token_id, bos_token_id, special_token_ids = 256, None, [256]
+    tokens = [bytes([i]) for i in range(256)] + [b"<end>"]
+
+    def __call__(self, text):
+        return list(text if isinstance(text, bytes) else text.encode())
+
+
+def grammar_accepts(relaxed: Relaxed, text: str, disable_any_whitespace: bool = True) -> bool:
+    """Whether the backend's grammar for `relaxed` lets `text` through whole: what coverage and the corpus
+    measurement rest on (a valid answer refused is an over-constraint, an invalid one accepted a hole)."""
+    grammar = build(relaxed, disable_any_whitespace)
+    if relaxed.backend == "xgrammar":
+        from xgrammar.testing import _is_grammar_accept_string
+
+        with _quiet_stderr():
+            return _is_grammar_accept_string(grammar, text)
+    if relaxed.backend == "guidance":
+        import llguidance
+
+        global _BYTES
+        if _BYTES is None:
+            _BYTES = llguidance.LLTokenizer(llguidance.TokenizerWrapper(_ByteVocabulary()))
+        matcher = llguidance.LLMatcher(_BYTES, grammar, log_level=0)
+        return matcher.consume_tokens(list(text.encode())) and matcher.is_accepting() and not matcher.is_error()
+    raise ValueError(f"grammar_accepts: no matcher for {relaxed.backend}")
+
+
+_BYTES = None

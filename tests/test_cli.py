@@ -63,3 +63,29 @@ def test_run_exits_3_when_rejects_exceed_the_threshold(tmp_path, tiny_model):
     report = json.loads(result.output[result.output.index("{"):result.output.rindex("}") + 1])
     assert report["rejects_by_reason"] == {"truncated": 6} and report["over_threshold"]
     assert "exceed output.max_reject_rate" in result.output
+
+
+def test_check_reports_grammar_coverage_and_formats(tmp_path, tiny_model):
+    write_rows(tmp_path / "in.parquet", 3)
+    schema = {"type": "object", "properties": {"when": {"type": "string", "format": "date-time"},
+                                               "v": {"type": "string", "format": "semver"},
+                                               "n": {"type": "integer", "multipleOf": 5}}}
+    job = write_job(tmp_path, tiny_model, tmp_path / "in.parquet", schema=schema)
+    job.write_text(job.read_text().replace("[model]", "[model]\nstructured_output_backend = \"xgrammar\""))
+    result = CliRunner().invoke(main, ["check", str(job)])
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert "pass1 grammar: xgrammar (set in the spec)" in lines
+    assert any(line.startswith("  validation only") and "multipleOf" in line for line in lines)
+    assert any("over-constrained" in line and "undeclared properties" in line for line in lines)
+    assert "format: validation checks date-time" in lines
+    assert any(line.startswith("format: nothing checks semver") for line in lines)
+
+
+def test_check_names_the_value_column_of_a_non_object_root(tmp_path, tiny_model):
+    write_rows(tmp_path / "in.parquet", 3)
+    job = write_job(tmp_path, tiny_model, tmp_path / "in.parquet", schema={"type": "string", "enum": ["yes", "no"]})
+    result = CliRunner().invoke(main, ["check", str(job)])
+    assert result.exit_code == 0, result.output
+    assert "schema: root string -> output column json and value (string)" in result.output
+    assert "pass1 grammar: guidance (auto" in result.output

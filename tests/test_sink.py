@@ -37,3 +37,25 @@ def test_requeue_rows_keep_their_prompt():
                   reason="truncated", detail="hit max_tokens")
     row = sink.rejected([bad], 1, with_prompt=True).to_pylist()[0]
     assert (row["prompt"], row["reason"], row["raw_text"]) == ("the prompt", "truncated", "{")
+
+
+def test_non_object_root_gets_a_typed_value_column():
+    import pyarrow as pa
+
+    from batchjson.records import Generation, Outcome, Prompt
+    from batchjson.sink import PartSink
+
+    def outcome(value):
+        import json as _json
+        return Outcome(Generation(Prompt("r1", "u", "p"), _json.dumps(value), "stop", 1, 1), value=value)
+
+    sink = PartSink("id", pa.schema([]), {"type": "array", "items": {"type": "string"}})
+    table = sink.valid([outcome(["a", "b"]), outcome([])], 1)
+    assert table.column("value").to_pylist() == [["a", "b"], []] and table.schema.field("value").type == pa.list_(pa.string())
+    sink = PartSink("id", pa.schema([]), {"type": ["integer", "null"]})
+    assert sink.valid([outcome(3), outcome(None)], 1).column("value").to_pylist() == [3, None]
+    # No Arrow type fits an array of objects: the json column alone holds it.
+    assert "value" not in PartSink("id", pa.schema([]), {"type": "array", "items": {"type": "object"}}).output_schema.names
+    # A type list containing "object" is an object root: one column per property.
+    assert "a" in PartSink("id", pa.schema([]), {"type": ["object", "null"],
+                                                 "properties": {"a": {"type": "string"}}}).output_schema.names

@@ -75,3 +75,42 @@ def test_hash_ignores_output_but_not_decoding(tmp_path):
     b = load_spec(spec_file(tmp_path, BASE + "[output]\npath = 'elsewhere'\n"))
     c = load_spec(spec_file(tmp_path, BASE + "[sampling]\nmax_tokens = 7\n"))
     assert a.hash() == b.hash() != c.hash()
+
+
+def schema_job(tmp_path, schema, extra=""):
+    (tmp_path / "s.json").write_text(json.dumps(schema))
+    text = BASE.replace('inline = {type = "object", properties = {a = {type = "string"}}}', 'path = "s.json"')
+    return spec_file(tmp_path, text + extra)
+
+
+@pytest.mark.parametrize("schema", [
+    {"type": "array", "items": {"type": "object", "properties": {"name": {"type": "string"}}}},
+    {"type": "string", "enum": ["positive", "negative"]},
+    {"type": ["object", "null"], "properties": {"a": {"type": "integer"}}},
+    {"enum": [1, 2, 3]},
+])
+def test_any_root_type_loads(tmp_path, schema):
+    spec = load_spec(schema_job(tmp_path, schema))
+    assert spec.schema_doc == schema and spec.model.structured_output_backend == "auto"
+    assert spec.schema.check_format
+
+
+def test_remote_ref_is_refused_with_what_to_do(tmp_path):
+    schema = {"type": "object", "properties": {"a": {"$ref": "https://example.com/address.json"}}}
+    with pytest.raises(SpecError, match=r"refers to another document \(\$ref 'https://example.com/address.json'\)"
+                                        r".*Inline the referenced schema under \"\$defs\""):
+        load_spec(schema_job(tmp_path, schema))
+    # Refs into the document itself, through its own $id, and to the meta-schemas are not remote.
+    local = {"$id": "https://example.com/job.json", "type": "object", "$defs": {"n": {"type": "integer"}},
+             "properties": {"a": {"$ref": "#/$defs/n"}, "b": {"$ref": "https://example.com/job.json#/$defs/n"},
+                            "c": {"$ref": "https://json-schema.org/draft/2020-12/schema"}}}
+    assert load_spec(schema_job(tmp_path, local)).schema_doc == local
+
+
+def test_backend_and_format_keys(tmp_path):
+    spec = load_spec(schema_job(tmp_path, {"type": "object"}, "[model]\nstructured_output_backend = 'guidance'\n"))
+    assert spec.model.structured_output_backend == "guidance"
+    with pytest.raises(SpecError, match="model.structured_output_backend must be one of"):
+        load_spec(spec_file(tmp_path, BASE + "[model]\nstructured_output_backend = 'xgrammer'\n"))
+    spec = load_spec(spec_file(tmp_path, BASE.replace("[schema]\n", "[schema]\ncheck_format = false\n")))
+    assert spec.schema.check_format is False

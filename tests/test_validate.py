@@ -44,3 +44,30 @@ def test_declared_draft_is_used():
 def test_json_object_mode_wants_an_object():
     assert Validator(None).check(gen('{"any":1}')).ok
     assert Validator(None).check(gen("[1]")).reason == "schema"
+
+
+def test_format_is_asserted_with_every_checker_unless_turned_off():
+    # Draft 7's own checker set has no "duration"; jsonschema's full set (with its format extras) does.
+    schema = {"$schema": "http://json-schema.org/draft-07/schema#", "type": "object",
+              "properties": {"when": {"type": "string", "format": "date-time"},
+                             "took": {"type": "string", "format": "duration"},
+                             "site": {"type": "string", "format": "uri"}}}
+    v = Validator(schema)
+    assert v.check(gen('{"when":"2026-11-30T02:00:00Z","took":"PT5M","site":"https://example.com/a"}')).ok
+    assert v.check(gen('{"when":"yesterday"}')).detail.startswith("when: 'yesterday' is not a 'date-time'")
+    assert v.check(gen('{"took":"five minutes"}')).reason == "schema"
+    assert v.check(gen('{"site":"not a uri"}')).reason == "schema"
+    assert Validator(schema, check_format=False).check(gen('{"when":"yesterday"}')).ok
+
+
+def test_formats_nobody_checks_are_named():
+    from batchjson.validate import unchecked_formats
+
+    assert unchecked_formats({"properties": {"v": {"format": "semver"}, "c": {"format": "color"}}}) == ["semver"]
+
+
+def test_non_object_roots_are_validated():
+    v = Validator({"type": "array", "items": {"type": "string", "enum": ["a", "b"]}})
+    assert v.check(gen('["a","b"]')).value == ["a", "b"]
+    assert v.check(gen('["c"]')).reason == "schema"
+    assert Validator({"type": "string", "enum": ["yes", "no"]}).check(gen('"no"')).value == "no"

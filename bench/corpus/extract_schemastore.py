@@ -14,6 +14,7 @@ import argparse
 import datetime
 import gzip
 import json
+import re
 import subprocess
 import tomllib
 from pathlib import Path
@@ -41,12 +42,24 @@ def plain(value):
     return value
 
 
+class Yaml12Loader(yaml.SafeLoader):
+    """YAML 1.2 booleans (true/false only), as SchemaStore's own test runner reads them: `Yes`, `on` stay strings."""
+
+
+Yaml12Loader.yaml_implicit_resolvers = {
+    k: [(tag, rx) for tag, rx in v if tag != "tag:yaml.org,2002:bool"]
+    for k, v in yaml.SafeLoader.yaml_implicit_resolvers.copy().items()}
+for _first in "tTfF":
+    Yaml12Loader.yaml_implicit_resolvers.setdefault(_first, []).append(
+        ("tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$")))
+
+
 def parse(name: str, data: bytes):
     text = data.decode("utf-8-sig")
     if name.endswith(".json"):
         return json.loads(text)
     if name.endswith((".yaml", ".yml")):
-        docs = list(yaml.safe_load_all(text))
+        docs = list(yaml.load_all(text, Loader=Yaml12Loader))
         if len(docs) != 1:
             raise ValueError("multi-document YAML")
         return plain(docs[0])

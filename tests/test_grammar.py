@@ -1,0 +1,84 @@
+"""Grammar backend choice and coverage, on the real backends (xgrammar, llguidance) as vLLM configures them."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from batchjson.grammar import choose, coverage, grammar_accepts, relax
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer", "multipleOf": 5},
+                                           "tags": {"type": "array", "uniqueItems": True}},
+          "required": ["name"]}
+
+
+def test_auto_picks_a_backend_and_says_why():
+    choice = choose(PERSON)
+    assert choice.backend == "guidance" and "auto" in choice.reason
+    assert grammar_accepts(choice.relaxed, '{"name":"Ann","age":35,"tags":[1,"x"]}')
+    assert not grammar_accepts(choice.relaxed, '{"age":35}')  # required is decoded
+
+
+def test_explicit_backend_is_kept_and_relaxed_so_vllm_accepts_it():
+    choice = choose(PERSON, "xgrammar")
+    assert choice.backend == "xgrammar" and choice.reason == "set in the spec"
+    # vLLM refuses multipleOf and uniqueItems for xgrammar: they are left to validation, not sent.
+    assert {k for _, k, _ in choice.relaxed.dropped} == {"multipleOf", "uniqueItems"}
+    assert "multipleOf" not in json.dumps(choice.grammar_schema)
+    assert grammar_accepts(choice.relaxed, '{"name":"Ann","age":33,"tags":[1,1]}')  # a hole: validation catches it
+
+
+def test_auto_falls_back_when_the_first_backend_refuses():
+    # Two patternProperties that overlap: llguidance refuses them, xgrammar decodes the object with any keys.
+    schema = {"type": "object", "patternProperties": {"^a": {"type": "string"}, ".*": {"type": "integer"}}}
+    choice = choose(schema)
+    assert choice.backend == "xgrammar" and "guidance refused" in choice.reason
+
+
+def test_coverage_names_holes_and_over_constraint():
+    lines = coverage(PERSON, choose(PERSON, "xgrammar")).lines()
+    assert lines[0].startswith("grammar enforces: type, properties, required")
+    assert "multipleOf" in lines[1] and "uniqueItems" in lines[1]
+    assert "over-constrained" in lines[2] and "undeclared properties" in lines[2]
+    # The over-constraint is real: xgrammar refuses an answer with an extra property, which the schema allows.
+    assert not grammar_accepts(choose(PERSON, "xgrammar").relaxed, '{"name":"Ann","nick":"A"}')
+    assert grammar_accepts(choose(PERSON).relaxed, '{"name":"Ann","nick":"A"}')
+    assert not any("over-constrained" in line for line in coverage(PERSON, choose(PERSON)).lines())
+
+
+@pytest.mark.parametrize("schema, good, bad", [
+    ({"type": "array", "items": {"type": "string", "enum": ["a", "b"]}}, '["a","b"]', '["c"]'),
+    ({"type": "string", "enum": ["yes", "no"]}, '"yes"', '"maybe"'),
+    ({"type": "integer", "minimum": 0}, "7", "-1"),
+])
+def test_non_object_roots_have_a_grammar(schema, good, bad):
+    for backend in ("auto", "xgrammar"):
+        relaxed = choose(schema, backend).relaxed
+        assert grammar_accepts(relaxed, good) and not grammar_accepts(relaxed, bad)
+
+
+def test_no_free_whitespace_in_either_backend():
+    for backend in ("guidance", "xgrammar"):
+        relaxed = relax({"type": "object", "properties": {"a": {"type": "integer"}}}, backend)
+        assert grammar_accepts(relaxed, '{"a":1}') and not grammar_accepts(relaxed, '{"a": 1}')
+
+
+@pytest.mark.engine
+def test_array_root_runs_on_the_auto_backend(tmp_path, tiny_model, engines):
+    """A non-object root through the real engine: every output is an array of the enum, in the typed value column."""
+    import pyarrow.dataset as ds
+
+    from batchjson.run import run_job
+    from batchjson.spec import load_spec
+    from conftest import write_job, write_rows
+
+    schema = {"type": "array", "items": {"type": "string", "enum": ["red", "green"]}, "maxItems": 3}
+    write_rows(tmp_path / "in.parquet", 6)
+    job = write_job(tmp_path, tiny_model, tmp_path / "in.parquet", schema=schema, speculative="ngram")
+    report = run_job(load_spec(job), engine_factory=engines, progress=False)
+    assert report.passes["pass1"].grammar.startswith("guidance (auto: first of guidance/xgrammar")
+    assert "grammar: guidance (auto" in report.summary()
+    out = ds.dataset(sorted(str(p) for p in (tmp_path / "out").glob("*.parquet"))).to_table()
+    assert report.valid == out.num_rows > 0
+    assert all(set(v) <= {"red", "green"} for v in out.column("value").to_pylist())
