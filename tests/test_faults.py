@@ -165,12 +165,12 @@ def test_output_folder_guards(tmp_path, tiny_model, engines):
     holder.close()
 
 
-def test_schema_the_backend_cannot_compile_fails_at_start(tmp_path, tiny_model):
+def test_schema_no_backend_can_compile_fails_at_start(tmp_path, tiny_model):
+    # A required property that no value satisfies: every grammar backend refuses it, before any engine starts.
     write_rows(tmp_path / "in.parquet", 2)
-    schema = {"type": "object", "properties": {"tags": {"type": "array", "items": {"type": "integer"},
-                                                        "uniqueItems": True}}}
+    schema = {"type": "object", "properties": {"a": False}, "required": ["a"]}
     spec = load_spec(write_job(tmp_path, tiny_model, tmp_path / "in.parquet", schema=schema, speculative="none"))
-    with pytest.raises(EngineError, match="xgrammar structured-output backend cannot use this JSON Schema"):
+    with pytest.raises(EngineError, match="no grammar backend builds this schema .guidance: Unsatisfiable"):
         run_job(spec, progress=False)
 
 
