@@ -133,6 +133,8 @@ class ParquetSource:
             rows += pf.metadata.num_rows
             for name in self.spec.passthrough:
                 kind = pf.schema_arrow.field(name).type
+                if kind == pa.null():  # an empty or all-null column fits any type
+                    continue
                 seen = first.setdefault(name, (kind, f))
                 if seen[0] != kind:
                     raise InputError(f"input.passthrough column {name!r} is {seen[0]} in {seen[1]} but {kind} in {f}. "
@@ -140,8 +142,13 @@ class ParquetSource:
         return rows
 
     def passthrough_schema(self) -> pa.Schema:
-        schema = self._open(self.files[0]).schema_arrow
-        return pa.schema([schema.field(c) for c in self.spec.passthrough])
+        """The pass-through columns' types: the first file's that is not all null (check() made sure they agree)."""
+        fields = []
+        for name in self.spec.passthrough:
+            types = (self._open(f).schema_arrow.field(name) for f in self.files)
+            first = self._open(self.files[0]).schema_arrow.field(name)
+            fields.append(next((t for t in types if t.type != pa.null()), first))
+        return pa.schema(fields)
 
     def plan(self, shard: tuple[int, int] = (0, 1)) -> list[UnitRef]:
         """Every unit of the input (of one shard: whole row groups dealt round-robin), from the footers alone."""

@@ -317,3 +317,22 @@ def test_two_shards_at_once_then_verify(tmp_path, tiny_model):
         assert p.returncode == 0, err[-2000:]
     assert verify_cli(job).exit_code == 0
     assert_exactly_once([f"r{i:05d}" for i in range(60)], out, out / "_rejects")
+
+
+def test_an_input_file_removed_after_commits_is_refused(tmp_path, tiny_model):
+    write_rows(tmp_path / "in" / "a.parquet", 4)
+    write_rows(tmp_path / "in" / "b.parquet", 4, start=4)
+    job = write_job(tmp_path, tiny_model, tmp_path / "in")
+    run(job)
+    (tmp_path / "in" / "b.parquet").unlink()
+    with pytest.raises(OutputError, match=r"input file b.parquet was removed.*Put it back"):
+        run(job)
+
+
+def test_an_empty_file_and_odd_ids(tmp_path, tiny_model):
+    rows(tmp_path / "in" / "a.parquet", ["x/../y", "line\nbreak", "ünï", "a" * 500])
+    rows(tmp_path / "in" / "empty.parquet", [])
+    job = write_job(tmp_path, tiny_model, tmp_path / "in")
+    report = run(job, engine_factory=FakeEngines(valid=1.0))
+    assert report.verified["complete"] and sorted(ids_of(tmp_path / "out")) == sorted(
+        ["x/../y", "line\nbreak", "ünï", "a" * 500])
