@@ -67,6 +67,9 @@ class BatchJsonOperator(BaseOperator):
         if report.interrupted:  # run_job stops cleanly on SIGTERM (Airflow's kill) and returns: not a success
             raise AirflowException(INTERRUPTED)
         result = report.to_dict()
+        if report.verify_failed:  # not a retry's to fix: the folder needs a look (see the problems named)
+            raise AirflowFailException(f"{report.output} does not hold each input row exactly once:\n"
+                                       f"{report.verified_summary}")
         if report.over_threshold:
             context["ti"].xcom_push(key="report", value=result)  # a failed task has no return value
             raise AirflowFailException(f"rejects {report.reject_rate:.1%} exceed output.max_reject_rate "
