@@ -1,5 +1,8 @@
 """Three extraction tasks with ground truth, generated from a seed: input text, JSON Schema, expected answer.
 
+The schemas below carry maxItems/maxLength bounds; the benchmark uses them without (`schema(name)`), as a new
+user's schema would be, unless asked for the bounded ones.
+
     A  invoice -> vendor, enums, total and a nested list of line-item objects (the sample task, 1-5 items)
     B  support ticket -> two enums, two lists of enums, a boolean
     C  sign-up note -> a flat object of five fields
@@ -59,6 +62,20 @@ CONTACT_SCHEMA = {
     "required": ["name", "age", "city", "email", "plan"],
     "additionalProperties": False,
 }
+
+
+def unbounded(schema):
+    """The schema without maxItems/maxLength, as a new user tends to write it: then nothing in the grammar ends a
+    loop inside an array or a string before max_tokens."""
+    if isinstance(schema, dict):
+        return {k: unbounded(v) for k, v in schema.items() if k not in ("maxItems", "maxLength")}
+    if isinstance(schema, list):
+        return [unbounded(v) for v in schema]
+    return schema
+
+
+def schema(name: str, bounded: bool = False) -> dict:
+    return TASKS[name]["schema"] if bounded else unbounded(TASKS[name]["schema"])
 
 
 def _and(words: list[str]) -> str:
@@ -123,7 +140,7 @@ def rows(name: str, n: int, seed: int = 0) -> list[tuple[str, str, str]]:
 
 
 def write_task(name: str, n: int, folder: Path, model: str, seed: int = 0, max_tokens: int = 384,
-               extra: str = "") -> tuple[Path, Path]:
+               extra: str = "", bounded: bool = False) -> tuple[Path, Path]:
     """The Parquet input and a job spec (a new user's: only the required tables and max_tokens) for task `name`."""
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -133,7 +150,7 @@ def write_task(name: str, n: int, folder: Path, model: str, seed: int = 0, max_t
     if not data.exists():
         ids, texts, truths = zip(*rows(name, n, seed))
         pq.write_table(pa.table({"id": list(ids), "text": list(texts), "truth": list(truths)}), data)
-    (folder / f"task{name}.schema.json").write_text(json.dumps(TASKS[name]["schema"]))
+    (folder / f"task{name}.schema.json").write_text(json.dumps(schema(name, bounded)))
     t = TASKS[name]
     job = folder / f"task{name}.toml"
     job.write_text(f"""[input]
