@@ -178,7 +178,7 @@ class VllmEngine:
             self.params = self._sampling(
                 temperature=decoding.temperature, top_p=decoding.top_p, max_tokens=decoding.max_tokens,
                 repetition_penalty=decoding.repetition_penalty, frequency_penalty=decoding.frequency_penalty,
-                presence_penalty=decoding.presence_penalty, seed=None if self._cpu else decoding.seed,
+                presence_penalty=decoding.presence_penalty, seed=None if self._cpu else decoding.seed, n=decoding.n,
                 structured_outputs=self._constraint, **self._repetition(decoding.repetition_detection))
         except (TypeError, *self._refused) as e:
             raise EngineError(f"vLLM refuses these sampling settings: {e}. Fix [sampling] or [fallback].") from None
@@ -285,12 +285,21 @@ class VllmEngine:
                 if not out.finished:
                     continue
                 prompt = in_flight.pop(out.request_id)
-                completion = out.outputs[0]
-                gen = Generation(prompt, completion.text, completion.finish_reason or "",
-                                 len(out.prompt_token_ids or ()), len(completion.token_ids))
-                if gen.finish_reason in ("abort", "error"):
-                    gen.error, gen.detail = "engine_error", f"the engine ended the request ({gen.finish_reason})"
+                prompt_tokens = len(out.prompt_token_ids or ())
+                candidates = [self._generation(prompt, c, prompt_tokens) for c in out.outputs]
+                gen = candidates[0]
+                if len(candidates) > 1:  # n > 1: the validator keeps the first valid candidate
+                    gen = Generation(prompt, gen.text, gen.finish_reason, prompt_tokens,
+                                     sum(c.output_tokens for c in candidates), gen.error, gen.detail, candidates)
                 yield gen
+
+    @staticmethod
+    def _generation(prompt: Prompt, completion: Any, prompt_tokens: int) -> Generation:
+        gen = Generation(prompt, completion.text, completion.finish_reason or "", prompt_tokens,
+                         len(completion.token_ids))
+        if gen.finish_reason in ("abort", "error"):
+            gen.error, gen.detail = "engine_error", f"the engine ended the request ({gen.finish_reason})"
+        return gen
 
     def stats(self) -> dict[str, float]:
         """Speculative decoding counters from the engine's metrics (zero without speculation)."""

@@ -31,6 +31,9 @@ class Generation:
     output_tokens: int = 0
     error: Reason | None = None
     detail: str = ""
+    candidates: list[Generation] = field(default_factory=list)
+    """With n > 1 candidates per row: each of them, in the engine's order (this record then holds the first one's
+    text and the tokens of all of them); empty with one candidate."""
 
 
 @dataclass(slots=True)

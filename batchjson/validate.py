@@ -37,6 +37,19 @@ class Validator:
             self._validator = cls(schema, format_checker=FORMATS if check_format else None, registry=META_SCHEMAS)
 
     def check(self, gen: Generation) -> Outcome:
+        """The outcome of one row. With several candidates (n > 1): the first valid one's, or else the first
+        candidate's failure; the outcome's generation is then that candidate."""
+        if not gen.candidates:
+            return self._check(gen)
+        first = None
+        for candidate in gen.candidates:
+            outcome = self._check(candidate)
+            if outcome.ok:
+                return outcome
+            first = first or outcome
+        return first
+
+    def _check(self, gen: Generation) -> Outcome:
         if gen.error:
             return Outcome(gen, reason=gen.error, detail=gen.detail)
         if gen.finish_reason == "repetition":

@@ -114,3 +114,36 @@ def test_backend_and_format_keys(tmp_path):
         load_spec(spec_file(tmp_path, BASE + "[model]\nstructured_output_backend = 'xgrammer'\n"))
     spec = load_spec(spec_file(tmp_path, BASE.replace("[schema]\n", "[schema]\ncheck_format = false\n")))
     assert spec.schema.check_format is False
+
+
+def test_loop_guard_is_on_by_default_in_both_passes_and_can_be_turned_off(tmp_path):
+    from batchjson.spec import LOOP_GUARD
+
+    spec = load_spec(spec_file(tmp_path, BASE))
+    assert spec.sampling.repetition_detection == spec.fallback.repetition_detection == LOOP_GUARD
+    assert LOOP_GUARD == {"max_pattern_size": 64, "min_pattern_size": 8, "min_count": 3}
+    assert (spec.fallback.temperature, spec.fallback.top_p, spec.fallback.repetition_penalty, spec.fallback.seed,
+            spec.fallback.max_tokens, spec.fallback.n) == (0.7, 1.0, 1.1, 0, 512, 1)
+    off = load_spec(spec_file(tmp_path, BASE + "[sampling]\nrepetition_detection = false\n"
+                                              "[fallback]\nrepetition_detection = false\nn = 2\n"))
+    assert off.sampling.repetition_detection is False and off.fallback.repetition_detection is False
+    assert off.fallback.n == 2 and off.hash() != spec.hash()
+    # A table replaces the default whole: keys left out take vLLM's defaults, not ours.
+    own = load_spec(spec_file(tmp_path, BASE + "[sampling.repetition_detection]\nmax_pattern_size = 16\nmin_count = 4\n"))
+    assert own.sampling.repetition_detection == {"max_pattern_size": 16, "min_count": 4}
+    assert own.fallback.repetition_detection == LOOP_GUARD
+
+
+@pytest.mark.parametrize("extra, message", [
+    ("[sampling]\nrepetition_detection = true\n", "repetition_detection must be a table"),
+    ("[sampling]\nrepetition_detection = 3\n", "sampling.repetition_detection must be dict or bool"),
+    ("[sampling.repetition_detection]\nmax_pattern = 16\n", "repetition_detection.max_pattern is unknown"),
+    ("[sampling.repetition_detection]\nmax_pattern_size = 16\n", "min_count >= 2"),
+    ("[fallback.repetition_detection]\nmax_pattern_size = 16\nmin_count = 1.5\n", "must be integers"),
+    ("[sampling]\nn = 2\n", "sampling.n is not allowed"),
+    ("[fallback]\nn = 0\n", "fallback.n must be >= 1"),
+])
+def test_bad_loop_guard_and_n_name_the_key(tmp_path, extra, message):
+    with pytest.raises(SpecError) as e:
+        load_spec(spec_file(tmp_path, BASE + extra))
+    assert message in str(e.value)

@@ -71,3 +71,14 @@ def test_non_object_roots_are_validated():
     assert v.check(gen('["a","b"]')).value == ["a", "b"]
     assert v.check(gen('["c"]')).reason == "schema"
     assert Validator({"type": "string", "enum": ["yes", "no"]}).check(gen('"no"')).value == "no"
+
+
+def test_first_valid_candidate_is_kept():
+    v = Validator(SCHEMA)
+    bad, good, also_good = gen('{"name":"abcdef"}'), gen('{"name":"ab"}'), gen('{"name":"cd"}')
+    parent = gen('{"name":"abcdef"}', candidates=[bad, good, also_good])
+    out = v.check(parent)
+    assert out.ok and out.generation is good and out.value == {"name": "ab"}
+    looping = gen('{"name":"ab","tags":[1,1', finish="repetition")
+    failed = v.check(gen("", candidates=[looping, bad]))
+    assert failed.reason == "repetition" and failed.generation is looping

@@ -1,0 +1,54 @@
+"""The default loop guard and the fallback's n candidates, on the real vLLM CPU engine with a tiny model."""
+
+from __future__ import annotations
+
+import pyarrow.dataset as ds
+import pytest
+
+from batchjson.run import run_job
+from batchjson.spec import LOOP_GUARD, load_spec
+from conftest import write_job, write_rows
+
+pytestmark = pytest.mark.engine
+
+
+def spying(engines, seen):
+    def factory(spec, decoding, speculative):
+        engine = engines(spec, decoding, speculative)
+        seen.append(engine.params)
+        return engine
+
+    return factory
+
+
+def guard_of(params):
+    rd = params.repetition_detection
+    return rd and {"max_pattern_size": rd.max_pattern_size, "min_pattern_size": rd.min_pattern_size,
+                   "min_count": rd.min_count}
+
+
+def test_default_loop_guard_reaches_both_passes(tmp_path, tiny_model, engines):
+    write_rows(tmp_path / "in.parquet", 12)
+    # No repetition_detection in the job; pass 1 cannot finish in 3 tokens, so pass 2 runs too.
+    job = write_job(tmp_path, tiny_model, tmp_path / "in.parquet", max_tokens=3, fallback_max_tokens=64)
+    assert "repetition_detection" not in job.read_text()
+    seen = []
+    report = run_job(load_spec(job), engine_factory=spying(engines, seen), progress=False)
+    assert report.passes["pass2"].rows == 12
+    assert [guard_of(p) for p in seen] == [LOOP_GUARD, LOOP_GUARD]
+
+
+def test_fallback_keeps_the_first_valid_of_n_candidates(tmp_path, tiny_model, engines):
+    write_rows(tmp_path / "in.parquet", 12)
+    job = write_job(tmp_path, tiny_model, tmp_path / "in.parquet", max_tokens=3, fallback_max_tokens=64)
+    job.write_text(job.read_text().replace("[fallback]\n", "[fallback]\nn = 3\nrepetition_detection = false\n"))
+    seen = []
+    report = run_job(load_spec(job), engine_factory=spying(engines, seen), progress=False)
+    assert [p.n for p in seen] == [1, 3] and guard_of(seen[1]) is None
+    p2 = report.passes["pass2"]
+    assert p2.rows == 12 and p2.valid > 0
+    valid = ds.dataset(str(tmp_path / "out"), format="parquet").to_table().to_pylist()
+    chosen = [r for r in valid if r["_pass"] == 2]
+    assert len(chosen) == p2.valid and len(valid) + report.rejected == 12
+    # The pass counts the tokens of every candidate; each output row carries its own candidate's.
+    assert p2.output_tokens > sum(r["_output_tokens"] for r in chosen)
