@@ -12,11 +12,23 @@ from conftest import write_job, write_rows
 pytestmark = pytest.mark.engine
 
 
+class _Spy:
+    """Records the sampling parameters of each stream (a pass), whether or not the passes share an engine."""
+
+    def __init__(self, engine, seen):
+        self._engine, self._seen = engine, seen
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+    def stream(self, *args, **kwargs):
+        self._seen.append(self._engine.params)
+        return self._engine.stream(*args, **kwargs)
+
+
 def spying(engines, seen):
     def factory(spec, decoding, speculative):
-        engine = engines(spec, decoding, speculative)
-        seen.append(engine.params)
-        return engine
+        return _Spy(engines(spec, decoding, speculative), seen)
 
     return factory
 
