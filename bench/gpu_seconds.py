@@ -447,10 +447,10 @@ def w_batchjson(sc: dict) -> dict:
 
     import batchjson.cli as cli
     import batchjson.engine as engine
-    import batchjson.ledger as ledger
     import batchjson.run as run
     import batchjson.source as source
     import batchjson.spec as spec
+    import batchjson.storage as storage
     import batchjson.validate as validate
 
     s.events.append(("import batchjson (cli, run)", round(a, 3), round(time.time() - t_launch, 3)))
@@ -459,19 +459,29 @@ def w_batchjson(sc: dict) -> dict:
     out_dir = WORK / f"out-{sc['task']}"
     s.wrap(cli, "load_spec", "load_spec (TOML, schema check)")
     s.wrap(source.ParquetSource, "check", "source.check (footers)")
-    s.wrap(source.ParquetSource, "check_ids", "source.check_ids (id column)")
+    s.wrap(source.ParquetSource, "scan", "source.scan (id column, fingerprints)")
     s.wrap(source, "list_files", "list_files")
     s.wrap(pq.ParquetFile, "__init__", "pq.ParquetFile() (a footer read)")
-    s.wrap(ledger.Ledger, "open", "ledger.open")
+    s.wrap(storage.Storage, "open", "storage.open")
+    s.wrap(storage.Storage, "check_inputs", "storage.check_inputs")
     s.wrap(spec.JobSpec, "hash", "spec.hash")
     s.wrap(validate.Validator, "__init__", "Validator() (schema compile)")
     s.wrap(engine, "resolve_model", "resolve_model")
     s.wrap(engine.VllmEngine, "__init__", "VllmEngine() (all of it)")
     s.wrap(engine.VllmEngine, "_probe", "engine probe (a '{' request)")
-    s.wrap(engine.VllmEngine, "chat_frame", "chat template (chat_frame)")
+    s.wrap(run, "chat_frame", "chat template (prompts.chat_frame, from the tokenizer)")
     s.wrap(engine.VllmEngine, "close", "engine close")
-    s.wrap(run.JobRun, "_pass1", "pass 1")
-    s.wrap(run.JobRun, "_pass2", "pass 2")
+    run_pass = run.JobRun._run_pass
+
+    def timed_pass(self, report, p):
+        a = time.time() - t_launch
+        try:
+            return run_pass(self, report, p)
+        finally:
+            s.events.append((f"pass {p.number}", round(a, 3), round(time.time() - t_launch, 3)))
+
+    run.JobRun._run_pass = timed_pass
+    s.wrap(run, "verify", "verify (exactly-once check)")
     real_vllm = engine._vllm
 
     def vllm_import():
