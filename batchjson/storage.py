@@ -340,16 +340,21 @@ class Storage:
         return pq.read_table(self.part("p1", key, "requeue"))
 
     def read_ids(self, stage: Stage, key: str, kind: Kind, columns: list[str]) -> pa.Table:
-        """Some columns of one committed file (its hidden name while a killed run's commit is not yet published)."""
+        """Some columns of one committed file, under its final name or, while its commit is being published (by
+        another shard, or not yet after a kill), its hidden one."""
         path = self.part(stage, key, kind)
-        if not path.exists() and self._hidden(path).exists():
-            path = self._hidden(path)
-        return pq.read_table(path, columns=columns)
+        for candidate in (path, self._hidden(path), path):  # a rename may land between two looks
+            try:
+                return pq.read_table(candidate, columns=columns)
+            except FileNotFoundError:
+                continue
+        raise FileNotFoundError(path)
 
     def stray(self) -> list[Path]:
-        """Part files in the output or rejects folder that no commit record lists."""
-        listed = {(self.part(r["stage"], r["key"], k)) for r in self._records() for k in r["files"]}
+        """Part files in the output or rejects folder that no commit record lists. The folders are listed before
+        the records are read: a file is published only after its record is written, so none is taken for stray."""
         found = set(self.output.glob("p[12]-*.parquet")) | set(self.rejects.glob("rejects-p[12]-*.parquet"))
+        listed = {(self.part(r["stage"], r["key"], k)) for r in self._records() for k in r["files"]}
         return sorted(found - listed)
 
     def _write(self, table: pa.Table, path: Path) -> None:
