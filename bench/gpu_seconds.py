@@ -335,11 +335,11 @@ def _engine_kwargs(model: str) -> dict:
 
 
 def _frame(llm, system: str) -> tuple[str, str]:
-    from batchjson.prompts import Renderer
+    from batchjson.prompts import MARK
 
-    text = llm.get_tokenizer().apply_chat_template([{"role": "system", "content": system}, {"role": "user", "content": Renderer.MARK}],
+    text = llm.get_tokenizer().apply_chat_template([{"role": "system", "content": system}, {"role": "user", "content": MARK}],
                                                    tokenize=False, add_generation_prompt=True)
-    prefix, _, suffix = text.partition(Renderer.MARK)
+    prefix, _, suffix = text.partition(MARK)
     return prefix, suffix
 
 
