@@ -130,7 +130,7 @@ def local_refs(schema: dict) -> tuple[dict, list[str]]:
                 anchors[urljoin(base, "#" + frag)] = path
         if isinstance(node.get("$anchor"), str):
             anchors[urljoin(base, "#" + node["$anchor"])] = path
-        for sub_path, sub in _children(node, path):
+        for sub_path, sub in children(node, path):
             ids(sub, sub_path, base)
 
     root_base = urldefrag(doc.get(id_key, "")).url if isinstance(doc.get(id_key), str) else ""
@@ -155,14 +155,15 @@ def local_refs(schema: dict) -> tuple[dict, list[str]]:
                 node["$ref"] = "#" + frag
             elif absolute.rstrip("#") not in META and absolute not in META:
                 remote.append(ref)
-        for _, sub in _children(node, ""):
+        for _, sub in children(node, ""):
             fix(sub, base)
 
     fix(doc, root_base)
     return doc, remote
 
 
-def _children(node: dict, path: str) -> Iterator[tuple[str, dict]]:
+def children(node: dict, path: str = "") -> Iterator[tuple[str, dict]]:
+    """The immediate subschemas of a schema object (booleans skipped), with their JSON pointers under `path`."""
     for key in _MAPS + ("dependencies",):
         if isinstance(node.get(key), dict):
             for name, sub in node[key].items():
