@@ -21,10 +21,10 @@ from urllib.request import url2pathname
 from jsonschema_specifications import REGISTRY as META_SCHEMAS
 from referencing import Registry, Resource
 from referencing.exceptions import Unresolvable
-from referencing.jsonschema import DRAFT202012, specification_with
+from referencing.jsonschema import DRAFT3, DRAFT4, DRAFT6, DRAFT7, DRAFT202012, specification_with
 
 from batchjson.errors import SpecError
-from batchjson.grammar import _draft, children, esc
+from batchjson.grammar import children, declared_draft, esc
 
 
 class _Remote(Exception):
@@ -63,13 +63,35 @@ def _prune(node, path: list[str], reached: set[tuple], on_the_way: set[tuple]) -
                 node[i] = {}
 
 
+# Before 2019-09 a `$ref` makes its sibling keywords ignored; from 2019-09 on they apply next to it.
+_SIBLINGS_IGNORED = (DRAFT3, DRAFT4, DRAFT6, DRAFT7)
+
+
+def _set_ref(node: dict, target: str | bool, from_legacy: bool, into_legacy: bool) -> None:
+    """Point `node` at `target` (a root-relative ref, or a boolean schema, written in place), keeping what its
+    sibling keywords meant in the file it came from once it sits in a schema of another draft."""
+    if isinstance(target, str) and from_legacy == into_legacy:
+        node["$ref"] = target
+        return
+    defs = {k: node[k] for k in ("definitions", "$defs") if k in node}
+    siblings = {} if from_legacy else {k: v for k, v in node.items() if k not in ("$ref", "definitions", "$defs")}
+    ref = {"$ref": target} if isinstance(target, str) else {} if target else {"not": {}}
+    node.clear()
+    node.update(defs)
+    node.update(siblings)
+    if siblings and ref:
+        node["allOf"] = [ref, *siblings.get("allOf", [])]  # applies next to the siblings whatever the draft
+    else:
+        node.update(ref)
+
+
 class _Bundle:
     """One bundling: the files read so far, where each JSON node sits, and the rewrites to make."""
 
     def __init__(self, root: dict, folder: Path, name: str | None):
         self.root = root
         self.spec = specification_with(str(root.get("$schema", "")), default=DRAFT202012)
-        self.defs = "definitions" if _draft(root) <= 7 else "$defs"
+        self.defs = "definitions" if declared_draft(root) <= 7 else "$defs"
         self.taken = set(root[self.defs]) if isinstance(root.get(self.defs), dict) else set()
         path = (folder / name).resolve() if name else None
         uri = path.as_uri() if path else folder.resolve().as_uri() + "/"
@@ -90,7 +112,7 @@ class _Bundle:
         self.registry = Registry().with_resources([(uri, resource), (urljoin(uri, resource.id() or ""), resource)])
         self.registry = self.registry.crawl()
         self.embedded: list[tuple[str, Resource]] = []
-        self.rewrites: list[tuple[dict, str]] = []
+        self.rewrites: list[tuple[dict, str | None, str | bool]] = []
         self.ids: list[dict] = []
         self.remote: list[str] = []
 
@@ -176,8 +198,9 @@ class _Bundle:
             todo.extend(sub for _, sub in children(node))
         if self.remote or not self.embedded:
             return False
-        for node, new in self.rewrites:
-            node["$ref"] = new
+        into_legacy = self.spec in _SIBLINGS_IGNORED
+        for node, key, new in self.rewrites:
+            _set_ref(node, new, self.specs[key] in _SIBLINGS_IGNORED, into_legacy)
         # Every ref now points from the root: an `$id` left inside would make a '#/...' under it relative to itself.
         for node in self.ids:
             node.pop("$id" if "$id" in node else "id", None)
@@ -218,11 +241,11 @@ class _Bundle:
             if key is None and ref.startswith("#"):
                 return None  # the schema's own refs are validation's business, as when nothing is bundled
             raise SpecError(f"$ref {ref!r} in {where} points to nothing ({type(e).__name__}).") from None
-        if id(target) not in self.nodes:
-            raise SpecError(f"$ref {ref!r} in {where} points to a boolean schema in another file: write it in place "
-                            "as {} (true) or {\"not\": {}} (false).")
+        if id(target) not in self.nodes:  # a boolean schema: written in place
+            self.rewrites.append((node, key, bool(target)))
+            return None
         target_key, path = self.nodes[id(target)]
-        self.rewrites.append((node, "#" + _pointer(([self.defs, target_key] if target_key else []) + path)))
+        self.rewrites.append((node, key, "#" + _pointer(([self.defs, target_key] if target_key else []) + path)))
         return target
 
 

@@ -96,7 +96,7 @@ def _types(node: dict) -> set[str]:
     return {t} if isinstance(t, str) else {x for x in t if isinstance(x, str)} if isinstance(t, list) else set()
 
 
-def _draft(schema: dict) -> int:
+def declared_draft(schema: dict) -> int:
     """The declared draft as a year-ish number: 4, 6, 7, 2019, 2020 (2020 when none is declared)."""
     declared = str(schema.get("$schema", ""))
     for mark, n in (("draft-04", 4), ("draft-03", 4), ("draft-06", 6), ("draft-07", 7), ("2019-09", 2019)):
@@ -114,7 +114,7 @@ def local_refs(schema: dict) -> tuple[dict, list[str]]:
     from jsonschema_specifications import REGISTRY as META
 
     doc = copy.deepcopy(schema)
-    id_key = "id" if _draft(schema) == 4 else "$id"
+    id_key = "id" if declared_draft(schema) == 4 else "$id"
     bases: dict[str, str] = {}  # absolute $id (no fragment) -> JSON pointer of the subschema that declares it
     anchors: dict[str, str] = {}
 
@@ -192,7 +192,7 @@ class Relaxed:
 def relax(schema: dict, backend: str, disable_any_whitespace: bool = True) -> Relaxed:
     """The grammar schema for `backend`: the job's schema minus what the backend cannot compile or vLLM refuses."""
     doc, _ = local_refs(schema)
-    draft = _draft(schema)
+    draft = declared_draft(schema)
     dropped: list[tuple[str, str, str]] = []
 
     def drop(path, node, key, why):

@@ -232,3 +232,21 @@ def test_an_inline_schema_reads_sibling_files_from_the_spec_folder(tmp_path):
     spec = load_spec(spec_file(tmp_path, BASE.replace('a = {type = "string"}', 'a = {"$ref" = "schemas/name.json"}')))
     assert spec.schema_doc["properties"]["a"] == {"$ref": "#/$defs/name.json"}
     assert spec.schema_doc["$defs"]["name.json"] == {"type": "string", "maxLength": 3}
+
+
+def test_a_file_of_another_draft_keeps_its_meaning_inside_the_schema(tmp_path):
+    from batchjson.records import Generation, Prompt
+    from batchjson.validate import Validator
+
+    # From 2019-09 on, keywords next to a $ref apply; before, they are ignored. And a boolean schema is a target too.
+    write_json(tmp_path / "v.json", {"$schema": "https://json-schema.org/draft/2020-12/schema",
+                                      "$defs": {"short": {"$ref": "#/$defs/str", "maxLength": 3},
+                                                "str": {"type": "string"}, "never": False}})
+    schema = {"$schema": "http://json-schema.org/draft-07/schema#", "type": "object",
+              "properties": {"s": {"$ref": "v.json#/$defs/short"}, "x": {"$ref": "v.json#/$defs/never"}}}
+    validator = Validator(load_spec(schema_job(tmp_path, schema)).schema_doc)
+
+    def ok(value) -> bool:
+        return validator.check(Generation(Prompt("r", "u", ""), json.dumps(value), "stop")).ok
+
+    assert ok({"s": "abc"}) and not ok({"s": "abcd"}) and not ok({"s": 1}) and not ok({"x": 1})
