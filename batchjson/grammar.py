@@ -96,7 +96,7 @@ def _types(node: dict) -> set[str]:
     return {t} if isinstance(t, str) else {x for x in t if isinstance(x, str)} if isinstance(t, list) else set()
 
 
-def _draft(schema: dict) -> int:
+def declared_draft(schema: dict) -> int:
     """The declared draft as a year-ish number: 4, 6, 7, 2019, 2020 (2020 when none is declared)."""
     declared = str(schema.get("$schema", ""))
     for mark, n in (("draft-04", 4), ("draft-03", 4), ("draft-06", 6), ("draft-07", 7), ("2019-09", 2019)):
@@ -114,7 +114,7 @@ def local_refs(schema: dict) -> tuple[dict, list[str]]:
     from jsonschema_specifications import REGISTRY as META
 
     doc = copy.deepcopy(schema)
-    id_key = "id" if _draft(schema) == 4 else "$id"
+    id_key = "id" if declared_draft(schema) == 4 else "$id"
     bases: dict[str, str] = {}  # absolute $id (no fragment) -> JSON pointer of the subschema that declares it
     anchors: dict[str, str] = {}
 
@@ -130,7 +130,7 @@ def local_refs(schema: dict) -> tuple[dict, list[str]]:
                 anchors[urljoin(base, "#" + frag)] = path
         if isinstance(node.get("$anchor"), str):
             anchors[urljoin(base, "#" + node["$anchor"])] = path
-        for sub_path, sub in _children(node, path):
+        for sub_path, sub in children(node, path):
             ids(sub, sub_path, base)
 
     root_base = urldefrag(doc.get(id_key, "")).url if isinstance(doc.get(id_key), str) else ""
@@ -155,14 +155,15 @@ def local_refs(schema: dict) -> tuple[dict, list[str]]:
                 node["$ref"] = "#" + frag
             elif absolute.rstrip("#") not in META and absolute not in META:
                 remote.append(ref)
-        for _, sub in _children(node, ""):
+        for _, sub in children(node, ""):
             fix(sub, base)
 
     fix(doc, root_base)
     return doc, remote
 
 
-def _children(node: dict, path: str) -> Iterator[tuple[str, dict]]:
+def children(node: dict, path: str = "") -> Iterator[tuple[str, dict]]:
+    """The immediate subschemas of a schema object (booleans skipped), with their JSON pointers under `path`."""
     for key in _MAPS + ("dependencies",):
         if isinstance(node.get(key), dict):
             for name, sub in node[key].items():
@@ -191,7 +192,7 @@ class Relaxed:
 def relax(schema: dict, backend: str, disable_any_whitespace: bool = True) -> Relaxed:
     """The grammar schema for `backend`: the job's schema minus what the backend cannot compile or vLLM refuses."""
     doc, _ = local_refs(schema)
-    draft = _draft(schema)
+    draft = declared_draft(schema)
     dropped: list[tuple[str, str, str]] = []
 
     def drop(path, node, key, why):

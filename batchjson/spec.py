@@ -17,6 +17,7 @@ from typing import Any, Literal
 
 from jsonschema import SchemaError, validators
 
+from batchjson.bundle import bundle
 from batchjson.errors import SpecError
 from batchjson.grammar import local_refs
 
@@ -297,6 +298,14 @@ def _read(path: Path, loads: Callable[[str], Any], syntax_error: type[Exception]
         raise SpecError(f"{what} {path} does not parse: {e}.") from None
 
 
+def _check_schema(doc: dict, what: str = "") -> None:
+    try:
+        validators.validator_for(doc, default=validators.Draft202012Validator).check_schema(doc)
+    except SchemaError as e:
+        raise SpecError(f"the JSON Schema {what}is invalid at {'/'.join(map(str, e.absolute_path)) or 'its root'}: "
+                        f"{e.message}.") from None
+
+
 def load_schema(spec: SchemaSpec, base: Path) -> dict | None:
     """Read and check the output JSON Schema; None means any JSON object."""
     given = [k for k in ("path", "inline") if getattr(spec, k)] + (["json_object"] if spec.json_object else [])
@@ -305,22 +314,25 @@ def load_schema(spec: SchemaSpec, base: Path) -> dict | None:
     if spec.json_object:
         return None
     if spec.inline:
-        doc = spec.inline
+        doc, folder, name = spec.inline, base, None
     else:
-        doc = _read(Path(_resolve(base, spec.path)), json.loads, json.JSONDecodeError, "schema.path: the JSON Schema")
+        path = Path(_resolve(base, spec.path))
+        doc = _read(path, json.loads, json.JSONDecodeError, "schema.path: the JSON Schema")
+        folder, name = path.parent, path.name
     _require(isinstance(doc, dict), "the JSON Schema must be a JSON object ({...}), got "
              f"{type(doc).__name__}: wrap it, e.g. {{\"type\": \"string\"}}.")
-    try:
-        validators.validator_for(doc, default=validators.Draft202012Validator).check_schema(doc)
-    except SchemaError as e:
-        raise SpecError(f"the JSON Schema is invalid at {'/'.join(map(str, e.absolute_path)) or 'its root'}: "
-                        f"{e.message}.") from None
-    # jsonschema would fetch a remote $ref over the network while validating, row after row.
+    _check_schema(doc)
     _, remote = local_refs(doc)
     if remote:
-        raise SpecError(f"the JSON Schema refers to another document ($ref {remote[0]!r}"
+        # Refs to sibling files are bundled in, so that the grammar and the validator see one document.
+        doc, remote = bundle(doc, folder, name)
+        _check_schema(doc, "with the files it refers to bundled in, ")
+    # jsonschema would fetch a remote $ref over the network while validating, row after row.
+    if remote:
+        raise SpecError(f"the JSON Schema refers to a URL ($ref {remote[0]!r}"
                         f"{f' and {len(remote) - 1} more' if len(remote) > 1 else ''}): batchjson does not fetch "
-                        "schemas. Inline the referenced schema under \"$defs\" and point the $ref at \"#/$defs/<name>\".")
+                        "schemas. Save the referenced schema next to the schema file and refer to it by a relative "
+                        "path (\"$ref\": \"other.json#/definitions/x\"), or inline it under \"$defs\".")
     return doc
 
 

@@ -16,6 +16,19 @@ from batchjson.records import Generation, Outcome
 # says "format": "date-time" means it, and the draft's own checker set lacks formats later drafts added.
 FORMATS = FormatChecker()
 
+# Keywords a later draft added that an older draft gives no meaning: a draft-04 schema that writes "const" means
+# it (the grammar backends enforce it whatever the draft, and so does ajv, SchemaStore's validator). Left out,
+# `{"oneOf": [{"const": "a"}, {"const": "b"}]}` would refuse every answer in draft-04, as both branches match.
+# Keywords whose meaning changed between drafts (exclusiveMaximum, items, dependencies...) keep the declared one.
+LATER_KEYWORDS = ("const", "contains", "propertyNames", "if")
+
+
+def validator_class(schema: dict) -> type:
+    """The declared draft's validator (2020-12 when none is declared), plus LATER_KEYWORDS where it lacks them."""
+    cls = validators.validator_for(schema, default=validators.Draft202012Validator)
+    missing = {k: validators.Draft7Validator.VALIDATORS[k] for k in LATER_KEYWORDS if k not in cls.VALIDATORS}
+    return validators.extend(cls, missing) if missing else cls
+
 
 def unchecked_formats(schema: dict | None) -> list[str]:
     """Formats the schema uses that no checker knows: nothing checks them, neither the grammar nor validation."""
@@ -24,7 +37,8 @@ def unchecked_formats(schema: dict | None) -> list[str]:
 
 
 class Validator:
-    """Checks every output; compiled once for the schema's declared draft (2020-12 when none is declared).
+    """Checks every output; compiled once for the schema's declared draft (2020-12 when none is declared), with
+    the later drafts' const, contains, propertyNames and if/then/else where the draft lacks them.
 
     `format` is asserted unless check_format is false. $refs resolve inside the schema and to the JSON Schema
     meta-schemas only: nothing is fetched (the spec loader refuses remote $refs)."""
@@ -33,8 +47,7 @@ class Validator:
         self.schema = schema
         self._validator = None
         if schema is not None:
-            cls = validators.validator_for(schema, default=validators.Draft202012Validator)
-            self._validator = cls(schema, format_checker=FORMATS if check_format else None, registry=META_SCHEMAS)
+            self._validator = validator_class(schema)(schema, format_checker=FORMATS if check_format else None, registry=META_SCHEMAS)
 
     def check(self, gen: Generation) -> Outcome:
         """The outcome of one row. With several candidates (n > 1): the first valid one's, or else the first

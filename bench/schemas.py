@@ -2,7 +2,8 @@
 
     python bench/schemas.py [--corpus bench/corpus/schemastore.jsonl.gz] [--out bench-results/schemas.json]
 
-Per schema: accepted by the spec loader (or refused, with the message); which backends build its grammar (as
+Per schema: accepted by the spec loader (or refused, with the message), loaded as a user's schema file would be:
+written to a folder next to the SchemaStore files its `$ref`s reach, and bundled with them by the loader; which backends build its grammar (as
 batchjson configures them: relaxed grammar schema, no free whitespace) and in how long; what "auto" chooses.
 Per labelled instance: whether the Validator agrees with the label; whether each backend's grammar lets the
 instance through (compact JSON, keys in schema order): a valid instance refused is an over-constraint, an
@@ -16,6 +17,7 @@ import gzip
 import json
 import statistics
 import sys
+import tempfile
 import time
 from collections import Counter
 from pathlib import Path
@@ -56,18 +58,31 @@ def ordered(value, schema, root):
     return value
 
 
-def measure(rows: list[dict]) -> dict:
+def load(row: dict, files: dict[str, dict], folder: Path) -> dict:
+    """The row's schema through the spec loader, from a file laid out next to the files it refers to."""
+    for name in row.get("refs", ()):
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        (folder / name).write_text(json.dumps(files[name]))
+    (folder / f"{row['name']}.json").write_text(json.dumps(row["schema"]))
+    return load_schema(SchemaSpec(path=f"{row['name']}.json"), folder)
+
+
+def measure(rows: list[dict], files: dict[str, dict]) -> dict:
     c: Counter = Counter()
     refused: Counter = Counter()
     build_s = {b: [] for b in BACKENDS}
     chosen: Counter = Counter()
     disagreements = []
+    refusals = []
     for row in rows:
         c["schemas"] += 1
         try:
-            schema = load_schema(SchemaSpec(inline=row["schema"]), Path("."))
+            with tempfile.TemporaryDirectory() as folder:
+                schema = load(row, files, Path(folder))
+            c["bundled"] += bool(row.get("refs")) and schema != row["schema"]
         except SpecError as e:
             refused[str(e).split(":")[0][:60]] += 1
+            refusals.append((row["name"], str(e)[:300]))
             continue
         c["accepted"] += 1
         relaxed = {}
@@ -109,7 +124,7 @@ def measure(rows: list[dict]) -> dict:
                     c["chosen_valid_checked" if ok else "chosen_invalid_checked"] += 1
                     passes = grammar_accepts(relaxed[choice.backend], text)
                     c["chosen_blocked_valid" if ok else "chosen_holes"] += (not passes) if ok else passes
-    return {"counts": dict(c), "refused": dict(refused), "chosen": dict(chosen), "disagreements": disagreements,
+    return {"counts": dict(c), "refused": dict(refused), "refusals": refusals, "chosen": dict(chosen), "disagreements": disagreements,
             "build_ms": {b: {"median": round(statistics.median(v) * 1000, 2), "max": round(max(v) * 1000, 1)}
                          for b, v in build_s.items() if v}}
 
@@ -139,13 +154,17 @@ def main() -> None:
     ap.add_argument("--corpus", default=str(Path(__file__).parent / "corpus" / "schemastore.jsonl.gz"))
     ap.add_argument("--out", default="bench-results/schemas.json")
     a = ap.parse_args()
-    rows = [json.loads(line) for line in gzip.open(a.corpus, "rt")]
-    result = measure(rows)
+    lines = [json.loads(line) for line in gzip.open(a.corpus, "rt")]
+    files = {line["file"]: line["schema"] for line in lines if "file" in line}
+    result = measure([line for line in lines if "name" in line], files)
     result["auto_order"] = AUTO_ORDER
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(result, indent=1))
     print(report(result))
     print("validator disagreements:", result["disagreements"][:20])
+    print(f"bundled: {result['counts'].get('bundled', 0)} schemas; refused:")
+    for name, why in result["refusals"]:
+        print(f"  {name}: {why}")
 
 
 if __name__ == "__main__":

@@ -56,10 +56,12 @@ class FakeEngine:
 class FakeEngines:
     """An engine factory: a new FakeEngine per start, counting the starts."""
 
-    def __init__(self, start_delay: float = 0.0, **kwargs):
-        self.kwargs, self.started, self.start_delay = kwargs, [], start_delay
+    def __init__(self, start_delay: float = 0.0, start_marker: str | None = None, **kwargs):
+        self.kwargs, self.started, self.start_delay, self.start_marker = kwargs, [], start_delay, start_marker
 
     def __call__(self, spec, decoding, speculative):
+        if self.start_marker:  # lets a test signal the runner once it is inside the engine start
+            open(self.start_marker, "w").close()
         time.sleep(self.start_delay)  # an engine start takes a while; signals arrive meanwhile
         engine = FakeEngine(**self.kwargs)
         self.started.append((decoding, speculative))

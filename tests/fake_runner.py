@@ -32,7 +32,8 @@ def main():
         self.after = after
 
     storage.Storage.__init__ = init
-    engines = FakeEngines(start_delay=float(os.environ.get("FAKE_START_DELAY", "0")))
+    engines = FakeEngines(start_delay=float(os.environ.get("FAKE_START_DELAY", "0")),
+                          start_marker=os.environ.get("FAKE_START_MARKER"))
     report = run_job(load_spec(job), output, shard=shard, engine_factory=engines, progress=False)
     print(report.summary())
     sys.exit(130 if report.interrupted else 3 if report.verify_failed else 0)

@@ -89,3 +89,17 @@ def test_check_names_the_value_column_of_a_non_object_root(tmp_path, tiny_model)
     assert result.exit_code == 0, result.output
     assert "schema: root string -> output column json and value (string)" in result.output
     assert "pass1 grammar: guidance (auto" in result.output
+
+
+def test_check_a_schema_file_referring_to_a_sibling_file(tmp_path, tiny_model):
+    write_rows(tmp_path / "in.parquet", 3)
+    schema = {"type": "object", "properties": {"who": {"$ref": "people.json#/definitions/person"}}, "required": ["who"]}
+    job = write_job(tmp_path, tiny_model, tmp_path / "in.parquet", schema=schema)
+    result = CliRunner().invoke(main, ["check", str(job)])
+    missing = f"refers to the file {tmp_path / 'people.json'}, which does not exist"
+    assert result.exit_code == 2 and missing in " ".join(result.output.split()), result.output
+    (tmp_path / "people.json").write_text(json.dumps({"definitions": {"person": {
+        "type": "object", "properties": {"name": {"type": "string", "maxLength": 20}}, "required": ["name"]}}}))
+    result = CliRunner().invoke(main, ["check", str(job)])
+    assert result.exit_code == 0, result.output
+    assert "pass1 grammar: guidance (auto" in result.output and "maxLength" in result.output

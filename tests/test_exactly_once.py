@@ -235,11 +235,13 @@ def test_second_ctrl_c_exits_at_once(tmp_path, tiny_model):
     write_rows(tmp_path / "in.parquet", 8)
     job = write_job(tmp_path, tiny_model, tmp_path / "in.parquet", batch_size=4)
     p = subprocess.Popen([sys.executable, str(HERE / "fake_runner.py"), str(job), str(tmp_path / "out"), "none", "0"],
-                         env=ENV | {"FAKE_START_DELAY": "120"}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                         env=ENV | {"FAKE_START_DELAY": "120", "FAKE_START_MARKER": str(tmp_path / "starting")},
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 60
-    while not (tmp_path / "out" / "_batchjson" / "spec.json").exists() and time.monotonic() < deadline:
-        time.sleep(0.2)
-    time.sleep(2)  # inside the engine start
+    # Inside the engine start: the first prompt is rendered by then (loading the tokenizer takes seconds).
+    while not (tmp_path / "starting").exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    time.sleep(0.5)
     p.send_signal(signal.SIGINT)
     time.sleep(0.5)
     p.send_signal(signal.SIGINT)

@@ -97,14 +97,92 @@ def test_any_root_type_loads(tmp_path, schema):
 
 def test_remote_ref_is_refused_with_what_to_do(tmp_path):
     schema = {"type": "object", "properties": {"a": {"$ref": "https://example.com/address.json"}}}
-    with pytest.raises(SpecError, match=r"refers to another document \(\$ref 'https://example.com/address.json'\)"
-                                        r".*Inline the referenced schema under \"\$defs\""):
+    with pytest.raises(SpecError, match=r"refers to a URL \(\$ref 'https://example.com/address.json'\)"
+                                        r".*Save the referenced schema next to the schema file"):
         load_spec(schema_job(tmp_path, schema))
     # Refs into the document itself, through its own $id, and to the meta-schemas are not remote.
     local = {"$id": "https://example.com/job.json", "type": "object", "$defs": {"n": {"type": "integer"}},
              "properties": {"a": {"$ref": "#/$defs/n"}, "b": {"$ref": "https://example.com/job.json#/$defs/n"},
                             "c": {"$ref": "https://json-schema.org/draft/2020-12/schema"}}}
     assert load_spec(schema_job(tmp_path, local)).schema_doc == local
+
+
+def write_json(path: Path, doc) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(doc))
+
+
+def sibling_schemas(folder: Path) -> None:
+    """A draft-07 job schema referring to a sibling file, which refers to a file in a subfolder, which refers back
+    (a cycle through a recursive definition)."""
+    write_json(folder / "common.json", {
+        "$schema": "http://json-schema.org/draft-07/schema#",
+        "definitions": {"address": {"type": "object", "required": ["city"],
+                                    "properties": {"city": {"$ref": "#/definitions/name"},
+                                                   "parts": {"type": "array", "items": {"$ref": "parts/part.json"}}}},
+                        "name": {"type": "string", "minLength": 2},
+                        "unused": {"$ref": "nowhere.json"}}})
+    write_json(folder / "parts" / "part.json", {
+        "type": "object", "properties": {"label": {"$ref": "../common.json#/definitions/name"},
+                                         "inner": {"$ref": "#"}}, "additionalProperties": False})
+
+
+def test_a_schema_file_referring_to_a_sibling_file_is_bundled(tmp_path):
+    from batchjson.grammar import choose, grammar_accepts, local_refs
+    from batchjson.records import Generation, Prompt
+    from batchjson.validate import Validator
+
+    sibling_schemas(tmp_path)
+    schema = {"$schema": "http://json-schema.org/draft-07/schema#", "type": "object", "required": ["home"],
+              "properties": {"home": {"$ref": "common.json#/definitions/address"},
+                             "name": {"$ref": "./common.json#/definitions/name"}}}
+    doc = load_spec(schema_job(tmp_path, schema)).schema_doc
+    # One self-contained document: the files can go, and the grammar and the validator see the same schema.
+    for name in ("common.json", "parts/part.json"):
+        (tmp_path / name).unlink()
+    assert local_refs(doc)[1] == [] and set(doc["definitions"]) == {"common.json", "part.json"}
+    assert "unused" not in doc["definitions"]["common.json"]["definitions"]  # only what the refs reach
+    validator = Validator(doc)
+
+    def ok(value) -> bool:
+        return validator.check(Generation(Prompt("r", "u", ""), json.dumps(value), "stop")).ok
+
+    good = {"home": {"city": "Oslo", "parts": [{"label": "ab", "inner": {"label": "cd"}}]}, "name": "Al"}
+    assert ok(good)
+    assert not ok({"home": {"city": "O"}})  # minLength, from common.json
+    assert not ok({"home": {"city": "Oslo", "parts": [{"inner": {"label": "x"}}]}})  # part.json -> common.json
+    assert not ok({"home": {"city": "Oslo", "parts": [{"extra": 1}]}})  # part.json's own additionalProperties
+    choice = choose(doc)
+    assert choice.backend and grammar_accepts(choice.relaxed, json.dumps(good, separators=(",", ":")))
+
+
+def test_refs_relative_to_an_id_and_without_suffix_are_read_from_the_folder(tmp_path):
+    from batchjson.grammar import local_refs
+
+    write_json(tmp_path / "types.json", {"$id": "https://example.com/schemas/types.json",
+                                          "$defs": {"n": {"type": "integer", "minimum": 1}}})
+    schema = {"$id": "https://example.com/schemas/job.json", "type": "object",
+              "properties": {"a": {"$ref": "types.json#/$defs/n"}, "b": {"$ref": "types#/$defs/n"},
+                             "c": {"$ref": "https://example.com/schemas/types.json#/$defs/n"}}}
+    doc = load_spec(schema_job(tmp_path, schema)).schema_doc
+    assert local_refs(doc)[1] == [] and doc["$defs"]["types.json"] == {"$defs": {"n": {"type": "integer",
+                                                                                         "minimum": 1}}}
+    assert {p["$ref"] for p in doc["properties"].values()} == {"#/$defs/types.json/$defs/n"}
+
+
+def test_a_missing_sibling_file_is_refused_naming_the_ref_and_the_path(tmp_path):
+    schema = {"type": "object", "properties": {"a": {"$ref": "common.json#/definitions/name"}}}
+    with pytest.raises(SpecError, match=r"\$ref 'common.json#/definitions/name' in the JSON Schema refers to the "
+                                        rf"file {tmp_path / 'common.json'}, which does not exist"):
+        load_spec(schema_job(tmp_path, schema))
+    sibling_schemas(tmp_path)
+    write_json(tmp_path / "common.json", {"definitions": {"name": {"$ref": "names.json"}}})
+    with pytest.raises(SpecError, match=rf"\$ref 'names.json' in the JSON Schema file {tmp_path / 'common.json'} "
+                                        rf"refers to the file {tmp_path / 'names.json'}, which does not exist"):
+        load_spec(schema_job(tmp_path, schema))
+    write_json(tmp_path / "common.json", {"definitions": {}})
+    with pytest.raises(SpecError, match=r"'common.json#/definitions/name' in the JSON Schema points to nothing"):
+        load_spec(schema_job(tmp_path, schema))
 
 
 def test_backend_and_format_keys(tmp_path):
@@ -147,3 +225,28 @@ def test_bad_loop_guard_and_n_name_the_key(tmp_path, extra, message):
     with pytest.raises(SpecError) as e:
         load_spec(spec_file(tmp_path, BASE + extra))
     assert message in str(e.value)
+
+
+def test_an_inline_schema_reads_sibling_files_from_the_spec_folder(tmp_path):
+    write_json(tmp_path / "schemas" / "name.json", {"type": "string", "maxLength": 3})
+    spec = load_spec(spec_file(tmp_path, BASE.replace('a = {type = "string"}', 'a = {"$ref" = "schemas/name.json"}')))
+    assert spec.schema_doc["properties"]["a"] == {"$ref": "#/$defs/name.json"}
+    assert spec.schema_doc["$defs"]["name.json"] == {"type": "string", "maxLength": 3}
+
+
+def test_a_file_of_another_draft_keeps_its_meaning_inside_the_schema(tmp_path):
+    from batchjson.records import Generation, Prompt
+    from batchjson.validate import Validator
+
+    # From 2019-09 on, keywords next to a $ref apply; before, they are ignored. And a boolean schema is a target too.
+    write_json(tmp_path / "v.json", {"$schema": "https://json-schema.org/draft/2020-12/schema",
+                                      "$defs": {"short": {"$ref": "#/$defs/str", "maxLength": 3},
+                                                "str": {"type": "string"}, "never": False}})
+    schema = {"$schema": "http://json-schema.org/draft-07/schema#", "type": "object",
+              "properties": {"s": {"$ref": "v.json#/$defs/short"}, "x": {"$ref": "v.json#/$defs/never"}}}
+    validator = Validator(load_spec(schema_job(tmp_path, schema)).schema_doc)
+
+    def ok(value) -> bool:
+        return validator.check(Generation(Prompt("r", "u", ""), json.dumps(value), "stop")).ok
+
+    assert ok({"s": "abc"}) and not ok({"s": "abcd"}) and not ok({"s": 1}) and not ok({"x": 1})

@@ -41,6 +41,21 @@ def test_declared_draft_is_used():
     assert Validator(draft4).check(gen('{"x":4}')).ok
 
 
+def test_an_older_draft_still_checks_the_later_keywords_it_writes():
+    # SchemaStore's web-manifest: a draft-04 schema whose oneOf branches are consts. Without const, both branches
+    # match and every answer would fail; the grammar enforces const whatever the draft.
+    draft4 = {"$schema": "http://json-schema.org/draft-04/schema#", "type": "object",
+              "properties": {"orientation": {"oneOf": [{"const": "any"}, {"const": "natural"}]},
+                             "tags": {"type": "array", "contains": {"const": "x"}},
+                             "kind": {"type": "string"}},
+              "if": {"properties": {"kind": {"const": "a"}}}, "then": {"required": ["tags"]}}
+    v = Validator(draft4)
+    assert v.check(gen('{"orientation":"natural","tags":["x","y"]}')).ok
+    assert v.check(gen('{"orientation":"sideways"}')).reason == "schema"
+    assert v.check(gen('{"tags":["y"]}')).reason == "schema"
+    assert v.check(gen('{"kind":"a"}')).detail == "(root): 'tags' is a required property"
+
+
 def test_json_object_mode_wants_an_object():
     assert Validator(None).check(gen('{"any":1}')).ok
     assert Validator(None).check(gen("[1]")).reason == "schema"
@@ -82,3 +97,15 @@ def test_first_valid_candidate_is_kept():
     looping = gen('{"name":"ab","tags":[1,1', finish="repetition")
     failed = v.check(gen("", candidates=[looping, bad]))
     assert failed.reason == "repetition" and failed.generation is looping
+
+
+def test_iri_is_checked_though_its_parser_is_built_only_when_first_needed():
+    import subprocess
+    import sys
+
+    # Building the iri parser took two thirds of `batchjson check`; the command line never needs it.
+    code = "import sys, batchjson.cli, batchjson.validate; print('lark' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "False"
+    v = Validator({"type": "string", "format": "iri"})
+    assert v.check(gen('"https://例え.jp/a"')).ok
+    assert v.check(gen('"not an iri"')).reason == "schema"

@@ -1,8 +1,11 @@
 """Build bench/corpus/schemastore.jsonl.gz from a SchemaStore checkout (github.com/SchemaStore/schemastore).
 
-Each line: {"name", "schema", "valid": [...], "invalid": [...]}: the schema src/schemas/json/<name>.json, up to
-MAX_PER_KIND instances from src/test/<name>/ (valid) and src/negative_test/<name>/ (invalid), YAML and TOML
-tests converted to JSON. Schemas with no test instance, or larger than MAX_SCHEMA bytes, are left out.
+Each line: {"name", "schema", "refs": [...], "valid": [...], "invalid": [...]}: the schema
+src/schemas/json/<name>.json, up to MAX_PER_KIND instances from src/test/<name>/ (valid) and
+src/negative_test/<name>/ (invalid), YAML and TOML tests converted to JSON, and the names of the other schema files
+its `$ref`s reach (directly or through those files). Schemas with no test instance, or larger than MAX_SCHEMA bytes,
+are left out. Each referenced file is stored once, on a line {"file": "<name>.json", "schema": ...}, so that the
+benchmark can lay the schema out next to its siblings and load it through the spec loader as a user's file.
 
     python bench/corpus/extract_schemastore.py /path/to/schemastore [--commit REV]
 (a bare git directory works too: files are read with `git show REV:path`).
@@ -14,16 +17,20 @@ import argparse
 import datetime
 import gzip
 import json
+import posixpath
 import re
 import subprocess
 import tomllib
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import yaml
 
 MAX_SCHEMA = 96_000
 MAX_INSTANCE = 12_000
 MAX_PER_KIND = 4
+MAX_REFERENCED = 1_500_000
+SCHEMA_HOSTS = ("json.schemastore.org", "www.schemastore.org")
 OUT = Path(__file__).parent / "schemastore.jsonl.gz"
 
 
@@ -68,6 +75,32 @@ def parse(name: str, data: bytes):
     raise ValueError("unknown test file type")
 
 
+def ref_files(schema, folder: str = "src/schemas/json") -> set[str]:
+    """Repository paths of the files `schema`'s `$ref`s name: relative refs, and refs to SchemaStore's own URLs
+    (which the loader reads from the schema's folder when they share its `$id`'s host). A name without a suffix
+    stands for `<name>.json`, as the SchemaStore site serves it."""
+    out: set[str] = set()
+    stack = [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            ref = node.get("$ref")
+            if isinstance(ref, str) and not ref.startswith("#"):
+                url = urlsplit(ref)
+                if not url.scheme:
+                    path = posixpath.normpath(posixpath.join(folder, url.path))
+                elif url.netloc in SCHEMA_HOSTS:
+                    path = posixpath.join(folder, posixpath.basename(url.path))
+                else:
+                    path = ""
+                if path:
+                    out.add(path if path.endswith(".json") else path + ".json")
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("repo")
@@ -87,6 +120,31 @@ def main() -> None:
         if parts[1] in ("test", "negative_test") and len(parts) == 4:
             tests.setdefault((parts[2], parts[1]), []).append(path)
     n = 0
+    referenced: dict[str, object] = {}
+
+    def load(path: str):
+        if path not in referenced:
+            referenced[path] = None
+            if files.get(path, MAX_REFERENCED + 1) <= MAX_REFERENCED:
+                try:
+                    referenced[path] = json.loads(git(a.repo, "show", f"{rev}:{path}").decode("utf-8-sig"))
+                except (ValueError, UnicodeDecodeError):
+                    pass
+        return referenced[path]
+
+    def reach(schema) -> list[str]:
+        """The files `schema` refers to, and those they refer to, that exist (cycles end: each is seen once)."""
+        seen: set[str] = set()
+        todo = sorted(ref_files(schema))
+        while todo:
+            path = todo.pop()
+            if path in seen or load(path) is None:
+                continue
+            seen.add(path)
+            todo.extend(sorted(ref_files(referenced[path], posixpath.dirname(path)) - seen))
+        return sorted(seen)
+
+    needed: set[str] = set()
     with gzip.open(OUT, "wt", compresslevel=9) as out:
         for path in sorted(files):
             if not path.startswith("src/schemas/json/") or not path.endswith(".json") or files[path] > MAX_SCHEMA:
@@ -96,7 +154,8 @@ def main() -> None:
                 schema = json.loads(git(a.repo, "show", f"{rev}:{path}").decode("utf-8-sig"))
             except (ValueError, UnicodeDecodeError):
                 continue
-            row = {"name": name, "schema": schema, "valid": [], "invalid": []}
+            row = {"name": name, "schema": schema, "refs": [posixpath.relpath(p, "src/schemas/json") for p in reach(schema)],
+                   "valid": [], "invalid": []}
             for kind, folder in (("valid", "test"), ("invalid", "negative_test")):
                 for test in tests.get((name, folder), []):
                     if len(row[kind]) >= MAX_PER_KIND or files[test] > MAX_INSTANCE:
@@ -108,7 +167,12 @@ def main() -> None:
             if row["valid"] or row["invalid"]:
                 out.write(json.dumps(row, separators=(",", ":"), sort_keys=True) + "\n")
                 n += 1
-    print(f"{n} schemas from SchemaStore {rev} -> {OUT} ({OUT.stat().st_size / 1e6:.2f} MB)")
+                needed.update(row["refs"])
+        for path in sorted(needed):
+            line = {"file": path, "schema": referenced[f"src/schemas/json/{path}"]}
+            out.write(json.dumps(line, separators=(",", ":"), sort_keys=True) + "\n")
+    print(f"{n} schemas and {len(needed)} files they refer to from SchemaStore {rev} -> {OUT} "
+          f"({OUT.stat().st_size / 1e6:.2f} MB)")
 
 
 if __name__ == "__main__":
