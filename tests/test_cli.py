@@ -88,7 +88,7 @@ def test_check_names_the_value_column_of_a_non_object_root(tmp_path, tiny_model)
     result = CliRunner().invoke(main, ["check", str(job)])
     assert result.exit_code == 0, result.output
     assert "schema: root string -> output column json and value (string)" in result.output
-    assert "pass1 grammar: guidance (auto" in result.output
+    assert "pass1 grammar: xgrammar (auto" in result.output
 
 
 def test_check_a_schema_file_referring_to_a_sibling_file(tmp_path, tiny_model):
@@ -102,4 +102,4 @@ def test_check_a_schema_file_referring_to_a_sibling_file(tmp_path, tiny_model):
         "type": "object", "properties": {"name": {"type": "string", "maxLength": 20}}, "required": ["name"]}}}))
     result = CliRunner().invoke(main, ["check", str(job)])
     assert result.exit_code == 0, result.output
-    assert "pass1 grammar: guidance (auto" in result.output and "maxLength" in result.output
+    assert "pass1 grammar: xgrammar (auto" in result.output and "maxLength" in result.output

@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from batchjson import grammar
 from batchjson.grammar import choose, coverage, grammar_accepts, relax
 
 PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer", "multipleOf": 5},
@@ -15,7 +16,7 @@ PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"
 
 def test_auto_picks_a_backend_and_says_why():
     choice = choose(PERSON)
-    assert choice.backend == "guidance" and "auto" in choice.reason
+    assert choice.backend == "xgrammar" and "auto" in choice.reason
     assert grammar_accepts(choice.relaxed, '{"name":"Ann","age":35,"tags":[1,"x"]}')
     assert not grammar_accepts(choice.relaxed, '{"age":35}')  # required is decoded
 
@@ -29,8 +30,9 @@ def test_explicit_backend_is_kept_and_relaxed_so_vllm_accepts_it():
     assert grammar_accepts(choice.relaxed, '{"name":"Ann","age":33,"tags":[1,1]}')  # a hole: validation catches it
 
 
-def test_auto_falls_back_when_the_first_backend_refuses():
+def test_auto_falls_back_when_the_first_backend_refuses(monkeypatch):
     # Two patternProperties that overlap: llguidance refuses them, xgrammar decodes the object with any keys.
+    monkeypatch.setattr(grammar, "AUTO_ORDER", ("guidance", "xgrammar"))
     schema = {"type": "object", "patternProperties": {"^a": {"type": "string"}, ".*": {"type": "integer"}}}
     choice = choose(schema)
     assert choice.backend == "xgrammar" and "guidance refused" in choice.reason
@@ -43,8 +45,8 @@ def test_coverage_names_holes_and_over_constraint():
     assert "over-constrained" in lines[2] and "undeclared properties" in lines[2]
     # The over-constraint is real: xgrammar refuses an answer with an extra property, which the schema allows.
     assert not grammar_accepts(choose(PERSON, "xgrammar").relaxed, '{"name":"Ann","nick":"A"}')
-    assert grammar_accepts(choose(PERSON).relaxed, '{"name":"Ann","nick":"A"}')
-    assert not any("over-constrained" in line for line in coverage(PERSON, choose(PERSON)).lines())
+    assert grammar_accepts(choose(PERSON, "guidance").relaxed, '{"name":"Ann","nick":"A"}')
+    assert not any("over-constrained" in line for line in coverage(PERSON, choose(PERSON, "guidance")).lines())
 
 
 @pytest.mark.parametrize("schema, good, bad", [
@@ -77,8 +79,8 @@ def test_array_root_runs_on_the_auto_backend(tmp_path, tiny_model, engines):
     write_rows(tmp_path / "in.parquet", 6)
     job = write_job(tmp_path, tiny_model, tmp_path / "in.parquet", schema=schema, speculative="ngram")
     report = run_job(load_spec(job), engine_factory=engines, progress=False)
-    assert report.passes["pass1"].grammar.startswith("guidance (auto: first of guidance/xgrammar")
-    assert "grammar: guidance (auto" in report.summary()
+    assert report.passes["pass1"].grammar.startswith("xgrammar (auto: first of xgrammar/guidance")
+    assert "grammar: xgrammar (auto" in report.summary()
     out = ds.dataset(sorted(str(p) for p in (tmp_path / "out").glob("*.parquet"))).to_table()
     assert report.valid == out.num_rows > 0
     assert all(set(v) <= {"red", "green"} for v in out.column("value").to_pylist())
