@@ -6,7 +6,7 @@ import pyarrow.dataset as ds
 import pytest
 
 from batchjson.run import run_job
-from batchjson.spec import LOOP_GUARD, load_spec
+from batchjson.spec import LOOP_GUARD, LOOP_GUARD_BOUNDED, load_spec
 from conftest import write_job, write_rows
 
 pytestmark = pytest.mark.engine
@@ -47,7 +47,11 @@ def test_default_loop_guard_reaches_both_passes(tmp_path, tiny_model, engines):
     seen = []
     report = run_job(load_spec(job), engine_factory=spying(engines, seen), progress=False)
     assert report.passes["pass2"].rows == 12
-    assert [guard_of(p) for p in seen] == [LOOP_GUARD, LOOP_GUARD]
+    # The tests' schema bounds its strings: the light guard. A schema without bounds gets LOOP_GUARD.
+    assert [guard_of(p) for p in seen] == [LOOP_GUARD_BOUNDED, LOOP_GUARD_BOUNDED]
+    unbounded = write_job(tmp_path, tiny_model, tmp_path / "in.parquet", max_tokens=3, fallback_max_tokens=64,
+                          schema={"type": "object", "properties": {"name": {"type": "string"}}})
+    assert load_spec(unbounded).sampling.repetition_detection == LOOP_GUARD
 
 
 def test_fallback_keeps_the_first_valid_of_n_candidates(tmp_path, tiny_model, engines):

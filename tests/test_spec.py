@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from batchjson.errors import SpecError
-from batchjson.spec import load_spec
+from batchjson.spec import LOOP_GUARD_BOUNDED, load_spec
 
 ROOT = Path(__file__).parent.parent
 BASE = """
@@ -207,6 +207,8 @@ def test_loop_guard_is_on_by_default_in_both_passes_and_can_be_turned_off(tmp_pa
     assert off.sampling.repetition_detection is False and off.fallback.repetition_detection is False
     assert off.fallback.n == 2 and off.hash() != spec.hash()
     # A table replaces the default whole: keys left out take vLLM's defaults, not ours.
+    bounded = BASE.replace("a = {type = \"string\"}", "a = {type = \"string\", maxLength = 9}")
+    assert load_spec(spec_file(tmp_path, bounded)).sampling.repetition_detection == LOOP_GUARD_BOUNDED
     own = load_spec(spec_file(tmp_path, BASE + "[sampling.repetition_detection]\nmax_pattern_size = 16\nmin_count = 4\n"))
     assert own.sampling.repetition_detection == {"max_pattern_size": 16, "min_count": 4}
     assert own.fallback.repetition_detection == LOOP_GUARD
