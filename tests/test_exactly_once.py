@@ -338,3 +338,20 @@ def test_an_empty_file_and_odd_ids(tmp_path, tiny_model):
     report = run(job, engine_factory=FakeEngines(valid=1.0))
     assert report.verified["complete"] and sorted(ids_of(tmp_path / "out")) == sorted(
         ["x/../y", "line\nbreak", "ünï", "a" * 500])
+
+
+def test_a_shard_killed_mid_commit_is_finished_by_its_rerun(tmp_path, tiny_model):
+    write_rows(tmp_path / "in.parquet", 60, row_group_size=10)
+    job = write_job(tmp_path, tiny_model, tmp_path / "in.parquet", batch_size=5)
+    out = tmp_path / "out"
+
+    def shard(i, step="none", n=0):
+        return subprocess.run([sys.executable, str(HERE / "fake_runner.py"), str(job), str(out), step, str(n), f"{i}/2"],
+                              env=ENV, capture_output=True, text=True, timeout=300)
+
+    assert shard(0, "committed", 2).returncode == -signal.SIGKILL
+    assert shard(1).returncode == 0  # the other shard finishes meanwhile; its end check sees no doubles
+    assert verify_cli(job).exit_code == 3  # shard 0 is not finished
+    assert shard(0).returncode == 0
+    assert verify_cli(job).exit_code == 0
+    assert_exactly_once([f"r{i:05d}" for i in range(60)], out, out / "_rejects")
