@@ -23,7 +23,7 @@ from batchjson.prompts import Renderer, chat_frame
 from batchjson.records import Generation, Outcome, Prompt
 from batchjson.report import PassStats, RunReport
 from batchjson.sink import PartSink
-from batchjson.source import ParquetSource, UnitRef
+from batchjson.source import ParquetSource
 from batchjson.spec import DecodingSpec, JobSpec, SpeculativeSpec
 from batchjson.storage import Stage, Storage
 from batchjson.validate import Validator

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import glob
 import hashlib
-import os
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass

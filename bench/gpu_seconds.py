@@ -440,8 +440,6 @@ def w_batchjson(sc: dict) -> dict:
     s = Stamps(t_launch)
     s.events.append(("python start", 0.0, round(t0 - t_launch, 3)))
     a = time.time() - t_launch
-    import contextlib
-    import io
 
     import pyarrow.parquet as pq
 
@@ -499,7 +497,6 @@ def w_batchjson(sc: dict) -> dict:
         return mod
 
     engine._vllm = vllm_import
-    buf = io.StringIO()
     a = time.time()
     code = 0
     try:
