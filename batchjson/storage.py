@@ -76,6 +76,7 @@ class Storage:
         self.requeue_dir = self.state / "requeue"
         self._locks: list = []
         self._committed: set[str] | None = None
+        self._read: dict[str, dict] = {}  # commit records read so far: a record never changes, only goes (drop)
         self.after: Callable[[str], None] = lambda step: None
         """Called after each step of the commit protocol; tests use it to kill the process there."""
 
@@ -211,6 +212,7 @@ class Storage:
         for d in (self.units, self.inputs, self.requeue_dir):
             d.mkdir(parents=True, exist_ok=True)
         self._committed = None
+        self._read.clear()
 
     # ----- input fingerprints ----------------------------------------------------------------------------------
     def check_inputs(self, fingerprints: dict[str, dict], write: bool = True) -> list[str]:
@@ -251,15 +253,20 @@ class Storage:
     def done(self, stage: Stage, key: str) -> bool:
         return f"{stage}-{key}" in self.committed() or self._record(stage, key).exists()
 
+    def _load(self, path: Path) -> dict:
+        if path.name not in self._read:
+            self._read[path.name] = json.loads(path.read_text())
+        return self._read[path.name]
+
     def record(self, stage: Stage, key: str) -> dict | None:
         try:
-            return json.loads(self._record(stage, key).read_text())
+            return self._load(self._record(stage, key))
         except FileNotFoundError:
             return None
 
     def _records(self, stage: Stage | None = None) -> list[dict]:
         pattern = f"{stage}-*.json" if stage else "p[12]-*.json"
-        return [json.loads(p.read_text()) for p in sorted(self.units.glob(pattern))]
+        return [self._load(p) for p in sorted(self.units.glob(pattern))]
 
     def records(self) -> list[dict]:
         return self._records()
@@ -287,6 +294,7 @@ class Storage:
             self.after(f"staged {kind}")
         record = {"stage": stage, "key": key, "files": files, "rows": rows} | meta
         write_json(self._record(stage, key), record)
+        self._read[self._record(stage, key).name] = record
         self.committed().add(f"{stage}-{key}")
         self.after("committed")
         self._publish(record)
@@ -328,6 +336,7 @@ class Storage:
         """Uncommit a unit in both passes (records first, then files), so that it is redone from scratch."""
         for stage in ("p2", "p1"):
             self._record(stage, key).unlink(missing_ok=True)
+            self._read.pop(self._record(stage, key).name, None)
             self.committed().discard(f"{stage}-{key}")
         for stage in ("p2", "p1"):
             self.begin(stage, key)
