@@ -7,6 +7,7 @@ files exist, and does not grow with the file's name.
 
 from __future__ import annotations
 
+import bisect
 import glob
 import hashlib
 import re
@@ -205,11 +206,12 @@ class ParquetSource:
             for ref in self.plan():
                 units.setdefault(ref.file, []).append(ref)
             for path, column in zip(self.files, columns):
-                hits = pc.indices_nonzero(pc.is_in(column, value_set=repeated)).to_pylist()
-                flat = column.to_pylist() if hits else []
-                for row in hits:
-                    ref = next(r for r in units[str(path)] if r.offset <= row < r.offset + r.rows)
-                    where.setdefault(flat[row], []).append((ref.key, row - ref.offset))
+                hits = pc.indices_nonzero(pc.is_in(column, value_set=repeated))
+                refs = units[str(path)]
+                starts = [r.offset for r in refs]  # units follow each other in the file: find one by bisection
+                for row, row_id in zip(hits.to_pylist(), column.take(hits).to_pylist()):
+                    ref = refs[bisect.bisect_right(starts, row) - 1]
+                    where.setdefault(row_id, []).append((ref.key, row - ref.offset))
         return InputScan(fingerprints, where)
 
     def id_column(self, path: Path) -> pa.ChunkedArray:
