@@ -9,6 +9,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from batchjson.errors import OutputError, SpecError
 from batchjson.source import ParquetSource, UnitRef
 from batchjson.storage import Storage
 
@@ -132,8 +133,6 @@ def verify(storage: Storage, source: ParquetSource, refs: list[UnitRef], id_colu
 
 def verify_job(spec, output: str | None = None) -> Verdict:
     """`batchjson verify`: check a job's output folder against its input, without an engine."""
-    from batchjson.errors import OutputError, SpecError
-
     out = output or spec.output.path
     if not out:
         raise SpecError("no output folder: set output.path in the spec or pass --output.")
