@@ -5,6 +5,7 @@
     python bench/gpu_seconds.py guard     --model M --rows 600 --out OUT   offline loop-guard scan of the bare
                                           outputs, then one engine: pass 1 with the chosen guard, fallback recipes
     python bench/gpu_seconds.py scan      OUT/bare-outputs.json.gz --model M   the offline scan alone (CPU)
+    python bench/gpu_seconds.py cost      OUT/bare-outputs.json.gz            the loop check's cost per token (CPU)
     python bench/gpu_seconds.py tables    OUT/*.json                          print the tables again
 
 Tasks are bench/tasks.py's A, B, C. Each engine scenario runs in its own process with its own timeout; results go
@@ -195,6 +196,29 @@ def stop_at_vllm(ids: list[int], params) -> int | None:
     from vllm.v1.core.sched.utils import check_sequence_repetition
 
     return next((n for n in range(1, len(ids)) if check_sequence_repetition(ids[:n], params)), None)
+
+
+def guard_cost(args, out: Path):
+    """What vLLM's loop check costs the scheduler: check_sequence_repetition after every token of every saved
+    output, on the growing list as the scheduler keeps it; microseconds per output token, per guard."""
+    from vllm.sampling_params import RepetitionDetectionParams
+    from vllm.v1.core.sched.utils import check_sequence_repetition
+
+    with gzip.open(args.files[0], "rt") as f:
+        outputs = [r["ids"] for rows in json.load(f).values() for r in rows]
+    res = {}
+    for guard in [(64, 8, 3), (16, 2, 4), (16, 1, 4)]:
+        params = RepetitionDetectionParams(**dict(zip(("max_pattern_size", "min_pattern_size", "min_count"), guard)))
+        tokens, a = 0, time.perf_counter()
+        for ids in outputs:
+            grown = []
+            for t in ids:
+                grown.append(t)
+                check_sequence_repetition(grown, params)
+            tokens += len(ids)
+        res[str(guard)] = round((time.perf_counter() - a) / tokens * 1e6, 2)
+    dump(out / "guard-cost.json", {"outputs": len(outputs), "us_per_token": res})
+    return res, ["\n".join(["| guard | µs per output token |", "| --- | --- |"] + [f"| {k} | {v} |" for k, v in res.items()])]
 
 
 def _scan_one(job):
@@ -686,6 +710,8 @@ def main() -> int:
     s = add("scan")
     s.add_argument("files", nargs=1)
     s.add_argument("--workers", type=int, default=1)
+    c = add("cost")
+    c.add_argument("files", nargs=1)
     t = add("tables")
     t.add_argument("files", nargs="+")
     w = sub.add_parser("_worker")
@@ -707,7 +733,7 @@ def main() -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
-    fn = {"before": before, "batchjson": batchjson_runs, "guard": guard, "scan": scan_cmd, "tables": tables}[args.mode]
+    fn = {"before": before, "batchjson": batchjson_runs, "guard": guard, "scan": scan_cmd, "cost": guard_cost, "tables": tables}[args.mode]
     _, lines = fn(args, out)
     print(f"\n# gpu_seconds {args.mode} finished in {time.monotonic() - t0:.0f}s; results in {out}\n", flush=True)
     print("\n\n".join(lines), flush=True)
