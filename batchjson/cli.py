@@ -76,7 +76,7 @@ def _schema_lines(spec) -> list[str]:
     from batchjson.grammar import choose, coverage
     from batchjson.sink import typed_columns
     from batchjson.spec import is_object_root, root_types
-    from batchjson.validate import FORMATS, unchecked_formats
+    from batchjson.validate import FORMATS, unchecked_formats, used_formats
 
     schema, lines = spec.schema_doc, []
     if schema is not None and not is_object_root(schema):
@@ -98,7 +98,7 @@ def _schema_lines(spec) -> list[str]:
         seen[backend] = name
         lines.append(f"{name} grammar: {choice.summary}")
         lines += [f"  {line}" for line in coverage(schema, choice).lines()]
-    used = sorted({f for f in _formats(schema)})
+    used = sorted(used_formats(schema))
     if used and not spec.schema.check_format:
         lines.append(f"format: not asserted (schema.check_format = false): {', '.join(used)}")
     elif used:
@@ -110,12 +110,6 @@ def _schema_lines(spec) -> list[str]:
             lines.append(f"format: nothing checks {', '.join(nobody)} (no checker exists): check such values "
                          "downstream, or add a pattern to the schema")
     return lines
-
-
-def _formats(schema) -> set[str]:
-    from batchjson.grammar import subschemas
-
-    return {n["format"] for _, n in subschemas(schema or {}) if isinstance(n.get("format"), str)}
 
 
 @main.command()
@@ -150,6 +144,7 @@ def check(job, output, input_path):
     if scan.repeated:
         click.echo(f"warning: {len(scan.repeated)} ids occur more than once (e.g. {next(iter(scan.repeated))!r}); "
                    "only one occurrence of each is processed, the others are rejected as duplicate_id", err=True)
+
 
 @main.command()
 @click.argument("job", type=click.Path(exists=True, dir_okay=False))

@@ -30,10 +30,13 @@ def validator_class(schema: dict) -> type:
     return validators.extend(cls, missing) if missing else cls
 
 
+def used_formats(schema: dict | None) -> set[str]:
+    return {node["format"] for _, node in subschemas(schema or {}) if isinstance(node.get("format"), str)}
+
+
 def unchecked_formats(schema: dict | None) -> list[str]:
     """Formats the schema uses that no checker knows: nothing checks them, neither the grammar nor validation."""
-    used = {node["format"] for _, node in subschemas(schema or {}) if isinstance(node.get("format"), str)}
-    return sorted(used - set(FORMATS.checkers))
+    return sorted(used_formats(schema) - set(FORMATS.checkers))
 
 
 class Validator:
