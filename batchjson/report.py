@@ -33,6 +33,17 @@ class PassStats:
         if reason:
             self.reasons[reason] += 1
 
+    def merge(self, other: dict) -> None:
+        """Add a replica's counts for the same pass (its to_dict()); the pass's seconds are the runner's own."""
+        for name in ("rows", "valid", "prompt_tokens", "output_tokens", "failed_output_tokens"):
+            setattr(self, name, getattr(self, name) + other[name])
+        self.reasons.update(other["reasons"])
+        for name, value in other["speculative"].items():
+            self.speculative[name] = self.speculative.get(name, 0) + value
+        self.grammar = self.grammar or other["grammar"]
+        if other["note"] and other["note"] not in self.note:
+            self.note = "; ".join(filter(None, (self.note, other["note"])))
+
     def to_dict(self) -> dict:
         d = asdict(self)
         d["reasons"] = dict(self.reasons)
@@ -65,6 +76,8 @@ class RunReport:
     verified: dict = field(default_factory=dict)
     """The exactly-once check that ends every run (see verify.py): ok, complete, problems."""
     verified_summary: str = ""
+    replicas: int = 1
+    """Engine replicas the passes ran on (one per GPU of the host by default)."""
 
     def tally(self, records: list[dict]) -> None:
         """Count what the commit records of the folder say: the truth for the whole run, across resumes and shards."""
@@ -96,6 +109,17 @@ class RunReport:
     def over_threshold(self) -> bool:
         return self.reject_rate > self.max_reject_rate
 
+    def merge(self, other: dict) -> None:
+        """Add a replica's counts for the same pass (its to_dict()); the pass's seconds are the runner's own."""
+        for name in ("rows", "valid", "prompt_tokens", "output_tokens", "failed_output_tokens"):
+            setattr(self, name, getattr(self, name) + other[name])
+        self.reasons.update(other["reasons"])
+        for name, value in other["speculative"].items():
+            self.speculative[name] = self.speculative.get(name, 0) + value
+        self.grammar = self.grammar or other["grammar"]
+        if other["note"] and other["note"] not in self.note:
+            self.note = "; ".join(filter(None, (self.note, other["note"])))
+
     def to_dict(self) -> dict:
         d = asdict(self)
         d["passes"] = {k: v.to_dict() for k, v in self.passes.items()}
@@ -108,8 +132,9 @@ class RunReport:
 
     def summary(self) -> str:
         flags = ("  [resumed]" if self.resumed else "") + ("  [interrupted: rerun to resume]" if self.interrupted else "")
+        on = f" on {self.replicas} engine replicas" if self.replicas > 1 else ""
         lines = [f"{self.input_rows} input rows -> {self.valid} valid, {self.rejected} rejected "
-                 f"({self.reject_rate:.1%}; threshold {self.max_reject_rate:.1%}){flags}"]
+                 f"({self.reject_rate:.1%}; threshold {self.max_reject_rate:.1%}){on}{flags}"]
         for name, p in self.passes.items():
             d = p.to_dict()
             acc = f", draft acceptance {d['acceptance']:.2f}" if "acceptance" in d else ""

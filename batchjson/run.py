@@ -18,9 +18,10 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from batchjson.errors import EngineDied, EngineError, SpecError
+from batchjson import replicas
+from batchjson.errors import BatchjsonError, EngineDied, EngineError, SpecError
 from batchjson.prompts import Renderer, chat_frame
-from batchjson.records import Generation, Outcome, Prompt
+from batchjson.records import WAIT, Generation, Outcome, Prompt
 from batchjson.report import PassStats, RunReport
 from batchjson.sink import PartSink
 from batchjson.source import ParquetSource
@@ -80,9 +81,13 @@ class _Tracker:
 
     def feed(self, work: Iterable[Work]) -> Iterator[Prompt]:
         """Prompts for the engine; rows that failed before reaching it are checked here directly."""
-        for key, items in work:
+        for unit in work:
             if self.stop.is_set():
                 return
+            if unit is WAIT:
+                yield WAIT
+                continue
+            key, items = unit
             self.remaining[key], self.outcomes[key] = len(items), []
             if not items:
                 self._close(key)
@@ -95,7 +100,8 @@ class _Tracker:
     def finish(self, gen: Generation) -> None:
         outcome = self.validator.check(gen)
         self.stats.add(outcome.ok, outcome.reason, gen.prompt_tokens, gen.output_tokens)
-        self.bar.update(1)
+        if self.bar is not None:
+            self.bar.update(1)
         key = gen.prompt.unit
         self.outcomes[key].append(outcome)
         self.remaining[key] -= 1
@@ -123,11 +129,16 @@ class JobRun:
     """One invocation of a job on one output folder (one shard of it)."""
 
     def __init__(self, spec: JobSpec, output: str | None = None, *, fresh: bool = False,
-                 shard: tuple[int, int] = (0, 1), engine_factory: EngineFactory = vllm_engine, progress: bool | None = None):
+                 shard: tuple[int, int] = (0, 1), engine_factory: EngineFactory = vllm_engine, progress: bool | None = None,
+                 replicas: int | None = None, ray: str | None = None):
         out = output or spec.output.path
         if not out:
             raise SpecError("no output folder: set output.path in the spec or pass --output.")
         self.spec, self.shard, self.make_engine, self.fresh = spec, shard, engine_factory, fresh
+        self.output, self.ray = out, ray
+        self.replicas = replicas if replicas is not None else spec.model.replicas
+        if self.replicas is not None and self.replicas < 1:
+            raise SpecError(f"replicas must be at least 1, not {self.replicas}.")
         self.storage = Storage(Path(out), Path(spec.output.rejects) if spec.output.rejects else None, shard)
         self.source = ParquetSource(spec.input, spec.prompt.columns)
         self.progress = None if progress is None else not progress  # tqdm: None hides the bar off a terminal
@@ -137,16 +148,14 @@ class JobRun:
         self.owners: dict[str, tuple[str, int]] = {}
         self.engine = None  # kept from pass to pass while their engine-wide settings agree
         self.passes = plan_passes(spec)
+        self.slot: int | None = None  # this process's replica number, when it runs as one
 
     def run(self) -> RunReport:
         started = time.monotonic()
-        input_rows = self.source.check()
+        input_rows, everything = self._prepare()
         self.storage.check_paths(self.spec.input.path)
         scan = self.source.scan()  # a null id fails here, before the output folder is claimed
-        everything = self.source.plan()
-        mine = self.source.plan(self.shard) if self.shard[1] > 1 else everything
-        self.refs = {r.key: r for r in mine}
-        self.sink = PartSink(self.spec.input.id_column, self.source.passthrough_schema(), self.spec.schema_doc)
+        layout = self._layout()
         storage = self.storage
         report = RunReport(self.spec.hash(), input_rows, str(storage.output), str(storage.rejects),
                            max_reject_rate=self.spec.output.max_reject_rate)
@@ -160,10 +169,13 @@ class JobRun:
                 # A repeated id is processed where it was committed already, else at its first occurrence.
                 self.owners = {row_id: next((p for p in places if storage.done("p1", p[0])), places[0])
                                for row_id, places in scan.repeated.items()}
-                for p in self.passes:
-                    if self.stop.is_set():
-                        break
-                    self._run_pass(report, p)
+                if len(layout) > 1 or self.ray:
+                    self._run_replicated(report, layout)
+                else:
+                    for p in self.passes:
+                        if self.stop.is_set():
+                            break
+                        self._run_pass(report, p)
                 self._close_engine()
                 report.tally(storage.records())
                 verdict = verify(storage, self.source, everything, self.spec.input.id_column)
@@ -178,6 +190,65 @@ class JobRun:
         report.seconds = round(time.monotonic() - started, 2)
         storage.write_report(report.to_dict())
         return report
+
+    def _prepare(self) -> tuple[int, list]:
+        """Check the input's footers and plan the units (this shard's in self.refs); returns the input's rows and
+        every unit of it."""
+        input_rows = self.source.check()
+        everything = self.source.plan()
+        mine = self.source.plan(self.shard) if self.shard[1] > 1 else everything
+        self.refs = {r.key: r for r in mine}
+        self.sink = PartSink(self.spec.input.id_column, self.source.passthrough_schema(), self.spec.schema_doc)
+        return input_rows, everything
+
+    def _layout(self) -> list:
+        """The replicas this run decodes on: one per GPU (group) of the host unless told otherwise."""
+        if self.ray:
+            return []
+        return replicas.local_layout(self.replicas, self.spec.model.engine)
+
+    def _run_replicated(self, report: RunReport, layout: list) -> None:
+        """Every pass on several engine replicas that pull units from one queue (see replicas.py)."""
+        os.environ["BATCHJSON_RUNNER_PID"] = str(os.getpid())  # local replicas die with this process
+        args = (self.spec, str(self.output), self.shard, self.make_engine, self.owners)
+        if self.ray:
+            pool = replicas.ray_pool(serve_replica, args, self.ray, self.replicas, self.spec.model.engine)
+        else:
+            pool = replicas.LocalPool(serve_replica, args, layout)
+        report.replicas = len(pool.slots)
+        try:
+            for p in self.passes:
+                keys = self._todo(p)
+                stats = PassStats()
+                started = time.monotonic()
+                with tqdm(total=self._rows(p, keys), desc=p.name, unit="row", disable=self.progress) as bar:
+                    notes = replicas.dispatch(pool, p.stage, keys, lambda key, rows: bar.update(rows),
+                                              stats.merge, self.stop)
+                stats.seconds = round(time.monotonic() - started, 2)
+                if keys:
+                    stats.note = "; ".join([stats.note] * bool(stats.note) + notes)
+                    report.passes[p.name] = stats
+                if self.stop.is_set():
+                    break
+        finally:
+            pool.close()
+
+    def serve(self, channel: replicas.Channel, owners: dict) -> None:
+        """Run as one replica: take units from the runner's queue pass by pass, decode, check and commit them, and
+        report each commit and each pass's counts. The runner holds the folder; a replica never claims it."""
+        self._prepare()
+        self.owners, self.slot = owners, channel.slot
+        try:
+            with self._signals():
+                for p in self.passes:
+                    stats = PassStats()
+                    work = self._load(p, channel.keys(p.stage))
+                    self._decode(p, work, stats, None, lambda key, rows: channel.send("done", p.stage, key, rows))
+                    channel.send("stats", p.stage, stats.to_dict())
+                    if self.stop.is_set():
+                        return
+        finally:
+            self._close_engine()
 
     @property
     def renderer(self) -> Renderer:
@@ -233,15 +304,27 @@ class JobRun:
             engine, self.engine = self.engine, None
             engine.close()
 
-    def _work(self, p: Pass) -> tuple[Iterator[Work], int]:
-        """The units a pass has left to do (found in storage, so a rerun resumes either pass) and their rows."""
+    def _todo(self, p: Pass) -> list[str]:
+        """The units a pass has left to do, found in storage (so a rerun resumes either pass)."""
         storage = self.storage
         if p.stage == "p1":
-            todo = [r for r in self.refs.values() if not storage.done("p1", r.key)]
-            units = ((u.key, list(self.renderer.render(u))) for u in self.source.read(todo))
-            return units, sum(r.rows for r in todo)
-        keys = [k for k in self.refs if storage.requeued(k) and not storage.done("p2", k)]
-        return ((k, self._requeued(k)) for k in keys), sum(storage.record("p1", k)["rows"]["requeue"] for k in keys)
+            return [k for k in self.refs if not storage.done("p1", k)]
+        return [k for k in self.refs if storage.requeued(k) and not storage.done("p2", k)]
+
+    def _rows(self, p: Pass, keys: list[str]) -> int:
+        if p.stage == "p1":
+            return sum(self.refs[k].rows for k in keys)
+        return sum(self.storage.record("p1", k)["rows"]["requeue"] for k in keys)
+
+    def _load(self, p: Pass, keys: Iterable[str]) -> Iterator[Work]:
+        """The rows of each unit, as they are asked for (WAIT passes through: no unit is ready yet)."""
+        for key in keys:
+            if key is WAIT:
+                yield WAIT
+            elif p.stage == "p1":
+                yield key, list(self.renderer.render(self.source.unit(self.refs[key])))
+            else:
+                yield key, self._requeued(key)
 
     def _requeued(self, key: str) -> list[Prompt]:
         cols = self.storage.read_requeue(key).to_pydict()
@@ -257,55 +340,92 @@ class JobRun:
         tables = {"output": self.sink.valid(ok, p.number), "rejects": self.sink.rejected(final, p.number),
                   "requeue": self.sink.rejected(retry, p.number, with_prompt=True)}
         meta = {"file": ref.tag, "path": ref.file, "reasons": dict(Counter(o.reason for o in final))}
+        if self.slot is not None:
+            meta["replica"] = self.slot
         self.storage.commit(p.stage, key, tables, meta)
 
     def _run_pass(self, report: RunReport, p: Pass) -> None:
-        """Run one pass, starting an engine only when the pass has work.
+        """Run one pass on this process's engine, starting it only when the pass has work."""
+        keys = self._todo(p)
+        if not keys:
+            return
+        stats = report.passes[p.name] = PassStats()
+        with tqdm(total=self._rows(p, keys), desc=p.name, unit="row", disable=self.progress) as bar:
+            self._decode(p, self._load(p, keys), stats, bar)
+
+    def _decode(self, p: Pass, work: Iterator[Work], stats: PassStats, bar,
+                committed: Callable[[str, int], None] | None = None) -> None:
+        """Decode, check and commit the units of `work`, starting an engine when the first one arrives.
 
         If the engine dies, a new one takes the rows that were in flight; after DEATHS_BEFORE_NO_SPECULATION
         deaths the pass goes on without speculation, and after DEATHS_BEFORE_GIVING_UP more it fails (committed
         units are kept, so the next run resumes). A stop never starts an engine: a signal that reached the
         engine processes too (Ctrl-C in a terminal) kills them, and that is not a death to recover from.
         """
-        work, total = self._work(p)
-        first = next(work, None)
+        first = _first(work)
         if first is None:
             return
-        stats = report.passes[p.name] = PassStats()
         started = time.monotonic()
         speculative = p.speculative
-        with tqdm(total=total, desc=p.name, unit="row", disable=self.progress) as bar:
-            tracker = _Tracker(self.validator, stats, lambda key, outcomes: self._commit(p, key, outcomes), bar,
-                               self.stop)
-            feed, retry, deaths = tracker.feed(chain([first], work)), [], 0
-            while not self.stop.is_set():
-                engine, reused = self._engine_for(p, speculative)
-                stats.grammar = stats.grammar or getattr(getattr(engine, "choice", None), "summary", "")
-                if reused:
-                    stats.note = stats.note or "ran on the previous pass's engine (no second engine start)"
-                try:
-                    # itertools.chain, not a generator: a dead engine's stream must not close `feed` as it goes.
-                    for gen in engine.stream(chain(retry, feed), self.stop):
-                        tracker.finish(gen)
-                    stats.speculative = engine.stats() if speculative else {}
+
+        def commit(key: str, outcomes: list[Outcome]) -> None:
+            self._commit(p, key, outcomes)
+            if committed:
+                committed(key, len(outcomes))
+
+        tracker = _Tracker(self.validator, stats, commit, bar, self.stop)
+        feed, retry, deaths = tracker.feed(chain([first], work)), [], 0
+        while not self.stop.is_set():
+            engine, reused = self._engine_for(p, speculative)
+            stats.grammar = stats.grammar or getattr(getattr(engine, "choice", None), "summary", "")
+            if reused:
+                stats.note = stats.note or "ran on the previous pass's engine (no second engine start)"
+            try:
+                # itertools.chain, not a generator: a dead engine's stream must not close `feed` as it goes.
+                for gen in engine.stream(chain(retry, feed), self.stop):
+                    tracker.finish(gen)
+                stats.speculative = engine.stats() if speculative else {}
+                break
+            except EngineDied as died:
+                self._close_engine()
+                if self.stop.is_set():
                     break
-                except EngineDied as died:
-                    self._close_engine()
-                    if self.stop.is_set():
-                        break
-                    deaths += 1
-                    retry = tracker.survivors(died.in_flight)
-                    if speculative and deaths >= DEATHS_BEFORE_NO_SPECULATION:
-                        speculative, deaths = None, 0
-                        stats.note = f"speculation switched off after {DEATHS_BEFORE_NO_SPECULATION} engine deaths"
-                    elif deaths >= DEATHS_BEFORE_GIVING_UP:
-                        raise EngineError(f"the engine died {deaths} times in {p.name} ({died}). Finished units are "
-                                          "kept: rerun the same command to resume.") from died
-                    stats.note = stats.note or f"engine restarted after {deaths} death(s)"
-                finally:
-                    stats.seconds = round(time.monotonic() - started, 2)
+                deaths += 1
+                retry = tracker.survivors(died.in_flight)
+                if speculative and deaths >= DEATHS_BEFORE_NO_SPECULATION:
+                    speculative, deaths = None, 0
+                    stats.note = f"speculation switched off after {DEATHS_BEFORE_NO_SPECULATION} engine deaths"
+                elif deaths >= DEATHS_BEFORE_GIVING_UP:
+                    raise EngineError(f"the engine died {deaths} times in {p.name} ({died}). Finished units are "
+                                      "kept: rerun the same command to resume.") from died
+                stats.note = stats.note or f"engine restarted after {deaths} death(s)"
+            finally:
+                stats.seconds = round(time.monotonic() - started, 2)
         if tracker.remaining and not self.stop.is_set():
             raise RuntimeError(f"[internal] units left open after {p.name}: {sorted(tracker.remaining)[:3]}")
+
+
+def _first(work: Iterator[Work]) -> Work | None:
+    """The first unit of `work` (None if it has none), waiting while a replica's queue has none ready."""
+    for unit in work:
+        if unit is not WAIT:
+            return unit
+        time.sleep(0.01)
+    return None
+
+
+def serve_replica(spec: JobSpec, output: str, shard: tuple[int, int], engine_factory: EngineFactory, owners: dict,
+                  slot: int, inbox, outbox) -> None:
+    """The body of one replica (a local process or a Ray actor): see JobRun.serve."""
+    channel = replicas.Channel(slot, inbox, outbox)
+    os.environ["BATCHJSON_REPLICA"] = str(slot)
+    try:
+        JobRun(spec, output, shard=shard, engine_factory=engine_factory, progress=False).serve(channel, owners)
+    except BatchjsonError as e:
+        channel.send("error", str(e))
+    except BaseException as e:
+        channel.send("error", f"[internal] {type(e).__name__}: {e}")
+        raise
 
 
 def run_job(spec: JobSpec, output: str | None = None, **kwargs) -> RunReport:

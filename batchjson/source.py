@@ -11,7 +11,7 @@ import bisect
 import glob
 import hashlib
 import re
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -107,6 +107,7 @@ class ParquetSource:
         self.root = input_root(spec.path)
         self.columns = list(dict.fromkeys((spec.id_column, *prompt_columns, *spec.passthrough)))
         self._footers: dict[Path, pq.ParquetFile] = {}
+        self._group: tuple = (None, None)  # the last row group read: (file, index), table
 
     def _open(self, path: Path) -> pq.ParquetFile:
         if path in self._footers:
@@ -170,19 +171,22 @@ class ParquetSource:
                 offset += rows
         return out
 
-    def read(self, refs: list[UnitRef]) -> Iterator[Unit]:
+    def read(self, refs: Iterable[UnitRef]) -> Iterator[Unit]:
         """The rows of each unit, in order; a row group is read once for all its units that follow each other."""
-        current, table = None, None
-        for ref in refs:
-            if current != (ref.file, ref.row_group):
-                path = Path(ref.file)
-                try:
-                    table = self._open(path).read_row_group(ref.row_group, columns=self.columns)
-                except (OSError, pa.ArrowException) as e:
-                    raise InputError(f"{path}: row group {ref.row_group} cannot be read ({e}). Repair or remove the "
-                                     "file and run again; finished work is kept.") from None
-                current = (ref.file, ref.row_group)
-            yield Unit(ref, table.slice(ref.start, ref.rows))
+        return (self.unit(ref) for ref in refs)
+
+    def unit(self, ref: UnitRef) -> Unit:
+        """One unit's rows. The last row group read is kept, so the units of one row group asked for one after
+        another cost one read."""
+        if self._group[0] != (ref.file, ref.row_group):
+            path = Path(ref.file)
+            try:
+                table = self._open(path).read_row_group(ref.row_group, columns=self.columns)
+            except (OSError, pa.ArrowException) as e:
+                raise InputError(f"{path}: row group {ref.row_group} cannot be read ({e}). Repair or remove the "
+                                 "file and run again; finished work is kept.") from None
+            self._group = ((ref.file, ref.row_group), table)
+        return Unit(ref, self._group[1].slice(ref.start, ref.rows))
 
     def scan(self) -> "InputScan":
         """Read only the id column of every file: fingerprints, and where each repeated id occurs.

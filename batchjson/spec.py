@@ -143,12 +143,15 @@ class ModelSpec:
     """Requests kept inside the engine at once; the engine is refilled as each one finishes."""
     engine: dict = field(default_factory=dict)
     """Any other vllm.LLM keyword argument, passed through unchanged (e.g. gpu_memory_utilization)."""
+    replicas: int | None = None
+    """Engine replicas; unset: one per GPU of the host (per tensor_parallel_size GPUs), or one on a CPU."""
 
     def __post_init__(self):
         _require(self.structured_output_backend in BACKEND_NAMES,
                  f"model.structured_output_backend must be one of {list(BACKEND_NAMES)}, "
                  f"got {self.structured_output_backend!r}.")
         _require(self.max_in_flight > 0, "model.max_in_flight must be > 0.")
+        _require(self.replicas is None or self.replicas > 0, "model.replicas must be > 0.")
         _require(self.max_model_len is None or self.max_model_len > 0, "model.max_model_len must be > 0.")
 
 
@@ -266,6 +269,7 @@ class JobSpec:
         for k in ("output", "source"):
             d.pop(k)
         d["model"].pop("max_in_flight")
+        d["model"].pop("replicas")  # where decoding runs does not change what a run writes
         return d
 
 

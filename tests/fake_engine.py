@@ -7,11 +7,12 @@ or a cut at max_tokens. So a unit redone after a kill usually comes out differen
 from __future__ import annotations
 
 import json
+import os
 import random
 import threading
 import time
 
-from batchjson.records import Generation
+from batchjson.records import WAIT, Generation
 
 VALID = json.dumps({"name": "ab", "n": 3}, separators=(",", ":"))
 
@@ -30,9 +31,14 @@ class FakeEngine:
 
     def stream(self, prompts, stop: threading.Event | None = None):
         stop = stop or threading.Event()
-        for i, prompt in enumerate(prompts, 1):
+        i = 0
+        for prompt in prompts:
             if stop.is_set():
                 return
+            if prompt is WAIT:
+                time.sleep(0.005)
+                continue
+            i += 1
             if self.die_after is not None and i > self.die_after:
                 from batchjson.errors import EngineDied
 
@@ -63,6 +69,9 @@ class FakeEngines:
         if self.start_marker:  # lets a test signal the runner once it is inside the engine start
             open(self.start_marker, "w").close()
         time.sleep(self.start_delay)  # an engine start takes a while; signals arrive meanwhile
-        engine = FakeEngine(**self.kwargs)
+        kwargs = dict(self.kwargs)
+        if os.environ.get("BATCHJSON_REPLICA", "-") == os.environ.get("FAKE_SLOW_SLOT"):  # one slow replica
+            kwargs["delay"] = kwargs.get("delay", 0) * 20
+        engine = FakeEngine(**kwargs)
         self.started.append((decoding, speculative))
         return engine

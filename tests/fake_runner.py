@@ -1,6 +1,6 @@
 """Runs a job with the fake engine and SIGKILLs itself at the N-th time the commit protocol reaches STEP.
 
-    python tests/fake_runner.py JOB OUTPUT STEP N [SHARD]     (N = 0 never kills)
+    python tests/fake_runner.py JOB OUTPUT STEP N [SHARD [REPLICAS]]     (N = 0 never kills)
 Steps: begin, staged output|rejects|requeue, committed, published output|rejects|requeue (see storage.py).
 """
 
@@ -16,7 +16,8 @@ from fake_engine import FakeEngines
 
 def main():
     job, output, step, n = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
-    shard = parse_shard(sys.argv[5] if len(sys.argv) > 5 else None)
+    shard = parse_shard(sys.argv[5] if len(sys.argv) > 5 and sys.argv[5] else None)
+    replicas = int(sys.argv[6]) if len(sys.argv) > 6 else None
     seen = []
 
     def after(name):
@@ -33,8 +34,10 @@ def main():
 
     storage.Storage.__init__ = init
     engines = FakeEngines(start_delay=float(os.environ.get("FAKE_START_DELAY", "0")),
+                          delay=float(os.environ.get("FAKE_DELAY", "0")),
                           start_marker=os.environ.get("FAKE_START_MARKER"))
-    report = run_job(load_spec(job), output, shard=shard, engine_factory=engines, progress=False)
+    report = run_job(load_spec(job), output, shard=shard, engine_factory=engines, progress=False,
+                     replicas=replicas)
     print(report.summary())
     sys.exit(130 if report.interrupted else 3 if report.verify_failed else 0)
 

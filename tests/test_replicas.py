@@ -1,0 +1,81 @@
+"""Several engine replicas on one queue (local processes): every unit once, whoever dies.
+
+The engine is the fake one (tests/fake_engine.py) except where marked `engine`."""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from batchjson.run import run_job
+from batchjson.spec import load_spec
+from conftest import write_job, write_rows
+from fake_engine import FakeEngines
+from test_run import assert_exactly_once, ids_of
+
+HERE = Path(__file__).parent
+ENV = os.environ | {"PYTHONPATH": f"{HERE.parent}:{HERE}"}
+
+
+def records(out: Path) -> list[dict]:
+    return [json.loads(p.read_text()) for p in (out / "_batchjson" / "units").glob("p*.json")]
+
+
+def test_two_replicas_share_the_units(tmp_path, tiny_model):
+    write_rows(tmp_path / "in.parquet", 120)
+    job = write_job(tmp_path, tiny_model, tmp_path / "in.parquet", batch_size=4)
+    report = run_job(load_spec(job), replicas=2, progress=False,
+                     engine_factory=FakeEngines(valid=0.7, delay=0.01))
+    assert report.replicas == 2
+    assert report.verified["ok"] and report.verified["complete"], report.verified
+    assert_exactly_once([f"r{i:05d}" for i in range(120)], tmp_path / "out", tmp_path / "out" / "_rejects")
+    by_replica = collections.Counter(r["replica"] for r in records(tmp_path / "out") if r["stage"] == "p1")
+    assert set(by_replica) == {0, 1}, by_replica  # both pulled units from the one queue
+    assert report.passes["pass1"].rows == 120  # the replicas' counts add up in one report
+    assert report.passes["pass2"].rows == report.passes["pass1"].rows - report.passes["pass1"].valid
+
+
+def test_a_slow_replica_does_not_hold_the_others_up(tmp_path, tiny_model):
+    """Pull, not a static split: the fast replica takes most units while the slow one decodes."""
+    write_rows(tmp_path / "in.parquet", 64)
+    job = write_job(tmp_path, tiny_model, tmp_path / "in.parquet", batch_size=4)
+    os.environ["FAKE_SLOW_SLOT"] = "1"
+    try:
+        report = run_job(load_spec(job), replicas=2, progress=False, engine_factory=FakeEngines(valid=1.0, delay=0.01))
+    finally:
+        del os.environ["FAKE_SLOW_SLOT"]
+    by_replica = collections.Counter(r["replica"] for r in records(tmp_path / "out"))
+    assert by_replica[0] > 3 * by_replica[1], by_replica
+    assert report.verified["ok"] and report.verified["complete"]
+
+
+def test_a_replica_killed_mid_run_has_its_units_redone(tmp_path, tiny_model):
+    write_rows(tmp_path / "in.parquet", 200)
+    job = write_job(tmp_path, tiny_model, tmp_path / "in.parquet", batch_size=4)
+    out = tmp_path / "out"
+    runner = subprocess.Popen([sys.executable, str(HERE / "fake_runner.py"), str(job), str(out), "none", "0", "",
+                               "2"], env=ENV | {"FAKE_DELAY": "0.02"}, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while len(records(out)) < 5 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        replicas = [c for c in psutil.Process(runner.pid).children() if "spawn_main" in " ".join(c.cmdline())]
+        assert len(replicas) == 2, replicas
+        replicas[0].send_signal(signal.SIGKILL)
+        stdout, stderr = runner.communicate(timeout=300)
+    finally:
+        runner.kill()
+    assert runner.returncode == 0, stderr[-3000:]
+    assert "exactly-once check ok" in stdout, stdout
+    assert "died" in stdout, stdout  # the report says a replica died and its units went to others
+    assert_exactly_once([f"r{i:05d}" for i in range(200)], out, out / "_rejects")
