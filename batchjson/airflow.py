@@ -35,6 +35,9 @@ class BatchJsonOperator(BaseOperator):
     dying) fails the task with batchjson's message alone, SIGTERM from Airflow stops the run keeping finished
     units, and anything else is a bug that keeps its traceback.
 
+    Engines: the task uses every GPU of its worker (one replica per GPU); `replicas` sets how many, and
+    `ray="auto"` (or a cluster address) runs them as Ray actors over a cluster instead.
+
     Shards: map the task over `shards(N)`; each writes its own part files into the same `output_dir`. A shard's
     threshold check sees only the rejects written so far, so it can fail late but never wrongly; add one
     unsharded task on the same `output_dir` after the mapped ones: it finds every unit done, starts no engine,
@@ -44,10 +47,12 @@ class BatchJsonOperator(BaseOperator):
     template_fields = ("job", "output_dir", "input_path", "shard")
 
     def __init__(self, *, job: str, output_dir: str | None = None, input_path: str | None = None,
-                 shard: str | None = None, replace: bool = False, **kwargs):
+                 shard: str | None = None, replace: bool = False, replicas: int | None = None, ray: str | None = None,
+                 **kwargs):
         super().__init__(**kwargs)
         self.job, self.output_dir, self.input_path = job, output_dir, input_path
         self.shard, self.replace = shard, replace
+        self.engines = {"replicas": replicas, "ray": ray}
 
     def execute(self, context):
         # Imported here, not at the top: the DAG processor parses DAG files often and needs none of this.
@@ -61,7 +66,7 @@ class BatchJsonOperator(BaseOperator):
             if self.replace:
                 report = self._replace(spec, shard, context["run_id"])
             else:
-                report = run_job(spec, self.output_dir, shard=shard)
+                report = run_job(spec, self.output_dir, shard=shard, **self.engines)
         except BatchjsonError as e:
             raise AirflowException(str(e)) from None
         if report.interrupted:  # run_job stops cleanly on SIGTERM (Airflow's kill) and returns: not a success
@@ -96,7 +101,7 @@ class BatchJsonOperator(BaseOperator):
         # the same run reuses (and, being fresh, clears) what a killed try left.
         tag = re.sub(r"[^\w.-]", "_", run_id)
         tmp, old = (final.with_name(f".{final.name}.{kind}-{tag}") for kind in ("tmp", "old"))
-        report = run_job(spec, str(tmp), fresh=True)
+        report = run_job(spec, str(tmp), fresh=True, **self.engines)
         if report.interrupted:  # keep the old partition; the retry starts the new one over
             raise AirflowException(INTERRUPTED.replace("a retry resumes", "a retry rebuilds the partition"))
         shutil.rmtree(old, ignore_errors=True)

@@ -125,13 +125,13 @@ class _Pool:
     def put(self, slot: int, message: tuple) -> None:
         self.inboxes[slot].put(message)
 
+    empty: type[Exception] = queue.Empty
+
     def get(self, timeout: float):
         try:
             return self.outbox.get(timeout=timeout)
-        except Exception as e:  # queue.Empty, or ray.util.queue.Empty
-            if type(e).__name__ == "Empty":
-                return None
-            raise
+        except self.empty:
+            return None
 
 
 class LocalPool(_Pool):
@@ -182,9 +182,9 @@ class RayPool(_Pool):
 
     def __init__(self, target: Callable, args: tuple, slots: list, gpus: int, cpus: float):
         import ray
-        from ray.util.queue import Queue
+        from ray.util.queue import Empty, Queue
 
-        self.ray, self.Queue = ray, Queue
+        self.ray, self.Queue, self.empty = ray, Queue, Empty
         self.actor_class = ray.remote(num_gpus=gpus, num_cpus=cpus, max_restarts=0)(RayReplica)
         self.actors: dict[int, object] = {}
         super().__init__(target, args, slots)

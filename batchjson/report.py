@@ -22,6 +22,8 @@ class PassStats:
     note: str = ""
     grammar: str = ""
     """The grammar backend this pass decoded with, and why it was chosen."""
+    replicas: int = 1
+    """Engine replicas the pass ran on at once: its engine-seconds are seconds x replicas."""
 
     def add(self, ok: bool, reason: str | None, prompt_tokens: int, output_tokens: int) -> None:
         self.rows += 1
@@ -50,7 +52,7 @@ class PassStats:
         d["rows_per_s"] = round(self.rows / self.seconds, 3) if self.seconds else 0.0
         d["output_tokens_per_s"] = round(self.output_tokens / self.seconds, 1) if self.seconds else 0.0
         # The pass's wall time, engine start included: on a GPU that is what the pass costs.
-        d["gpu_seconds_per_valid_row"] = round(self.seconds / self.valid, 4) if self.valid else None
+        d["gpu_seconds_per_valid_row"] = round(self.seconds * self.replicas / self.valid, 4) if self.valid else None
         d["failed_output_token_share"] = round(self.failed_output_tokens / self.output_tokens, 3) if self.output_tokens else 0.0
         drafted = self.speculative.get("draft_tokens", 0)
         if drafted:
@@ -109,22 +111,12 @@ class RunReport:
     def over_threshold(self) -> bool:
         return self.reject_rate > self.max_reject_rate
 
-    def merge(self, other: dict) -> None:
-        """Add a replica's counts for the same pass (its to_dict()); the pass's seconds are the runner's own."""
-        for name in ("rows", "valid", "prompt_tokens", "output_tokens", "failed_output_tokens"):
-            setattr(self, name, getattr(self, name) + other[name])
-        self.reasons.update(other["reasons"])
-        for name, value in other["speculative"].items():
-            self.speculative[name] = self.speculative.get(name, 0) + value
-        self.grammar = self.grammar or other["grammar"]
-        if other["note"] and other["note"] not in self.note:
-            self.note = "; ".join(filter(None, (self.note, other["note"])))
-
     def to_dict(self) -> dict:
         d = asdict(self)
         d["passes"] = {k: v.to_dict() for k, v in self.passes.items()}
         made = sum(p.valid for p in self.passes.values())
-        d["gpu_seconds_per_valid_row"] = round(sum(p.seconds for p in self.passes.values()) / made, 4) if made else None
+        d["gpu_seconds_per_valid_row"] = round(sum(p.seconds * p.replicas for p in self.passes.values()) / made, 4) \
+            if made else None
         d |= {"valid": self.valid, "rejected": self.rejected, "rescued_by_fallback": self.valid_by_pass.get("pass2", 0),
               "reject_rate": round(self.reject_rate, 4), "over_threshold": self.over_threshold,
               "verify_failed": self.verify_failed}

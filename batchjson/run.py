@@ -219,7 +219,7 @@ class JobRun:
         try:
             for p in self.passes:
                 keys = self._todo(p)
-                stats = PassStats()
+                stats = PassStats(replicas=len(pool.slots))
                 started = time.monotonic()
                 with tqdm(total=self._rows(p, keys), desc=p.name, unit="row", disable=self.progress) as bar:
                     notes = replicas.dispatch(pool, p.stage, keys, lambda key, rows: bar.update(rows),

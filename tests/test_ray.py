@@ -1,0 +1,57 @@
+"""Replicas as Ray actors on a local Ray cluster (CPU, the tiny model, the real engine): one is killed mid-run,
+its open units are redone by another, and every input id ends up exactly once."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from conftest import write_job, write_rows
+from test_run import assert_exactly_once
+
+pytest.importorskip("ray", reason="Ray mode needs the ray extra: pip install 'batchjson[ray]'")
+HERE = Path(__file__).parent
+
+
+def committed(out: Path) -> int:
+    return len(list((out / "_batchjson" / "units").glob("p1-*.json")))
+
+
+def actors() -> list[psutil.Process]:
+    return [p for p in psutil.process_iter(["cmdline"]) if "RayReplica" in " ".join(p.info["cmdline"] or ())]
+
+
+@pytest.mark.engine
+def test_ray_replica_killed_mid_run(tmp_path, tiny_model):
+    write_rows(tmp_path / "in.parquet", 160)
+    job = write_job(tmp_path, tiny_model, tmp_path / "in.parquet", batch_size=4, speculative="none",
+                    extra="")
+    out = tmp_path / "out"
+    env = os.environ | {"PYTHONPATH": f"{HERE.parent}:{HERE}", "RAY_ADDRESS": "", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    runner = subprocess.Popen([sys.executable, "-m", "batchjson", "run", str(job), "--ray", "--replicas", "2",
+                               "--json-report"], env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True)
+    try:
+        deadline = time.monotonic() + 400
+        while committed(out) < 4 and time.monotonic() < deadline and runner.poll() is None:
+            time.sleep(0.2)
+        running = actors()
+        assert len(running) == 2, (running, runner.poll())
+        running[0].send_signal(signal.SIGKILL)
+        stdout, stderr = runner.communicate(timeout=600)
+    finally:
+        runner.kill()
+    assert runner.returncode == 0, stderr[-4000:]
+    report = json.loads(stdout)
+    assert report["replicas"] == 2
+    assert report["verified"]["ok"] and report["verified"]["complete"], report["verified"]
+    assert "died" in report["passes"]["pass1"]["note"], report["passes"]["pass1"]
+    assert_exactly_once([f"r{i:05d}" for i in range(160)], out, out / "_rejects")
