@@ -14,7 +14,6 @@ from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from itertools import chain
-from pathlib import Path
 
 from tqdm import tqdm
 
@@ -128,7 +127,7 @@ class JobRun:
         if not out:
             raise SpecError("no output folder: set output.path in the spec or pass --output.")
         self.spec, self.shard, self.make_engine, self.fresh = spec, shard, engine_factory, fresh
-        self.storage = Storage(Path(out), Path(spec.output.rejects) if spec.output.rejects else None, shard)
+        self.storage = Storage(out, spec.output.rejects or None, shard)
         self.source = ParquetSource(spec.input, spec.prompt.columns)
         self.progress = None if progress is None else not progress  # tqdm: None hides the bar off a terminal
         self.validator = Validator(spec.schema_doc, spec.schema.check_format)
