@@ -231,7 +231,11 @@ class Location:
         """Create the folder (and its parents) locally. Object storage has no folders: check the bucket instead."""
         if self.local:
             Path(self.path).mkdir(parents=True, exist_ok=True)
-            return
+        else:
+            self.check_bucket()
+
+    def check_bucket(self) -> None:
+        """On object storage, refuse a bucket that does not exist (or cannot be seen with these credentials)."""
         bucket = self._at(self.bucket, f"{self.scheme}://{self.bucket}")
-        if not bucket.exists():
+        if not self.local and not bucket.exists():
             raise self.error(f"{self}: the bucket {bucket} does not exist. Create it first, or fix the URI.")

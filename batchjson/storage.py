@@ -192,6 +192,8 @@ class Storage:
     def check_paths(self, input_path: str | None = None) -> None:
         """Refuse layouts that would mix or lose rows, before anything is written."""
         out, rej = self.output, self.rejects
+        out.check_bucket()
+        rej.check_bucket()
         if out.is_file():
             raise OutputError(f"the output path {out} is a file. Point output.path (or --output) at a folder.")
         if rej.parts_below(out) == ():
