@@ -96,14 +96,14 @@ class Location:
         paths on the same store (bucket/key on object storage), so `out/../out/x` is inside `out`."""
         if (self.scheme, self.fs.type_name) != (outer.scheme, outer.fs.type_name):
             return None
-        inner_path, outer_path = self._normal(), outer._normal()
+        inner_path, outer_path = self.normal(), outer.normal()
         if inner_path == outer_path:
             return ()
         if not inner_path.startswith(outer_path.rstrip("/") + "/"):
             return None
         return tuple(inner_path[len(outer_path.rstrip("/")) + 1:].split("/"))
 
-    def _normal(self) -> str:
+    def normal(self) -> str:
         return os.path.realpath(self.path) if self.local else posixpath.normpath(self.path)
 
     def __str__(self) -> str:

@@ -209,8 +209,8 @@ class Storage:
             pattern = any(c in input_path for c in "*?[")
             for name, folder in (("output folder", out), ("output.rejects folder", rej)):
                 if pattern:  # a file this run would write there, matched against the glob
-                    probe = PurePosixPath(folder._normal()) / "p1-x.parquet"
-                    hit = folder.scheme == source.scheme and probe.match(source._normal())
+                    probe = PurePosixPath(folder.normal()) / "p1-x.parquet"
+                    hit = folder.scheme == source.scheme and probe.match(source.normal())
                 else:
                     hit = source.is_dir() and hidden_below(folder, source) is False
                 if hit:

@@ -144,6 +144,8 @@ def test_a_second_run_is_refused_while_the_first_holds_its_lease(tmp_path, tiny_
     leases = [i.base_name for i in fs.FileSystem.from_uri(f"{out}/_batchjson")[0].get_file_info(
         fs.FileSelector(f"{s3[5:]}/out/_batchjson")) if i.base_name.startswith("lease-")]
     assert leases == [], "leases are released when a run ends"
+    again = run_job(load_spec(job), out, fresh=True, engine_factory=FakeEngines(), progress=False)
+    assert not again.resumed and again.passes["pass1"].rows == 8 and again.verified["complete"]
 
 
 def test_shards_share_a_layout_and_a_lost_lease_stops_commits(s3, monkeypatch):
