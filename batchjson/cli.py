@@ -9,7 +9,6 @@ Ctrl-C (finished units are kept: rerun to resume).
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import click
 
@@ -132,7 +131,7 @@ def check(job, output, input_path):
         scan = source.scan()
         out = output or spec.output.path
         if out:
-            storage = Storage(Path(out), Path(spec.output.rejects) if spec.output.rejects else None)
+            storage = Storage(out, spec.output.rejects or None)
             storage.check_paths(spec.input.path)
             if (storage.state / "spec.json").exists():
                 new = storage.check_inputs(scan.fingerprints, write=False)

@@ -14,7 +14,6 @@ from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from itertools import chain
-from pathlib import Path
 
 from tqdm import tqdm
 
@@ -139,7 +138,7 @@ class JobRun:
         self.replicas = replicas if replicas is not None else spec.model.replicas
         if self.replicas is not None and self.replicas < 1:
             raise SpecError(f"replicas must be at least 1, not {self.replicas}.")
-        self.storage = Storage(Path(out), Path(spec.output.rejects) if spec.output.rejects else None, shard)
+        self.storage = Storage(out, spec.output.rejects or None, shard)
         self.source = ParquetSource(spec.input, spec.prompt.columns)
         self.progress = None if progress is None else not progress  # tqdm: None hides the bar off a terminal
         self.validator = Validator(spec.schema_doc, spec.schema.check_format)

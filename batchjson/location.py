@@ -1,0 +1,241 @@
+"""Where files live: a local path or an object-storage URI (s3://, gs://), turned into a pyarrow filesystem and a
+path on it, with the few file operations storage.py and source.py need.
+
+Local paths keep their local meaning (a rename is atomic, a folder exists on its own). On object storage there are
+no folders and no renames: a folder is a key prefix, `move` is a copy and a delete, and a single PUT is the only
+atomic write. Credentials and endpoint come from the standard environment (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY,
+AWS_SESSION_TOKEN, AWS_REGION, AWS_ENDPOINT_URL or AWS_ENDPOINT_URL_S3; for GCS, Google's default credentials),
+or from the URI's query (`s3://bucket/prefix?endpoint_override=host:9000&scheme=http`).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import os
+import posixpath
+from contextlib import contextmanager
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+from pyarrow import fs
+
+from batchjson.errors import BatchjsonError, OutputError
+
+HINT = ("Check the URI, that the bucket exists, and the credentials and endpoint in the environment "
+        "(AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_REGION, AWS_ENDPOINT_URL).")
+
+
+def is_uri(where: str | Path) -> bool:
+    return "://" in str(where)
+
+
+class Location:
+    """A file or folder on a filesystem. Paths print as the user wrote them: a local path, or scheme://bucket/key.
+
+    On object storage, any error from the store (no such bucket, access denied, no endpoint) becomes `error` (a
+    BatchjsonError: exit 2) naming the location; locally, OSErrors stay what they are, as with pathlib."""
+
+    __slots__ = ("fs", "path", "scheme", "shown", "error")
+
+    def __init__(self, filesystem: fs.FileSystem, path: str, scheme: str, shown: str,
+                 error: type[BatchjsonError] = OutputError):
+        self.fs, self.path, self.scheme, self.shown, self.error = filesystem, path, scheme, shown, error
+
+    @classmethod
+    def of(cls, where: str | Path | Location, error: type[BatchjsonError] = OutputError) -> Location:
+        """A user's path or URI. A bad URI (unknown scheme, no bucket) is `error`, naming it."""
+        if isinstance(where, Location):
+            return where
+        text = str(where)
+        if not is_uri(text):
+            return cls(fs.LocalFileSystem(), os.path.abspath(text), "", os.path.normpath(text), error)
+        scheme = text.split("://", 1)[0].lower()
+        try:
+            filesystem, path = fs.FileSystem.from_uri(text)
+        except (pa.ArrowInvalid, pa.ArrowNotImplementedError, OSError) as e:
+            raise error(f"{text}: not a usable location ({e}). Use a local path, s3://bucket/prefix or "
+                        "gs://bucket/prefix.") from None
+        path = path.strip("/")
+        if isinstance(filesystem, fs.LocalFileSystem):  # file:///x
+            return cls(filesystem, "/" + path, "", "/" + path, error)
+        if not path:
+            raise error(f"{text}: no bucket in the URI. Write {scheme}://bucket/prefix.")
+        return cls(filesystem, path, scheme, f"{scheme}://{path}", error)
+
+    # ----- names ------------------------------------------------------------------------------------------------
+    @property
+    def local(self) -> bool:
+        return not self.scheme
+
+    @property
+    def name(self) -> str:
+        return posixpath.basename(self.path)
+
+    @property
+    def bucket(self) -> str:
+        return self.path.split("/", 1)[0]
+
+    def _at(self, path: str, shown: str) -> Location:
+        return Location(self.fs, path, self.scheme, shown, self.error)
+
+    def __truediv__(self, name: str) -> Location:
+        return self._at(posixpath.join(self.path, name), os.path.join(self.shown, name) if self.local
+                        else posixpath.join(self.shown, name))
+
+    @property
+    def parent(self) -> Location:
+        return self._at(posixpath.dirname(self.path), os.path.dirname(self.shown) or ".")
+
+    def with_name(self, name: str) -> Location:
+        return self.parent / name
+
+    def parts_below(self, outer: Location) -> tuple[str, ...] | None:
+        """This location's path below `outer`, as parts; None if it is not inside (or at) it. Compares normalized
+        paths on the same store (bucket/key on object storage), so `out/../out/x` is inside `out`."""
+        if (self.scheme, self.fs.type_name) != (outer.scheme, outer.fs.type_name):
+            return None
+        inner_path, outer_path = self.normal(), outer.normal()
+        if inner_path == outer_path:
+            return ()
+        if not inner_path.startswith(outer_path.rstrip("/") + "/"):
+            return None
+        return tuple(inner_path[len(outer_path.rstrip("/")) + 1:].split("/"))
+
+    def normal(self) -> str:
+        return os.path.realpath(self.path) if self.local else posixpath.normpath(self.path)
+
+    def __str__(self) -> str:
+        return self.shown
+
+    def __repr__(self) -> str:
+        return f"Location({self.shown!r})"
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Location) and (self.scheme, self.path) == (other.scheme, other.path)
+
+    def __hash__(self) -> int:
+        return hash((self.scheme, self.path))
+
+    def __lt__(self, other: Location) -> bool:
+        return self.path < other.path
+
+    # ----- looking ----------------------------------------------------------------------------------------------
+    @contextmanager
+    def _io(self):
+        """Object-store errors as the user's error, naming this location; a missing file stays FileNotFoundError."""
+        try:
+            yield
+        except FileNotFoundError:
+            raise
+        except (OSError, pa.ArrowException) as e:
+            if self.local:
+                raise
+            raise self.error(f"{self}: {e}. {HINT}") from None
+
+    def info(self) -> fs.FileInfo:
+        with self._io():
+            return self.fs.get_file_info(self.path)
+
+    def exists(self) -> bool:
+        return self.info().type != fs.FileType.NotFound
+
+    def is_dir(self) -> bool:
+        return self.info().type == fs.FileType.Directory
+
+    def is_file(self) -> bool:
+        return self.info().type == fs.FileType.File
+
+    def files(self, recursive: bool = False) -> list[fs.FileInfo]:
+        """The files below this folder (none if it does not exist), with their sizes and modification times."""
+        with self._io():
+            found = self.fs.get_file_info(fs.FileSelector(self.path, allow_not_found=True, recursive=recursive))
+        return [i for i in found if i.type == fs.FileType.File]
+
+    def names(self) -> list[str]:
+        """The names of the files and folders directly in this folder (none if it does not exist)."""
+        with self._io():
+            return [i.base_name for i in self.fs.get_file_info(fs.FileSelector(self.path, allow_not_found=True))]
+
+    def glob(self, pattern: str) -> list[Location]:
+        """The files directly in this folder whose name matches `pattern` (fnmatch, as Path.glob on one level)."""
+        return [self / i.base_name for i in self.files() if fnmatch.fnmatchcase(i.base_name, pattern)]
+
+    # ----- reading and writing ----------------------------------------------------------------------------------
+    def open_input(self):
+        with self._io():
+            return self.fs.open_input_file(self.path)
+
+    def read_bytes(self) -> bytes:
+        with self.open_input() as f:
+            return f.read()
+
+    def read_text(self) -> str:
+        return self.read_bytes().decode()
+
+    def write_bytes(self, data: bytes) -> None:
+        with self._io(), self.fs.open_output_stream(self.path) as f:
+            f.write(data)
+
+    def write_json(self, data) -> None:
+        """All or nothing: a PUT on object storage is; locally, a temporary file renamed over the target is."""
+        text = json.dumps(data, indent=1, default=str).encode()
+        if not self.local:
+            self.write_bytes(text)
+            return
+        tmp = self.with_name(f".tmp-{os.getpid()}-{self.name}")
+        tmp.write_bytes(text)
+        os.replace(tmp.path, self.path)
+
+    def read_json(self):
+        return json.loads(self.read_bytes())
+
+    def write_parquet(self, table: pa.Table) -> None:
+        with self._io():
+            pq.write_table(table, self.path, filesystem=self.fs)
+
+    def read_parquet(self, columns: list[str] | None = None) -> pa.Table:
+        with self.open_input() as f, self._io():
+            return pq.read_table(f, columns=columns)
+
+    def move(self, target: Location) -> None:
+        """Rename locally (atomic); copy then delete on object storage (a kill between them leaves both, equal:
+        moving again finishes it). FileNotFoundError if there is nothing to move."""
+        if self.local:
+            os.replace(self.path, target.path)
+            return
+        if not self.is_file():
+            raise FileNotFoundError(self.path)
+        try:
+            with self._io():
+                self.fs.move(self.path, target.path)
+        except BatchjsonError:
+            if self.is_file():
+                raise
+            raise FileNotFoundError(self.path) from None  # moved meanwhile by another process
+
+    def unlink(self, missing_ok: bool = False) -> None:
+        try:
+            with self._io():
+                self.fs.delete_file(self.path)
+        except FileNotFoundError:
+            if not missing_ok:
+                raise
+
+    def rmtree(self) -> None:
+        with self._io():
+            self.fs.delete_dir(self.path)
+
+    def mkdir(self) -> None:
+        """Create the folder (and its parents) locally. Object storage has no folders: check the bucket instead."""
+        if self.local:
+            Path(self.path).mkdir(parents=True, exist_ok=True)
+        else:
+            self.check_bucket()
+
+    def check_bucket(self) -> None:
+        """On object storage, refuse a bucket that does not exist (or cannot be seen with these credentials)."""
+        bucket = self._at(self.bucket, f"{self.scheme}://{self.bucket}")
+        if not self.local and not bucket.exists():
+            raise self.error(f"{self}: the bucket {bucket} does not exist. Create it first, or fix the URI.")

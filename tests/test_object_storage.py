@@ -1,0 +1,198 @@
+"""Input and output on object storage (a real S3 server, tests/s3_server.py): the same rows as a local run, exactly
+once across kills, leases instead of file locks, and user mistakes that end in a message (exit 2)."""
+
+from __future__ import annotations
+
+import collections
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from click.testing import CliRunner
+from pyarrow import fs
+
+from batchjson.cli import main
+from batchjson.run import run_job
+from batchjson.spec import load_spec, with_input
+from batchjson.storage import Lease
+from conftest import write_job, write_rows
+from fake_engine import FakeEngines
+from test_exactly_once import ENV, HERE
+
+LEASE = 3.0  # seconds: the lease expiry of the runs these tests kill
+
+
+def put_rows(uri: str, local, n: int, start: int = 0) -> None:
+    """Write the test rows (conftest.write_rows) to a Parquet object at `uri`."""
+    filesystem, path = fs.FileSystem.from_uri(uri)
+    pq.write_table(pq.read_table(write_rows(local, n, start)), path, filesystem=filesystem)
+
+
+def table_at(uri: str, columns=None) -> pa.Table | None:
+    """Every Parquet file directly under a prefix (as a dataset reader sees the folder), sorted by id."""
+    filesystem, path = fs.FileSystem.from_uri(uri)
+    files = sorted(i.path for i in filesystem.get_file_info(fs.FileSelector(path, allow_not_found=True))
+                   if i.type == fs.FileType.File and i.base_name.endswith(".parquet")
+                   and not i.base_name.startswith(("_", ".")))
+    if not files:
+        return None
+    table = pa.concat_tables(pq.read_table(f, filesystem=filesystem, columns=columns) for f in files)
+    return table.sort_by("id")
+
+
+def ids_at(uri: str) -> list[str]:
+    table = table_at(uri, ["id"])
+    return table.column("id").to_pylist() if table is not None else []
+
+
+def cli(*args):
+    result = CliRunner().invoke(main, [str(a) for a in args])
+    assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
+    return result
+
+
+@pytest.mark.engine
+def test_a_job_on_s3_writes_what_the_same_job_writes_locally(tmp_path, tiny_model, engines, s3):
+    put_rows(f"{s3}/in/a.parquet", tmp_path / "a.parquet", 20)
+    put_rows(f"{s3}/in/part/b.parquet", tmp_path / "b.parquet", 7, start=20)
+    write_rows(tmp_path / "in" / "a.parquet", 20)
+    write_rows(tmp_path / "in" / "part" / "b.parquet", 7, start=20)
+    # Greedy, no speculation, no sampled fallback: the two runs must decode the same tokens.
+    job = write_job(tmp_path, tiny_model, tmp_path / "in", speculative="none", max_tokens=24)
+    job.write_text(job.read_text().replace("[fallback]\n", "[fallback]\nenabled = false\n"))
+    spec = load_spec(job)
+    local = run_job(spec, str(tmp_path / "out"), engine_factory=engines, progress=False)
+    remote = run_job(with_input(spec, f"{s3}/in"), f"{s3}/out", engine_factory=engines, progress=False)
+
+    assert remote.verified["complete"] and local.verified["complete"]
+    assert (remote.valid, remote.rejected) == (local.valid, local.rejected)
+    columns = ["id", "source", "json"]
+    mine = table_at(f"file://{tmp_path}/out", columns)
+    theirs = table_at(f"{s3}/out", columns)
+    assert mine is not None and theirs is not None and theirs.equals(mine)
+    mine_rejects, theirs_rejects = table_at(f"file://{tmp_path}/out/_rejects"), table_at(f"{s3}/out/_rejects")
+    assert (mine_rejects is None) == (theirs_rejects is None)
+    if mine_rejects is not None:
+        assert theirs_rejects.select(["id", "reason"]).equals(mine_rejects.select(["id", "reason"]))
+    assert sorted(ids_at(f"{s3}/out") + ids_at(f"{s3}/out/_rejects")) == [f"r{i:05d}" for i in range(27)]
+    report, path = fs.FileSystem.from_uri(f"{s3}/out/_report.json")
+    assert report.get_file_info(path).type == fs.FileType.File
+    assert cli("verify", job, "--input", f"{s3}/in", "--output", f"{s3}/out").exit_code == 0
+
+
+def runner_env(**extra) -> dict:
+    """The fake runner's environment: the test's S3 settings (set by the s3 fixture) and short leases."""
+    return ENV | {k: v for k, v in os.environ.items() if k.startswith("AWS_")} | {"FAKE_LEASE_EXPIRY": str(LEASE)} \
+        | extra
+
+
+def runner(job, output, step="none", n=0):
+    return subprocess.run([sys.executable, str(HERE / "fake_runner.py"), str(job), output, step, str(n)],
+                          env=runner_env(), capture_output=True, text=True, timeout=300)
+
+
+def test_runs_killed_mid_commit_on_s3_lose_and_double_nothing(tmp_path, tiny_model, s3):
+    put_rows(f"{s3}/in/a.parquet", tmp_path / "a.parquet", 24)
+    job = write_job(tmp_path, tiny_model, f"{s3}/in", batch_size=4)
+    out = f"{s3}/out"
+    for step in ("staged output", "committed", "published output", "published rejects"):
+        p = runner(job, out, step, 2)
+        assert p.returncode == -signal.SIGKILL, p.stderr[-2000:]
+        committed = ids_at(out) + ids_at(f"{out}/_rejects")
+        assert not [k for k, v in collections.Counter(committed).items() if v > 1], f"doubled after {step}"
+        time.sleep(LEASE + 1)  # the killed run's lease expires
+    final = runner(job, out)
+    assert final.returncode == 0, final.stderr[-2000:]
+    assert "exactly-once check ok" in final.stdout
+    assert sorted(ids_at(out) + ids_at(f"{out}/_rejects")) == [f"r{i:05d}" for i in range(24)]
+    result = cli("verify", job, "--output", out)
+    assert result.exit_code == 0 and "exactly-once check ok: " in result.output, result.output
+
+
+def test_a_second_run_is_refused_while_the_first_holds_its_lease(tmp_path, tiny_model, s3):
+    put_rows(f"{s3}/in/a.parquet", tmp_path / "a.parquet", 8)
+    job = write_job(tmp_path, tiny_model, f"{s3}/in")
+    out = f"{s3}/out"
+    marker = tmp_path / "starting"
+    first = subprocess.Popen([sys.executable, str(HERE / "fake_runner.py"), str(job), out, "none", "0"],
+                             env=runner_env(FAKE_START_DELAY="600", FAKE_START_MARKER=str(marker)),
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not marker.exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert marker.exists(), "the first run did not reach its engine start"
+        for wait in (0, LEASE + 1):  # refused at once, and still after the expiry: the first run renews
+            time.sleep(wait)
+            result = cli("run", job, "--output", out)
+            assert result.exit_code == 2, result.output
+            assert f"another batchjson run is writing to {out} right now" in result.output
+            assert "expires in" in result.output and "Traceback" not in result.output
+        assert cli("verify", job, "--output", out).exit_code == 2
+    finally:
+        first.kill()
+        first.wait()
+    time.sleep(LEASE + 1)  # the killed run's lease expires: the next run takes over
+    report = run_job(load_spec(job), out, engine_factory=FakeEngines(), progress=False)
+    assert report.verified["complete"]
+    assert cli("verify", job, "--output", out).exit_code == 0
+    leases = [i.base_name for i in fs.FileSystem.from_uri(f"{out}/_batchjson")[0].get_file_info(
+        fs.FileSelector(f"{s3[5:]}/out/_batchjson")) if i.base_name.startswith("lease-")]
+    assert leases == [], "leases are released when a run ends"
+    again = run_job(load_spec(job), out, fresh=True, engine_factory=FakeEngines(), progress=False)
+    assert not again.resumed and again.passes["pass1"].rows == 8 and again.verified["complete"]
+
+
+def test_shards_share_a_layout_and_a_lost_lease_stops_commits(s3, monkeypatch):
+    from batchjson.errors import OutputError
+    from batchjson.storage import Storage
+
+    monkeypatch.setattr(Lease, "RENEW_EVERY", 0.2)
+    out = f"{s3}/out"
+    shards = [Storage(out, shard=(i, 2)) for i in range(2)]
+    for s in shards:
+        s.claim()
+    for other in (Storage(out), Storage(out, shard=(0, 2)), Storage(out, shard=(0, 3))):
+        with pytest.raises(OutputError, match="another batchjson run is writing"):
+            other.claim()
+    time.sleep(1)  # renewals keep the leases
+    shards[0]._lease.file.unlink()  # as a run that took an expired lease over does
+    time.sleep(0.5)
+    with pytest.raises(OutputError, match="taken over by another run"):
+        shards[0].commit("p1", "u", {}, {})
+    for s in shards:
+        s.close()
+    whole = Storage(out)
+    whole.claim()
+    whole.close()
+
+
+@pytest.mark.parametrize("where, message", [
+    ("--output=foo://bucket/out", "foo://bucket/out: not a usable location"),
+    ("--output=s3://", "no bucket in the URI"),
+    ("--output=s3://no-such-bucket-here/out", "the bucket s3://no-such-bucket-here does not exist"),
+    ("--input=s3://no-such-bucket-here/in", "no-such-bucket-here"),
+    ("--output={s3}/in/out", "is inside the input"),
+])
+def test_bad_locations_are_named_with_exit_2(tmp_path, tiny_model, s3, where, message):
+    put_rows(f"{s3}/in/a.parquet", tmp_path / "a.parquet", 4)
+    job = write_job(tmp_path, tiny_model, f"{s3}/in")
+    for command in ("check", "run"):
+        result = cli(command, job, where.format(s3=s3))
+        assert result.exit_code == 2 and message in result.output, result.output
+        assert "Traceback" not in result.output
+
+
+def test_no_credentials_is_exit_2_naming_the_path(tmp_path, tiny_model, s3, monkeypatch):
+    put_rows(f"{s3}/in/a.parquet", tmp_path / "a.parquet", 4)
+    job = write_job(tmp_path, tiny_model, f"{s3}/in")
+    monkeypatch.delenv("AWS_ACCESS_KEY_ID")
+    monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
+    result = cli("run", job, "--output", str(tmp_path / "out"))
+    assert result.exit_code == 2 and f"{s3}/in" in result.output and "AWS_ACCESS_KEY_ID" in result.output, \
+        result.output
