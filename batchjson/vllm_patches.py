@@ -53,10 +53,13 @@ def source_hash(fn) -> str:
 def unsupported() -> str | None:
     """Why the parallel bitmask cannot be installed in this vLLM; None when it can."""
     import vllm
-    from vllm.v1.structured_output import StructuredOutputManager
-    from vllm.v1.structured_output.backend_types import StructuredOutputGrammar
 
     version = vllm.__version__
+    try:
+        from vllm.v1.structured_output import StructuredOutputManager
+        from vllm.v1.structured_output.backend_types import StructuredOutputGrammar
+    except ImportError as e:  # a vLLM that moved them: say so, never stop the engine process over a speed-up
+        return f"vLLM {version} has no {e.name or 'vllm.v1.structured_output'}"
     known = KNOWN.get(".".join(version.split(".")[:2]))
     if known is None:
         return f"vLLM {version} is not a version it was written for ({', '.join(k + '.x' for k in KNOWN)})"
