@@ -141,6 +141,10 @@ class ModelSpec:
     """Forbid whitespace between JSON tokens. Small models otherwise pad with spaces until max_tokens."""
     max_in_flight: int = 256
     """Requests kept inside the engine at once; the engine is refilled as each one finishes."""
+    parallel_grammar: bool = True
+    """Under speculation, fill the grammar's token masks of a step on several threads, one request per thread at a
+    time (vLLM fills them one after the other). Outputs are identical either way; false keeps vLLM's own code. Known
+    vLLM versions only (0.26, 0.32): on another the run warns and uses vLLM's code."""
     engine: dict = field(default_factory=dict)
     """Any other vllm.LLM keyword argument, passed through unchanged (e.g. gpu_memory_utilization)."""
     replicas: int | None = None
@@ -270,6 +274,7 @@ class JobSpec:
             d.pop(k)
         d["model"].pop("max_in_flight")
         d["model"].pop("replicas")  # where decoding runs does not change what a run writes
+        d["model"].pop("parallel_grammar")  # the same outputs either way: a resumed run may switch it
         return d
 
 
