@@ -1,11 +1,12 @@
 """Where a speculative step's time goes under a JSON-schema grammar: one method, one in-flight size, one run.
 
-    python bench/spec_profile.py --model /tmp/models/smollm2 --method ngram --in-flight 128 --parallel on
-    python bench/spec_profile.py --model /tmp/models/smollm2 --method ngram --in-flight 128 --parallel off
-    python bench/spec_profile.py --model /tmp/models/smollm2 --shape llama-8b --method ngram --in-flight 32
+    python bench/spec_profile.py --model /tmp/models/smollm2 --method ngram --in-flight 1,8,32,128,512 --parallel on
+    python bench/spec_profile.py --model /tmp/models/smollm2 --method ngram --in-flight 1,8,32,128,512 --parallel off
+    python bench/spec_profile.py --model /tmp/models/smollm2 --shape llama-8b --method ngram --in-flight 1,8,32
 
-Runs --prompts rows of a bench/tasks.py task (default 2 x in flight) through a bare vllm.LLM with the task's JSON
-Schema (xgrammar, whitespace disabled, greedy), with the step profiler on (BATCHJSON_PROFILE_STEPS) and the
+Starts one engine (batchjson's VllmEngine: the task's bounded JSON Schema, the default loop guard, greedy) and runs
+each in-flight size in turn on it (waves x size rows of a bench/tasks.py task), with the step profiler on
+(BATCHJSON_PROFILE_STEPS) and the
 parallel grammar bitmask on or off (BATCHJSON_PARALLEL_BITMASK): both are installed by batchjson's vLLM plugin in
 the engine processes, so batchjson must be installed (pip install -e .) where this runs. Prints one JSON object
 (also written to --out): wall seconds, output tokens/s, acceptance, mean accepted draft tokens per request-step,
@@ -31,7 +32,7 @@ from pathlib import Path
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
 
 import tasks  # noqa: E402
-from batchjson.vllm_patches import ENV_PARALLEL, ENV_PROFILE, ENV_PROFILE_SYNC, read_profile  # noqa: E402
+from batchjson.vllm_patches import DUMP_EVERY_S, ENV_PARALLEL, ENV_PROFILE, ENV_PROFILE_SYNC, read_profile  # noqa: E402
 
 LLAMA_8B = {"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
             "num_key_value_heads": 8, "head_dim": 128, "rope_theta": 500000.0}
@@ -49,48 +50,84 @@ def speculative_config(args) -> dict | None:
     return config
 
 
-def measure(args) -> dict:
-    import vllm
-    from vllm.sampling_params import StructuredOutputsParams
+def _flushed(profile: Path, engine) -> dict:
+    """The profile so far: the engine process writes it every DUMP_EVERY_S while it steps, so wait that long and
+    step once more (one 1-token request), then read it."""
+    from batchjson.records import Prompt
+
+    time.sleep(DUMP_EVERY_S + 0.2)
+    params, engine.params = engine.params, engine._sampling(max_tokens=1, temperature=0.0)
+    list(engine.stream([Prompt("flush", "flush", "{")]))
+    engine.params = params
+    return read_profile(profile)
+
+
+def _delta(after: dict, before: dict) -> dict:
+    parts = {}
+    for name, v in after["parts"].items():
+        b = before["parts"].get(name, {"count": 0, "seconds": 0.0})
+        parts[name] = {"count": v["count"] - b["count"], "seconds": v["seconds"] - b["seconds"]}
+    return {"steps": after["steps"] - before["steps"], "parts": parts}
+
+
+def measure(args, profile: Path) -> list[dict]:
+    """One engine (batchjson's VllmEngine: the product's settings, loop guard included) and one task; each in-flight
+    size in turn on it, with the profile, the tokens and the draft counters taken as differences."""
+    from batchjson.engine import VllmEngine
+    from batchjson.records import Prompt
+    from batchjson.spec import LOOP_GUARD_BOUNDED, DecodingSpec, ModelSpec, SpeculativeSpec
+    from batchjson.validate import Validator
 
     from bench import make_shape_model, _model
 
     model = _model(args.model)
-    engine = json.loads(args.engine)
+    engine_kwargs = json.loads(args.engine)
     if args.shape:
         model = str(make_shape_model(model, Path(tempfile.gettempdir()) / f"shape-{args.shape}", SHAPES[args.shape]))
-        engine = {"load_format": "dummy", **engine}
-    rows = tasks.rows(args.task, args.prompts or 2 * args.in_flight, seed=args.seed)
+        engine_kwargs = {"load_format": "dummy", **engine_kwargs}
+    sizes = [int(x) for x in args.in_flight.split(",")]
+    counts = [max(args.min_prompts, args.waves * b) for b in sizes]
+    schema = tasks.schema(args.task, bounded=True)
     task = tasks.TASKS[args.task]
-    kwargs = dict(model=model, max_num_seqs=args.in_flight, disable_log_stats=False, seed=0,
-                  structured_outputs_config={"backend": "xgrammar", "disable_any_whitespace": True})
-    if speculative_config(args):
-        kwargs["speculative_config"] = speculative_config(args)
-    from vllm.platforms import current_platform
-
-    if current_platform.is_cpu():
-        kwargs["enforce_eager"] = True
-    kwargs |= engine
-    llm = vllm.LLM(**kwargs)
-    tok = llm.get_tokenizer()
-    prompts = [tok.apply_chat_template([{"role": "system", "content": task["system"]},
-                                        {"role": "user", "content": task["template"].format(text=text)}],
-                                       tokenize=False, add_generation_prompt=True) for _, text, _ in rows]
-    params = vllm.SamplingParams(temperature=0.0, max_tokens=args.max_tokens,
-                                 structured_outputs=StructuredOutputsParams(json=tasks.schema(args.task)))
-    start = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    wall = time.perf_counter() - start
-    metrics = {m.name: m.value for m in llm.get_metrics() if hasattr(m, "value")}
-    llm.llm_engine.engine_core.shutdown()  # the engine process writes its last profile numbers
-    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    drafts = metrics.get("vllm:spec_decode_num_drafts", 0)
-    drafted = metrics.get("vllm:spec_decode_num_draft_tokens", 0)
-    accepted = metrics.get("vllm:spec_decode_num_accepted_tokens", 0)
-    return {"wall_s": wall, "rows": len(outs), "output_tokens": tokens, "output_tokens_per_s": tokens / wall,
-            "acceptance": accepted / drafted if drafted else None,
-            "accepted_per_request_step": accepted / drafts if drafts else None,
-            "texts_sha": hashlib.sha256("\n".join(o.outputs[0].text for o in outs).encode()).hexdigest()[:16]}
+    rows = tasks.rows(args.task, max(counts), seed=args.seed)
+    spec = SpeculativeSpec(method="none") if args.method == "none" else SpeculativeSpec(
+        method=args.method, num_speculative_tokens=args.k,
+        draft_model=(args.draft_model or model) if args.method == "draft_model" else None)
+    decoding = DecodingSpec(temperature=0.0, max_tokens=args.max_tokens, repetition_detection=dict(LOOP_GUARD_BOUNDED))
+    started = time.perf_counter()
+    engine = VllmEngine(ModelSpec(path=model, max_in_flight=max(sizes), engine=engine_kwargs), decoding, schema,
+                        spec if spec.enabled else None)
+    start_s = time.perf_counter() - started
+    tok = engine.llm.get_tokenizer()
+    texts = [tok.apply_chat_template([{"role": "system", "content": task["system"]},
+                                      {"role": "user", "content": task["template"].format(text=text)}],
+                                     tokenize=False, add_generation_prompt=True) for _, text, _ in rows]
+    validator = Validator(schema)
+    out = []
+    for size, count in zip(sizes, counts):
+        engine.max_in_flight = size
+        before, stats0 = _flushed(profile, engine), engine.stats()
+        t0 = time.perf_counter()
+        gens = list(engine.stream(Prompt(str(i), "u", texts[i]) for i in range(count)))
+        wall = time.perf_counter() - t0
+        prof, stats = _delta(_flushed(profile, engine), before), engine.stats()
+        drafts, drafted, accepted = (stats[k] - stats0[k] for k in ("drafts", "draft_tokens", "accepted_tokens"))
+        tokens = sum(g.output_tokens for g in gens)
+        valid = sum(validator.check(g).ok for g in gens)
+        steps = prof["steps"] or 1
+        out.append({"method": args.method, "k": args.k if spec.enabled else 0, "shape": args.shape or "", "task": args.task,
+                    "parallel": args.parallel, "in_flight": size, "rows": count, "wall_s": round(wall, 3),
+                    "output_tokens": tokens, "output_tokens_per_s": round(tokens / wall, 1), "valid": valid,
+                    "acceptance": round(accepted / drafted, 3) if drafted else None,
+                    "accepted_per_draft": round(accepted / drafts, 3) if drafts else None,
+                    "steps": prof["steps"], "ms_per_step": round(1000 * wall / steps, 3),
+                    "tokens_per_step": round(tokens / steps, 2), "engine_start_s": round(start_s, 1),
+                    "texts_sha": hashlib.sha256("\n".join(g.text for g in gens).encode()).hexdigest()[:16],
+                    "parts_ms_per_step": {k: round(1000 * v["seconds"] / steps, 3)
+                                          for k, v in sorted(prof["parts"].items(), key=lambda kv: -kv[1]["seconds"])}})
+        print(json.dumps({k: v for k, v in out[-1].items() if k != "parts_ms_per_step"}), flush=True)
+    engine.close()
+    return out
 
 
 def main() -> None:
@@ -99,8 +136,9 @@ def main() -> None:
     ap.add_argument("--method", default="ngram", help="none, ngram, suffix, draft_model, ...")
     ap.add_argument("--draft-model", help="draft folder for draft_model (default: --model itself)")
     ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
-    ap.add_argument("--in-flight", type=int, default=32, help="max_num_seqs: requests in the engine at once")
-    ap.add_argument("--prompts", type=int, default=0, help="rows to run (default: 2 x in flight)")
+    ap.add_argument("--in-flight", default="32", help="in-flight sizes to sweep on one engine, e.g. 1,8,32,128,512")
+    ap.add_argument("--waves", type=int, default=3, help="rows per size = waves x in flight (at least --min-prompts)")
+    ap.add_argument("--min-prompts", type=int, default=16)
     ap.add_argument("--task", default="A", choices=sorted(tasks.TASKS))
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-tokens", type=int, default=256)
@@ -119,14 +157,8 @@ def main() -> None:
     os.environ.update({"BATCHJSON_RUNNER_PID": str(os.getpid()), ENV_PROFILE: str(profile),
                        ENV_PARALLEL: {"on": "1", "off": "0", "check": "check"}[args.parallel],
                        ENV_PROFILE_SYNC: "1" if args.profile_sync == "on" else "0"})
-    result = measure(args)
-    prof = read_profile(profile)
-    steps = prof["steps"] or 1
-    result |= {"settings": {k: v for k, v in vars(args).items() if k != "out"} | {"out": str(args.out or "")},
-               "steps": prof["steps"], "output_tokens_per_step": result["output_tokens"] / steps,
-               "parallel_bitmask": prof["parallel_bitmask"],
-               "parts": {k: v | {"ms_per_step": 1000 * v["seconds"] / steps}
-                         for k, v in sorted(prof["parts"].items(), key=lambda kv: -kv[1]["seconds"])}}
+    result = {"settings": {k: str(v) for k, v in vars(args).items()}, "sizes": measure(args, profile),
+              "parallel_bitmask": read_profile(profile)["parallel_bitmask"]}
     text = json.dumps(result, indent=1)
     print(text)
     if args.out:
