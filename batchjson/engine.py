@@ -30,6 +30,7 @@ class Engine(Protocol):
     def accepts(self, decoding: DecodingSpec, speculative: SpeculativeSpec | None) -> bool: ...
     def use(self, decoding: DecodingSpec) -> None: ...
     def stream(self, prompts: Iterable[Prompt], stop: threading.Event | None = None) -> Iterator[Generation]: ...
+    """A stop ends the stream at the next step; the prompts still in flight are then in `unfinished`."""
     def stats(self) -> dict[str, float]: ...
     def close(self) -> None: ...
 
@@ -121,6 +122,10 @@ class VllmEngine:
         self._refused = (ValueError, getattr(importlib.import_module("vllm.exceptions"), "VLLMClientError", ValueError))
 
         self.max_in_flight = model.max_in_flight
+        self.steps = 0  # engine steps taken so far (ms per step, tokens per step)
+        self.unfinished: list[Prompt] = []
+        self.observe = None
+        """Called with (prompt token ids, output token ids) of each finished request, when set."""
         # vLLM refuses its own "auto" with disable_any_whitespace: batchjson picks the backend, and gives it the
         # schema minus what it cannot compile (validation checks that part).
         self._schema = schema
@@ -264,14 +269,16 @@ class VllmEngine:
         EngineDied carries the prompts that were in flight.
         """
         in_flight: dict[str, Prompt] = {}
+        self.unfinished = []
         try:
             yield from self._stream(iter(prompts), in_flight, stop or threading.Event())
         except self._dead as e:
             raise EngineDied(list(in_flight.values()), e) from e
         finally:
             # Stopped, or the caller failed mid-stream: requests left in the engine must not finish into a later
-            # stream on the same engine.
+            # stream on the same engine. `unfinished` says which they were (another engine may take them over).
             in_flight.pop("adding", None)
+            self.unfinished = list(in_flight.values())
             if in_flight and not self._closed.is_set():
                 try:
                     self.llm.llm_engine.abort_request(list(in_flight))
@@ -309,11 +316,14 @@ class VllmEngine:
                 if waiting:
                     time.sleep(0.01)
                 continue
+            self.steps += 1
             for out in engine.step():
                 if not out.finished:
                     continue
                 prompt = in_flight.pop(out.request_id)
                 prompt_tokens = len(out.prompt_token_ids or ())
+                if self.observe is not None and out.outputs:
+                    self.observe(out.prompt_token_ids or (), out.outputs[0].token_ids)
                 candidates = [self._generation(prompt, c, prompt_tokens) for c in out.outputs]
                 gen = candidates[0]
                 if len(candidates) > 1:  # n > 1: the validator keeps the first valid candidate

@@ -24,6 +24,8 @@ class PassStats:
     """The grammar backend this pass decoded with, and why it was chosen."""
     replicas: int = 1
     """Engine replicas the pass ran on at once: its engine-seconds are seconds x replicas."""
+    auto: list = field(default_factory=list)
+    """speculative.method = "auto": what each engine (replica) chose and why (see speculation.py)."""
 
     def add(self, ok: bool, reason: str | None, prompt_tokens: int, output_tokens: int) -> None:
         self.rows += 1
@@ -43,6 +45,7 @@ class PassStats:
         for name, value in other["speculative"].items():
             self.speculative[name] = self.speculative.get(name, 0) + value
         self.grammar = self.grammar or other["grammar"]
+        self.auto += other.get("auto", [])
         if other["note"] and other["note"] not in self.note:
             self.note = "; ".join(filter(None, (self.note, other["note"])))
 
@@ -139,6 +142,12 @@ class RunReport:
                          f"{d['output_tokens_per_s']:.0f} tok/s{acc}{cost}{wasted}); failed: {reasons}{note}")
             if p.grammar:
                 lines.append(f"    grammar: {p.grammar}")
+            for choice in p.auto:
+                measured = "; ".join(
+                    f"{t['method']} {t['output_tokens_per_s']:.0f} tok/s"
+                    + (f", acceptance {t['acceptance']:.2f}" if "acceptance" in t else "") for t in choice["trials"])
+                lines.append(f"    speculation: auto chose {choice['chosen']} ({choice['why']})"
+                             + (f"; measured {measured}" if measured else ""))
         if "pass2" in self.valid_by_pass:
             lines.append(f"  fallback rescued {self.valid_by_pass['pass2']} rows")
         if self.rejects_by_reason:

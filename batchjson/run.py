@@ -24,6 +24,7 @@ from batchjson.records import WAIT, Generation, Outcome, Prompt
 from batchjson.report import PassStats, RunReport
 from batchjson.sink import PartSink
 from batchjson.source import ParquetSource
+from batchjson.speculation import Auto
 from batchjson.spec import DecodingSpec, JobSpec, SpeculativeSpec
 from batchjson.storage import Stage, Storage
 from batchjson.validate import Validator
@@ -365,7 +366,11 @@ class JobRun:
         if first is None:
             return
         started = time.monotonic()
-        speculative = p.speculative
+        auto = None
+        if p.speculative is not None and p.speculative.method == "auto":
+            auto = Auto(p.speculative, self.spec.model.max_in_flight, "gpu" if replicas.visible_gpus() else "cpu",
+                        self._rows(p, self._todo(p)))
+        speculative = auto.current() if auto else p.speculative
 
         def commit(key: str, outcomes: list[Outcome]) -> None:
             self._commit(p, key, outcomes)
@@ -375,15 +380,31 @@ class JobRun:
         tracker = _Tracker(self.validator, stats, commit, bar, self.stop)
         feed, retry, deaths = tracker.feed(chain([first], work)), [], 0
         while not self.stop.is_set():
+            t0 = time.monotonic()
             engine, reused = self._engine_for(p, speculative)
             stats.grammar = stats.grammar or getattr(getattr(engine, "choice", None), "summary", "")
             if reused:
                 stats.note = stats.note or "ran on the previous pass's engine (no second engine start)"
+            elif auto:
+                auto.started(time.monotonic() - t0)
+            switch = threading.Event()
             try:
                 # itertools.chain, not a generator: a dead engine's stream must not close `feed` as it goes.
-                for gen in engine.stream(chain(retry, feed), self.stop):
+                t0, steps0, wanted = time.monotonic(), getattr(engine, "steps", 0), "stay"
+                for gen in engine.stream(chain(retry, feed), _Either(self.stop, switch)):
                     tracker.finish(gen)
+                    if auto and auto.add(gen.output_tokens):
+                        auto.measure(time.monotonic() - t0, getattr(engine, "steps", 0) - steps0,
+                                     engine.stats() if speculative else None)
+                        wanted = auto.wanted()
+                        if wanted != "stay":
+                            switch.set()
                 stats.speculative = engine.stats() if speculative else {}
+                if auto:
+                    stats.auto = [auto.report()]
+                if wanted != "stay" and not self.stop.is_set():  # auto tries (or goes back to) the other choice
+                    speculative, retry = wanted, list(getattr(engine, "unfinished", []))
+                    continue
                 break
             except EngineDied as died:
                 self._close_engine()
@@ -402,6 +423,16 @@ class JobRun:
                 stats.seconds = round(time.monotonic() - started, 2)
         if tracker.remaining and not self.stop.is_set():
             raise RuntimeError(f"[internal] units left open after {p.name}: {sorted(tracker.remaining)[:3]}")
+
+
+class _Either:
+    """Set when either event is: a stream stops on a signal, or when auto switches engines."""
+
+    def __init__(self, *events: threading.Event):
+        self.events = events
+
+    def is_set(self) -> bool:
+        return any(e.is_set() for e in self.events)
 
 
 def _first(work: Iterator[Work]) -> Work | None:

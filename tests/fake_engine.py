@@ -22,18 +22,20 @@ class FakeEngine:
         self.rng = random.Random(seed)
         self.valid, self.delay, self.die_after = valid, delay, die_after
         self.closed = False
+        self.speculative = False
 
     def accepts(self, decoding, speculative):
-        return speculative is None
+        return speculative is None and not self.speculative
 
     def use(self, decoding):
         self.decoding = decoding
 
     def stream(self, prompts, stop: threading.Event | None = None):
         stop = stop or threading.Event()
-        i = 0
+        i, self.unfinished = 0, []
         for prompt in prompts:
             if stop.is_set():
+                self.unfinished = [prompt] if prompt is not WAIT else []  # taken from the feed, not decoded
                 return
             if prompt is WAIT:
                 time.sleep(0.005)
@@ -70,8 +72,12 @@ class FakeEngines:
             open(self.start_marker, "w").close()
         time.sleep(self.start_delay)  # an engine start takes a while; signals arrive meanwhile
         kwargs = dict(self.kwargs)
+        if speculative is not None and "spec_delay" in kwargs:  # speculation faster or slower than none
+            kwargs["delay"] = kwargs["spec_delay"]
+        kwargs.pop("spec_delay", None)
         if os.environ.get("BATCHJSON_REPLICA", "-") == os.environ.get("FAKE_SLOW_SLOT"):  # one slow replica
             kwargs["delay"] = kwargs.get("delay", 0) * 20
         engine = FakeEngine(**kwargs)
+        engine.speculative = speculative is not None
         self.started.append((decoding, speculative))
         return engine

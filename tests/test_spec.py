@@ -31,7 +31,7 @@ def test_sample_job_loads_with_paths_from_its_folder():
     spec = load_spec(ROOT / "jobs" / "sample.toml")
     assert Path(spec.input.path) == (ROOT / "sample_data" / "sample.parquet").resolve()
     assert spec.schema_doc["properties"]["items"]["type"] == "array"
-    assert spec.speculative.method == "ngram" and spec.prompt.columns == ("text",)
+    assert spec.speculative.method == "auto" and spec.prompt.columns == ("text",)
 
 
 @pytest.mark.parametrize("extra, message", [

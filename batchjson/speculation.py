@@ -1,0 +1,156 @@
+"""`speculative.method = "auto"`: speculation where it pays on this job and this engine, none where it does not.
+
+Speculation costs a bigger step (k+1 positions verified, each under the grammar; drafting; no asynchronous
+scheduling) and saves steps in proportion to how many drafted tokens the target accepts. Which side wins depends on
+the job's own outputs (acceptance), the in-flight size and the platform. So `auto`:
+
+1. starts with the choice a cost model predicts from measured step costs (STEP_COST, BENCHMARKS.md "Speculation")
+   and a prior acceptance for extraction jobs;
+2. measures that choice on the job's first rows: output tokens per second of decoding, ms per step, tokens per step
+   and, with speculation, the acceptance;
+3. when the rest of the job is long enough to pay for an engine start (TRIAL_PAYS), decodes the next rows with the
+   other choice, measures it the same way, and keeps the faster one (a second start when that is the first one).
+
+A short job keeps the predicted choice: a trial would cost more than it could save there. The report says what
+was chosen and why.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+from dataclasses import dataclass, field
+
+from batchjson.spec import SpeculativeSpec
+
+PRIOR_ACCEPTANCE = 0.78  # ngram k=4 on extraction tasks under a JSON Schema, H200 (BENCHMARKS.md)
+# A speculative step's time over a plain step's, by in-flight size (k = 4): measured with bench/spec_profile.py
+# (BENCHMARKS.md, "Speculation"). Between two sizes the nearer one counts.
+STEP_COST = {
+    "gpu": {1: 3.77, 8: 3.6, 32: 4.5, 128: 4.2, 512: 3.9},
+    "cpu": {1: 3.4, 8: 3.4, 32: 3.4, 128: 3.4, 512: 3.4},  # ngram gains nothing on CPU (VLLM notes)
+}
+TRIAL_PAYS = 10.0  # try the other choice only if the rest of the pass takes this many engine starts or more
+BETTER_BY = 1.05  # the other choice must be this much faster to be kept (runs differ by a few % on one engine)
+
+
+def draft_method() -> str:
+    """The speculative method auto tries: suffix decoding where arctic-inference is installed, else n-gram lookup."""
+    return "suffix" if importlib.util.find_spec("arctic_inference") else "ngram"
+
+
+def tokens_per_step(acceptance: float, k: int) -> float:
+    """Tokens a request gains per step when each drafted token is accepted with this probability, in order."""
+    if acceptance >= 1.0:
+        return k + 1.0
+    return (1 - acceptance ** (k + 1)) / (1 - acceptance)
+
+
+def step_cost(platform: str, in_flight: int) -> float:
+    table = STEP_COST[platform]
+    return table[min(table, key=lambda size: abs(size - in_flight))]
+
+
+def predicted_speedup(platform: str, in_flight: int, acceptance: float, k: int) -> float:
+    return tokens_per_step(acceptance, k) / step_cost(platform, in_flight)
+
+
+@dataclass
+class Trial:
+    """One choice measured on the job's rows: decoding time only (its engine start is counted apart)."""
+
+    method: str
+    rows: int = 0
+    tokens: int = 0
+    seconds: float = 0.0
+    steps: int = 0
+    drafted: float = 0.0
+    accepted: float = 0.0
+    start_s: float = 0.0
+
+    @property
+    def rate(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+    def to_dict(self) -> dict:
+        d = {"method": self.method, "rows": self.rows, "output_tokens_per_s": round(self.rate, 1),
+             "ms_per_step": round(1000 * self.seconds / self.steps, 2) if self.steps else None,
+             "tokens_per_step": round(self.tokens / self.steps, 2) if self.steps else None,
+             "engine_start_s": round(self.start_s, 1)}
+        if self.drafted:
+            d["acceptance"] = round(self.accepted / self.drafted, 3)
+        return d
+
+
+@dataclass
+class Auto:
+    """The auto policy for one pass on one engine (replica): which speculative config to run now, and when to
+    switch. The caller reports each finished row (`add`) and asks `wanted()` after each."""
+
+    spec: SpeculativeSpec
+    in_flight: int
+    platform: str
+    total_rows: int
+    trials: list[Trial] = field(default_factory=list)
+    decided: str = ""
+    """Why the current choice is final; empty while measuring."""
+
+    def __post_init__(self):
+        self.candidate = dataclasses.replace(self.spec, method=draft_method())
+        self.prior = predicted_speedup(self.platform, self.in_flight, PRIOR_ACCEPTANCE,
+                                       self.candidate.num_speculative_tokens)
+        self.sample = max(2 * self.in_flight, 64)  # rows measured per choice
+        self.trials.append(Trial(self.candidate.method if self.prior >= 1.0 else "none"))
+
+    def config(self, method: str) -> SpeculativeSpec | None:
+        return None if method == "none" else self.candidate
+
+    def current(self) -> SpeculativeSpec | None:
+        return self.config(self.trials[-1].method)
+
+    def started(self, seconds: float) -> None:
+        self.trials[-1].start_s += seconds
+
+    def add(self, tokens: int) -> bool:
+        """One more finished row of the current choice; True when it is time to measure and decide."""
+        trial = self.trials[-1]
+        trial.rows += 1
+        trial.tokens += tokens
+        return not self.decided and trial.rows >= self.sample
+
+    def measure(self, seconds: float, steps: int, stats: dict | None) -> None:
+        """The current choice's decoding seconds and engine steps so far, and its speculative counters."""
+        trial = self.trials[-1]
+        trial.seconds, trial.steps = seconds, steps
+        if stats:  # each choice runs on its own engine, whose counters start at zero
+            trial.drafted, trial.accepted = stats.get("draft_tokens", 0.0), stats.get("accepted_tokens", 0.0)
+
+    def wanted(self) -> SpeculativeSpec | None | str:
+        """The config to switch to now, or "stay"."""
+        trial = self.trials[-1]
+        if self.decided or trial.rows < self.sample:
+            return "stay"
+        done = sum(t.rows for t in self.trials)
+        if len(self.trials) == 1:
+            rest_s = (self.total_rows - done) * trial.seconds / trial.rows
+            start_s = max(trial.start_s, 1.0)
+            if rest_s < TRIAL_PAYS * start_s:
+                self.decided = (f"kept {trial.method}: the rest of the pass (~{rest_s:.0f} s) is too short to pay for "
+                                f"trying the other choice ({start_s:.0f} s per engine start)")
+                return "stay"
+            other = "none" if trial.method != "none" else self.candidate.method
+            self.trials.append(Trial(other))
+            return self.config(other)
+        first, second = self.trials
+        if second.rate > BETTER_BY * first.rate:
+            self.decided = f"{second.method}: {second.rate / first.rate:.2f}x the output tokens/s of {first.method}"
+            return "stay"
+        self.decided = f"{first.method}: {second.method} made {second.rate / first.rate:.2f}x its output tokens/s"
+        self.trials.append(dataclasses.replace(first, rows=0, tokens=0, seconds=0.0, steps=0))
+        return self.config(first.method)
+
+    def report(self) -> dict:
+        chosen = self.trials[-1].method
+        return {"method": "auto", "chosen": chosen, "why": self.decided or "measuring (the pass ended first)",
+                "predicted_speedup": round(self.prior, 2), "in_flight": self.in_flight, "platform": self.platform,
+                "trials": [t.to_dict() for t in self.trials if t.rows]}

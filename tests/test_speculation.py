@@ -1,0 +1,71 @@
+"""speculative.method = "auto": the policy's choices, and a pass that switches engines mid-way losing no row."""
+
+from __future__ import annotations
+
+import pytest
+
+from batchjson import speculation
+from batchjson.run import run_job
+from batchjson.spec import SpeculativeSpec, load_spec
+from conftest import write_job, write_rows
+from fake_engine import FakeEngines
+from test_run import assert_exactly_once
+
+AUTO = SpeculativeSpec(method="auto")
+
+
+def feed(auto, rows, tokens=100, seconds=1.0, steps=100, stats=None):
+    for _ in range(rows):
+        if auto.add(tokens):
+            auto.measure(seconds * auto.trials[-1].rows / rows, steps, stats)
+            return auto.wanted()
+    return "stay"
+
+
+def test_prior_follows_the_measured_step_costs():
+    gpu = speculation.Auto(AUTO, 256, "gpu", 10_000)
+    assert gpu.current() is None  # a 4x bigger step for ~3.2 tokens: no speculation to start with
+    assert speculation.predicted_speedup("gpu", 256, 1.0, 4) > 1.0  # perfect drafts would pay
+
+
+def test_a_short_pass_keeps_the_first_choice():
+    auto = speculation.Auto(AUTO, 8, "gpu", 100)
+    auto.started(30.0)
+    assert feed(auto, 64, seconds=10.0) == "stay"
+    assert "too short" in auto.decided and auto.report()["chosen"] == "none"
+
+
+def test_a_long_pass_tries_the_other_choice_and_keeps_the_faster():
+    auto = speculation.Auto(AUTO, 8, "gpu", 100_000)
+    auto.started(30.0)
+    other = feed(auto, 64, seconds=10.0)
+    assert other is not None and other.method in ("ngram", "suffix")
+    auto.started(30.0)
+    assert feed(auto, 64, seconds=5.0, stats={"draft_tokens": 400, "accepted_tokens": 300}) == "stay"
+    report = auto.report()
+    assert report["chosen"] == other.method and "2.00x" in report["why"]
+    assert report["trials"][1]["acceptance"] == 0.75
+
+
+def test_a_slower_trial_goes_back():
+    auto = speculation.Auto(AUTO, 8, "gpu", 100_000)
+    auto.started(30.0)
+    feed(auto, 64, seconds=10.0)
+    assert feed(auto, 64, seconds=20.0) is None  # back to no speculation
+    assert auto.report()["chosen"] == "none"
+
+
+@pytest.mark.parametrize("spec_delay, chosen", [(0.0005, "ngram"), (0.02, "none")])
+def test_auto_switches_engines_mid_pass_and_loses_no_row(tmp_path, tiny_model, monkeypatch, spec_delay, chosen):
+    monkeypatch.setattr(speculation, "TRIAL_PAYS", 0.0)  # any pass is long enough for a trial
+    monkeypatch.setattr(speculation, "draft_method", lambda: "ngram")
+    write_rows(tmp_path / "in.parquet", 300)
+    job = write_job(tmp_path, tiny_model, tmp_path / "in.parquet", batch_size=8, speculative="auto")
+    engines = FakeEngines(valid=0.8, delay=0.005, spec_delay=spec_delay)
+    report = run_job(load_spec(job), engine_factory=engines, progress=False)
+    assert_exactly_once([f"r{i:05d}" for i in range(300)], tmp_path / "out", tmp_path / "out" / "_rejects")
+    (choice,) = report.passes["pass1"].auto
+    assert choice["chosen"] == chosen, choice
+    assert [t["method"] for t in choice["trials"]][:2] == ["none", "ngram"]
+    assert report.verified["ok"] and report.verified["complete"]
+    assert "speculation: auto chose" in report.summary()
