@@ -391,7 +391,7 @@ class JobRun:
             try:
                 # itertools.chain, not a generator: a dead engine's stream must not close `feed` as it goes.
                 t0, steps0, wanted = time.monotonic(), getattr(engine, "steps", 0), "stay"
-                for gen in engine.stream(chain(retry, feed), _Either(self.stop, switch)):
+                for gen in engine.stream(chain(retry, feed), _Either(self.stop, switch) if auto else self.stop):
                     tracker.finish(gen)
                     if auto and auto.add(gen.output_tokens):
                         auto.measure(time.monotonic() - t0, getattr(engine, "steps", 0) - steps0,

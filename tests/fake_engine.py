@@ -76,7 +76,7 @@ class FakeEngines:
             kwargs["delay"] = kwargs["spec_delay"]
         kwargs.pop("spec_delay", None)
         if os.environ.get("BATCHJSON_REPLICA", "-") == os.environ.get("FAKE_SLOW_SLOT"):  # one slow replica
-            kwargs["delay"] = kwargs.get("delay", 0) * 20
+            kwargs["delay"] = kwargs.get("delay", 0) * 50
         engine = FakeEngine(**kwargs)
         engine.speculative = speculative is not None
         self.started.append((decoding, speculative))

@@ -46,7 +46,7 @@ def test_two_replicas_share_the_units(tmp_path, tiny_model):
 
 def test_a_slow_replica_does_not_hold_the_others_up(tmp_path, tiny_model):
     """Pull, not a static split: the fast replica takes most units while the slow one decodes."""
-    write_rows(tmp_path / "in.parquet", 64)
+    write_rows(tmp_path / "in.parquet", 200)
     job = write_job(tmp_path, tiny_model, tmp_path / "in.parquet", batch_size=4)
     os.environ["FAKE_SLOW_SLOT"] = "1"
     try:
