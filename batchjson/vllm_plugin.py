@@ -5,6 +5,16 @@ Without it, a runner killed by SIGKILL or the OOM killer leaves vLLM's engine pr
 of memory (GPU memory on a GPU) until someone finds it. It also installs, in those processes, the changes to
 vLLM's internals in vllm_patches.py that the run asks for by environment (the parallel grammar bitmask, step
 profiling). Does nothing outside a batchjson run, nor in the runner process itself.
+
+Forked engine processes. vLLM loads general plugins once per process (vllm/plugins/__init__.py, 0.26.0: the
+`plugins_loaded` flag, lines 33 and 82-85): the runner loads them first (EngineArgs.__post_init__,
+vllm/engine/arg_utils.py:767-769), where this plugin does nothing. On CUDA vLLM starts its engine-core process by
+fork (VLLM_WORKER_MULTIPROC_METHOD defaults to "fork", vllm/envs.py:913; spawn only when CUDA is already initialized,
+vllm/utils/system_utils.py:126-165; the CPU platform forces spawn, which is why it worked there): the child inherits
+`plugins_loaded = True`, so EngineCore.__init__'s load_general_plugins() (vllm/v1/engine/core.py:110-112) returns
+at once and this plugin never ran in the engine process. So the runner registers an at-fork hook that clears the
+flag in a forked child (until the child has installed the patches), and vLLM loads the plugin there as it does in a
+spawned one.
 """
 
 from __future__ import annotations
@@ -16,10 +26,31 @@ import signal
 PR_SET_PDEATHSIG = 1
 
 
+_FORK_HOOK = False
+_DONE = False  # this process (or the one it was forked from, after installing) has run the child part
+
+
+def _after_fork_in_child() -> None:
+    import sys
+
+    plugins = sys.modules.get("vllm.plugins")
+    if plugins is not None and not _DONE:
+        plugins.plugins_loaded = False  # let vLLM load its plugins (this one) again in this process
+
+
 def register() -> None:
+    global _FORK_HOOK, _DONE
     runner = os.environ.get("BATCHJSON_RUNNER_PID")
-    if not runner or str(os.getpid()) == runner:
+    if not runner:
         return
+    if str(os.getpid()) == runner:
+        if not _FORK_HOOK and hasattr(os, "register_at_fork"):
+            os.register_at_fork(after_in_child=_after_fork_in_child)
+            _FORK_HOOK = True
+        return
+    if _DONE:
+        return
+    _DONE = True
     try:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     except (OSError, AttributeError):  # not Linux: the engine processes cannot be tied to the runner

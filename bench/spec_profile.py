@@ -157,13 +157,28 @@ def main() -> None:
     os.environ.update({"BATCHJSON_RUNNER_PID": str(os.getpid()), ENV_PROFILE: str(profile),
                        ENV_PARALLEL: {"on": "1", "off": "0", "check": "check"}[args.parallel],
                        ENV_PROFILE_SYNC: "1" if args.profile_sync == "on" else "0"})
-    result = {"settings": {k: str(v) for k, v in vars(args).items()}, "sizes": measure(args, profile),
-              "parallel_bitmask": read_profile(profile)["parallel_bitmask"]}
+    try:
+        sizes, error = measure(args, profile), None
+    except Exception as e:  # still write what the profile file says (an install error, the patches)
+        import traceback
+
+        traceback.print_exc()
+        sizes, error = [], f"{type(e).__name__}: {e}"
+    try:
+        prof = read_profile(profile)
+    except (OSError, ValueError, KeyError) as e:
+        prof = {"parallel_bitmask": {}, "patches": {}, "errors": [f"no profile file {profile}: {e}"]}
+    result = {"settings": {k: str(v) for k, v in vars(args).items()}, "sizes": sizes,
+              "parallel_bitmask": prof["parallel_bitmask"], "patches": prof["patches"], "profile_errors": prof["errors"]}
+    if error:
+        result["error"] = error
     text = json.dumps(result, indent=1)
     print(text)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(text)
+    if error:
+        sys.exit(f"spec_profile: {error}")
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@ as vLLM's own code, applied only when the spec asks for it, refused on a vLLM it
 
 from __future__ import annotations
 
+import json
 import os
 import warnings
 
@@ -88,3 +89,48 @@ def test_parallel_grammar_key(tmp_path):
 
     with pytest.raises(SpecError, match=r"model.parallel_grammar must be bool, got str 'no'"):
         load_spec(job)
+
+
+def test_plugin_runs_again_in_a_forked_engine_process(monkeypatch):
+    """On CUDA vLLM forks its engine process from the runner, whose vllm.plugins.plugins_loaded is already True:
+    the runner's at-fork hook clears it in the child, so vLLM loads the plugin there."""
+    import vllm.plugins
+
+    from batchjson import vllm_plugin
+
+    monkeypatch.setenv("BATCHJSON_RUNNER_PID", str(os.getpid()))
+    monkeypatch.setattr(vllm.plugins, "plugins_loaded", True)
+    vllm_plugin.register()  # the runner: nothing but the hook
+    assert vllm.plugins.plugins_loaded
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.write(w, b"0" if vllm.plugins.plugins_loaded else b"1")
+        os._exit(0)
+    os.waitpid(pid, 0)
+    assert os.read(r, 1) == b"1"
+
+
+def test_profiler_records_skips_and_errors(monkeypatch, tmp_path):
+    """A part this vLLM lacks is skipped and recorded; an error during install is written to the file and never
+    raised."""
+    from batchjson import vllm_patches
+
+    profile = tmp_path / "p.json"
+    monkeypatch.setattr(vllm_patches, "TIMED", vllm_patches.TIMED + (
+        ("vllm.v1.no_such_module", "X", "y", "y", False), ("vllm.v1.engine.core", "EngineCore", "no_such", "z", False)))
+    vllm_patches.install_profiler(profile, sync=False)
+    got = read_profile(profile)
+    assert got["patches"]["v1.no_such_module.X.y"].startswith("skipped: import")
+    assert got["patches"]["v1.engine.core.EngineCore.no_such"] == "skipped: EngineCore.no_such not found"
+    assert got["patches"]["v1.core.sched.scheduler.Scheduler.schedule"] == "ok" and not got["errors"]
+
+    def boom(*a, **k):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(vllm_patches, "install_profiler", boom)
+    monkeypatch.setattr(vllm_patches, "INSTALLED", False)
+    monkeypatch.setenv(vllm_patches.ENV_PROFILE, str(tmp_path / "q.json"))
+    vllm_patches.install()
+    data = json.loads((tmp_path / "q.json").read_text())
+    assert "boom" in data["error"] and read_profile(tmp_path / "q.json")["errors"]
