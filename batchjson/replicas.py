@@ -27,7 +27,8 @@ from batchjson.records import WAIT
 RESPAWNS_PER_SLOT = 2
 TICK = 0.2  # seconds between the driver's looks at its replicas
 # torch's thread pool per GPU replica, unless OMP_NUM_THREADS says otherwise: 4 took two replicas on a 32-core host
-# from 96 s to 85 s on a 5,000-row job and left one replica's time as it was (BENCHMARKS.md, "Scaling").
+# from 96 s to 85 s on a 5,000-row job and left one replica's time as it was (BENCHMARKS.md, "Scaling"). Pinning
+# each replica to its own half of the cores on top of that gained nothing (93.6 s, another host).
 THREADS_PER_REPLICA = 4
 
 
@@ -148,19 +149,11 @@ class LocalPool(_Pool):
 
     def _spawn(self, slot: int) -> None:
         inbox = self.inboxes[slot] = self.mp.Queue()
-        process = self.mp.Process(target=_local, args=(self.target, self.slots[slot], self._cpus(slot), *self.args,
-                                                       slot, inbox, self.outbox),
+        process = self.mp.Process(target=_local, args=(self.target, self.slots[slot], *self.args, slot, inbox,
+                                                       self.outbox),
                                   name=f"batchjson-replica-{slot}", daemon=False)
         process.start()
         self.live[slot] = process
-
-    def _cpus(self, slot: int) -> list[int]:
-        """GPU replicas split the host's cores between them: an engine's step is CPU work (scheduling, grammar
-        masks), and engines whose threads roam over all cores slow each other down (BENCHMARKS.md, "Scaling")."""
-        cores, n = sorted(os.sched_getaffinity(0)), len(self.slots)
-        if self.slots[slot] is None or n < 2 or len(cores) < 2 * n:
-            return []
-        return cores[slot * len(cores) // n:(slot + 1) * len(cores) // n]
 
     def dead(self) -> list[int]:
         return [slot for slot, p in self.live.items() if p.exitcode is not None]
@@ -178,14 +171,12 @@ class LocalPool(_Pool):
                 p.join()
 
 
-def _local(target: Callable, devices: str | None, cpus: list[int], *args) -> None:
-    """A local replica process: it sees only its own GPUs and its own share of the CPU cores (its engine processes
-    inherit both), and dies with the runner however the runner dies."""
+def _local(target: Callable, devices: str | None, *args) -> None:
+    """A local replica process: it sees only its own GPUs (its engine processes inherit them, and a small torch
+    thread pool), and dies with the runner however the runner dies."""
     if devices is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = devices
-    if cpus:
-        os.sched_setaffinity(0, cpus)
-        os.environ.setdefault("OMP_NUM_THREADS", str(min(THREADS_PER_REPLICA, len(cpus))))
+        os.environ.setdefault("OMP_NUM_THREADS", str(THREADS_PER_REPLICA))
     from batchjson.vllm_plugin import register
 
     register()  # BATCHJSON_RUNNER_PID is the runner's here (see vllm_plugin.py)

@@ -141,10 +141,11 @@ class ModelSpec:
     """Forbid whitespace between JSON tokens. Small models otherwise pad with spaces until max_tokens."""
     max_in_flight: int = 256
     """Requests kept inside the engine at once; the engine is refilled as each one finishes."""
-    parallel_grammar: bool = True
+    parallel_grammar: bool = False
     """Under speculation, fill the grammar's token masks of a step on several threads, one request per thread at a
-    time (vLLM fills them one after the other). Outputs are identical either way; false keeps vLLM's own code. Known
-    vLLM versions only (0.26, 0.32): on another the run warns and uses vLLM's code."""
+    time (vLLM fills them one after the other). Outputs are identical either way. Off by default: on an H200 the
+    masks were 4-10% of a speculative step up to 32 requests in flight, and the threaded fill was no faster at 128
+    and 512 (BENCHMARKS.md, "Speculation"). Known vLLM versions only (0.26, 0.32): on another the run warns."""
     engine: dict = field(default_factory=dict)
     """Any other vllm.LLM keyword argument, passed through unchanged (e.g. gpu_memory_utilization)."""
     replicas: int | None = None

@@ -4,8 +4,8 @@ Speculation costs a bigger step (k+1 positions verified, each under the grammar;
 scheduling) and saves steps in proportion to how many drafted tokens the target accepts. Which side wins depends on
 the job's own outputs (acceptance), the in-flight size and the platform. So `auto`:
 
-1. starts with the choice a cost model predicts from measured step costs (STEP_COST, BENCHMARKS.md "Speculation")
-   and a prior acceptance for extraction jobs;
+1. starts with the choice that was faster at this in-flight size in our measurements (MEASURED_SPEEDUP: suffix
+   decoding up to ~128 requests in flight on a GPU, none beyond, and none on a CPU);
 2. measures that choice on the job's first rows: output tokens per second of decoding, ms per step, tokens per step
    and, with speculation, the acceptance;
 3. when the rest of the job is long enough to pay for an engine start (TRIAL_PAYS), decodes the next rows with the
@@ -23,15 +23,18 @@ from dataclasses import dataclass, field
 
 from batchjson.spec import SpeculativeSpec
 
-PRIOR_ACCEPTANCE = 0.78  # ngram k=4 on extraction tasks under a JSON Schema, H200 (BENCHMARKS.md)
-# A speculative step's time over a plain step's, by in-flight size (k = 4): measured with bench/spec_profile.py
-# (BENCHMARKS.md, "Speculation"). Between two sizes the nearer one counts.
-STEP_COST = {
-    "gpu": {1: 3.77, 8: 3.6, 32: 4.5, 128: 4.2, 512: 3.9},
-    "cpu": {1: 3.4, 8: 3.4, 32: 3.4, 128: 3.4, 512: 3.4},  # ngram gains nothing on CPU (VLLM notes)
+# Output tokens/s of each speculative method over no speculation, by requests in flight: measured on an H200 with
+# bench/spec_profile.py (SmolLM2-135M, extraction task A, bounded JSON Schema, loop guard, greedy; BENCHMARKS.md,
+# "Speculation"). Acceptance there: ngram k=4 0.70-0.77, suffix k=8 0.60-0.87. Between two sizes the nearer counts.
+# On CPU, verification costs what it saves (VLLM_NOTES): no prior gain there.
+MEASURED_SPEEDUP = {
+    "gpu": {"ngram": {1: 0.97, 8: 0.64, 32: 1.15, 128: 0.83, 512: 0.86},
+            "suffix": {1: 1.67, 8: 1.65, 32: 1.87, 128: 1.24, 512: 0.96}},
+    "cpu": {"ngram": {1: 1.0}, "suffix": {1: 1.0}},
 }
+DRAFT_TOKENS = {"ngram": 4, "suffix": 8}  # k as measured above
 TRIAL_PAYS = 10.0  # try the other choice only if the rest of the pass takes this many engine starts or more
-BETTER_BY = 1.05  # the other choice must be this much faster to be kept (runs differ by a few % on one engine)
+BETTER_BY = 1.05  # a choice must be this much faster to be taken (runs differ by a few % on one engine)
 
 
 def draft_method() -> str:
@@ -39,20 +42,9 @@ def draft_method() -> str:
     return "suffix" if importlib.util.find_spec("arctic_inference") else "ngram"
 
 
-def tokens_per_step(acceptance: float, k: int) -> float:
-    """Tokens a request gains per step when each drafted token is accepted with this probability, in order."""
-    if acceptance >= 1.0:
-        return k + 1.0
-    return (1 - acceptance ** (k + 1)) / (1 - acceptance)
-
-
-def step_cost(platform: str, in_flight: int) -> float:
-    table = STEP_COST[platform]
+def predicted_speedup(platform: str, method: str, in_flight: int) -> float:
+    table = MEASURED_SPEEDUP[platform][method]
     return table[min(table, key=lambda size: abs(size - in_flight))]
-
-
-def predicted_speedup(platform: str, in_flight: int, acceptance: float, k: int) -> float:
-    return tokens_per_step(acceptance, k) / step_cost(platform, in_flight)
 
 
 @dataclass
@@ -96,11 +88,11 @@ class Auto:
     """Why the current choice is final; empty while measuring."""
 
     def __post_init__(self):
-        self.candidate = dataclasses.replace(self.spec, method=draft_method())
-        self.prior = predicted_speedup(self.platform, self.in_flight, PRIOR_ACCEPTANCE,
-                                       self.candidate.num_speculative_tokens)
+        method = draft_method()
+        self.candidate = dataclasses.replace(self.spec, method=method, num_speculative_tokens=DRAFT_TOKENS[method])
+        self.prior = predicted_speedup(self.platform, method, self.in_flight)
         self.sample = max(2 * self.in_flight, 64)  # rows measured per choice
-        self.trials.append(Trial(self.candidate.method if self.prior >= 1.0 else "none"))
+        self.trials.append(Trial(method if self.prior >= BETTER_BY else "none"))
 
     def config(self, method: str) -> SpeculativeSpec | None:
         return None if method == "none" else self.candidate

@@ -22,21 +22,25 @@ def feed(auto, rows, tokens=100, seconds=1.0, steps=100, stats=None):
     return "stay"
 
 
-def test_prior_follows_the_measured_step_costs():
-    gpu = speculation.Auto(AUTO, 256, "gpu", 10_000)
-    assert gpu.current() is None  # a 4x bigger step for ~3.2 tokens: no speculation to start with
-    assert speculation.predicted_speedup("gpu", 256, 1.0, 4) > 1.0  # perfect drafts would pay
+def test_prior_follows_the_measured_speedups(monkeypatch):
+    monkeypatch.setattr(speculation, "draft_method", lambda: "suffix")
+    assert speculation.Auto(AUTO, 512, "gpu", 10_000).current() is None  # suffix 0.96x there
+    small = speculation.Auto(AUTO, 16, "gpu", 10_000).current()
+    assert small.method == "suffix" and small.num_speculative_tokens == 8  # 1.65x at 8 in flight
+    assert speculation.Auto(AUTO, 16, "cpu", 10_000).current() is None
+    monkeypatch.setattr(speculation, "draft_method", lambda: "ngram")
+    assert speculation.Auto(AUTO, 1, "gpu", 10_000).current() is None  # ngram 0.97x at 1 in flight
 
 
 def test_a_short_pass_keeps_the_first_choice():
-    auto = speculation.Auto(AUTO, 8, "gpu", 100)
+    auto = speculation.Auto(AUTO, 8, "cpu", 100)
     auto.started(30.0)
     assert feed(auto, 64, seconds=10.0) == "stay"
     assert "too short" in auto.decided and auto.report()["chosen"] == "none"
 
 
 def test_a_long_pass_tries_the_other_choice_and_keeps_the_faster():
-    auto = speculation.Auto(AUTO, 8, "gpu", 100_000)
+    auto = speculation.Auto(AUTO, 8, "cpu", 100_000)
     auto.started(30.0)
     other = feed(auto, 64, seconds=10.0)
     assert other is not None and other.method in ("ngram", "suffix")
@@ -48,7 +52,7 @@ def test_a_long_pass_tries_the_other_choice_and_keeps_the_faster():
 
 
 def test_a_slower_trial_goes_back():
-    auto = speculation.Auto(AUTO, 8, "gpu", 100_000)
+    auto = speculation.Auto(AUTO, 8, "cpu", 100_000)
     auto.started(30.0)
     feed(auto, 64, seconds=10.0)
     assert feed(auto, 64, seconds=20.0) is None  # back to no speculation
