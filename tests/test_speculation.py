@@ -7,7 +7,7 @@ import pytest
 from batchjson import speculation
 from batchjson.run import run_job
 from batchjson.spec import SpeculativeSpec, load_spec
-from conftest import write_job, write_rows
+from conftest import write_job, write_rows  # noqa: E402
 from fake_engine import FakeEngines
 from test_run import assert_exactly_once
 
@@ -73,3 +73,41 @@ def test_auto_switches_engines_mid_pass_and_loses_no_row(tmp_path, tiny_model, m
     assert [t["method"] for t in choice["trials"]][:2] == ["none", "ngram"]
     assert report.verified["ok"] and report.verified["complete"]
     assert "speculation: auto chose" in report.summary()
+
+
+@pytest.mark.engine
+def test_auto_on_the_engine_keeps_none_for_a_short_pass_and_pass2_reuses_it(tmp_path, tiny_model, engines):
+    """A minimal job (no [speculative] table) on the CPU: auto decodes without speculation, the report says why,
+    and the fallback runs on pass 1's engine (one engine start for the run)."""
+    write_rows(tmp_path / "in.parquet", 24)
+    job = write_job(tmp_path, tiny_model, tmp_path / "in.parquet")
+    job.write_text(job.read_text().replace('[speculative]\nmethod = "ngram"\n', ""))
+    spec = load_spec(job)
+    assert spec.speculative.method == "auto"
+    starts = engines.starts
+    report = run_job(spec, engine_factory=engines, progress=False)
+    (choice,) = report.passes["pass1"].auto
+    assert choice["chosen"] == "none" and choice["platform"] == "cpu", choice
+    assert report.passes["pass1"].speculative == {}
+    if "pass2" in report.passes:
+        assert "previous pass's engine" in report.passes["pass2"].note
+    assert engines.starts - starts <= 1
+    assert_exactly_once([f"r{i:05d}" for i in range(24)], tmp_path / "out", tmp_path / "out" / "_rejects")
+
+
+@pytest.mark.engine
+def test_auto_trial_on_the_engine_hands_rows_in_flight_to_the_next_engine(tmp_path, tiny_model, engines, monkeypatch):
+    """A long pass (TRIAL_PAYS = 0): auto measures none, then the draft method, on real engines; the rows in flight
+    at each switch are decoded by the next engine, none lost or doubled."""
+    monkeypatch.setattr(speculation, "TRIAL_PAYS", 0.0)
+    write_rows(tmp_path / "in.parquet", 160)
+    job = write_job(tmp_path, tiny_model, tmp_path / "in.parquet", batch_size=8, speculative="auto")
+    report = run_job(load_spec(job), engine_factory=engines, progress=False)
+    (choice,) = report.passes["pass1"].auto
+    methods = [t["method"] for t in choice["trials"]]
+    assert methods[:2] == ["none", speculation.draft_method()], choice
+    assert choice["trials"][1]["ms_per_step"] and choice["trials"][1]["tokens_per_step"]
+    assert "acceptance" in choice["trials"][1]
+    assert report.passes["pass1"].rows == 160
+    assert_exactly_once([f"r{i:05d}" for i in range(160)], tmp_path / "out", tmp_path / "out" / "_rejects")
+    assert report.verified["ok"] and report.verified["complete"]
