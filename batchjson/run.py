@@ -401,6 +401,9 @@ class JobRun:
                             switch.set()
                 stats.speculative = engine.stats() if speculative else {}
                 if auto:
+                    if wanted == "stay":  # the stream ended: its numbers so far are the choice's measurement
+                        auto.measure(time.monotonic() - t0, getattr(engine, "steps", 0) - steps0,
+                                     stats.speculative or None)
                     stats.auto = [auto.report()]
                 if wanted != "stay" and not self.stop.is_set():  # auto tries (or goes back to) the other choice
                     speculative, retry = wanted, list(getattr(engine, "unfinished", []))

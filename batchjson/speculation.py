@@ -143,6 +143,9 @@ class Auto:
 
     def report(self) -> dict:
         chosen = self.trials[-1].method
-        return {"method": "auto", "chosen": chosen, "why": self.decided or "measuring (the pass ended first)",
+        why = self.decided or (f"{chosen}: the faster at {self.in_flight} in flight on a {self.platform} in our "
+                               f"measurements ({self.candidate.method} {self.prior:.2f}x); the pass was too short to "
+                               "try the other")
+        return {"method": "auto", "chosen": chosen, "why": why,
                 "predicted_speedup": round(self.prior, 2), "in_flight": self.in_flight, "platform": self.platform,
                 "trials": [t.to_dict() for t in self.trials if t.rows]}
