@@ -144,8 +144,8 @@ class Auto:
     def report(self) -> dict:
         chosen = self.trials[-1].method
         why = self.decided or (f"{chosen}: the faster at {self.in_flight} in flight on a {self.platform} in our "
-                               f"measurements ({self.candidate.method} {self.prior:.2f}x); the pass was too short to "
-                               "try the other")
+                               f"measurements ({self.candidate.method} {self.prior:.2f}x none); the pass was too short "
+                               "to try the other")
         return {"method": "auto", "chosen": chosen, "why": why,
                 "predicted_speedup": round(self.prior, 2), "in_flight": self.in_flight, "platform": self.platform,
                 "trials": [t.to_dict() for t in self.trials if t.rows]}
