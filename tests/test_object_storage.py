@@ -4,6 +4,7 @@ once across kills, leases instead of file locks, and user mistakes that end in a
 from __future__ import annotations
 
 import collections
+import json
 import os
 import signal
 import subprocess
@@ -196,3 +197,20 @@ def test_no_credentials_is_exit_2_naming_the_path(tmp_path, tiny_model, s3, monk
     result = cli("run", job, "--output", str(tmp_path / "out"))
     assert result.exit_code == 2 and f"{s3}/in" in result.output and "AWS_ACCESS_KEY_ID" in result.output, \
         result.output
+
+
+def test_replicas_on_s3_share_one_queue_and_one_ledger(tmp_path, tiny_model, s3):
+    """Two replicas (local processes) reading and writing S3: every id once, both replicas committed units, and
+    the runner's lease is the folder's only one, released at the end."""
+    put_rows(f"{s3}/in/a.parquet", tmp_path / "a.parquet", 80)
+    job = write_job(tmp_path, tiny_model, f"{s3}/in", batch_size=4)
+    out = f"{s3}/out"
+    report = run_job(load_spec(job), out, replicas=2, progress=False, engine_factory=FakeEngines(delay=0.01))
+    assert report.replicas == 2 and report.verified["ok"] and report.verified["complete"], report.verified
+    assert sorted(ids_at(out) + ids_at(f"{out}/_rejects")) == [f"r{i:05d}" for i in range(80)]
+    filesystem, path = fs.FileSystem.from_uri(f"{out}/_batchjson/units")
+    replicas = {json.loads(filesystem.open_input_stream(i.path).read())["replica"]
+                for i in filesystem.get_file_info(fs.FileSelector(path)) if i.base_name.startswith("p1-")}
+    assert replicas == {0, 1}
+    state = fs.FileSystem.from_uri(f"{out}/_batchjson")
+    assert not [i for i in state[0].get_file_info(fs.FileSelector(state[1])) if i.base_name.startswith("lease-")]

@@ -79,3 +79,41 @@ def test_a_replica_killed_mid_run_has_its_units_redone(tmp_path, tiny_model):
     assert "exactly-once check ok" in stdout, stdout
     assert "died" in stdout, stdout  # the report says a replica died and its units went to others
     assert_exactly_once([f"r{i:05d}" for i in range(200)], out, out / "_rejects")
+
+
+def _runner(job, out, delay="0.02"):
+    return subprocess.Popen([sys.executable, str(HERE / "fake_runner.py"), str(job), str(out), "none", "0", "", "2"],
+                            env=ENV | {"FAKE_DELAY": delay}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _wait_for_commits(out: Path, n: int, runner) -> None:
+    deadline = time.monotonic() + 120
+    while len(records(out)) < n and time.monotonic() < deadline and runner.poll() is None:
+        time.sleep(0.1)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
+def test_the_runner_killed_or_stopped_takes_its_replicas_with_it_and_a_rerun_finishes(tmp_path, tiny_model, sig):
+    write_rows(tmp_path / "in.parquet", 200)
+    job = write_job(tmp_path, tiny_model, tmp_path / "in.parquet", batch_size=4)
+    out = tmp_path / "out"
+    runner = _runner(job, out)
+    try:
+        _wait_for_commits(out, 5, runner)
+        replicas = [c for c in psutil.Process(runner.pid).children(recursive=True)
+                    if "spawn_main" in " ".join(c.cmdline())]
+        assert len(replicas) >= 2
+        runner.send_signal(sig)
+        runner.communicate(timeout=120)
+    finally:
+        runner.kill()
+    # SIGKILL: the replicas die with the runner (PR_SET_PDEATHSIG); SIGTERM: they stop at their next step.
+    gone, alive = psutil.wait_procs(replicas, timeout=30)
+    assert not alive, alive
+    if sig == signal.SIGTERM:
+        assert runner.returncode == 130
+    again = _runner(job, out, delay="0")
+    stdout, stderr = again.communicate(timeout=300)
+    assert again.returncode == 0, stderr[-3000:]
+    assert "exactly-once check ok" in stdout
+    assert_exactly_once([f"r{i:05d}" for i in range(200)], out, out / "_rejects")
