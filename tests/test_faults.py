@@ -17,7 +17,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from batchjson import storage
+from batchjson import location
 from batchjson.engine import VllmEngine
 from batchjson.errors import EngineError, InputError, OutputError, ResumeConflict
 from batchjson.storage import Storage
@@ -126,18 +126,18 @@ def test_null_id_names_file_and_row(tmp_path, tiny_model, engines):
 def test_full_disk_fails_clearly_then_resumes(tmp_path, tiny_model, engines, monkeypatch):
     write_rows(tmp_path / "in.parquet", 16)
     spec = load_spec(write_job(tmp_path, tiny_model, tmp_path / "in.parquet", batch_size=4))
-    real_write, writes = storage.pq.write_table, []
+    real_write, writes = location.pq.write_table, []
 
     def write_until_full(table, path, **kw):
         writes.append(path)
         if len(writes) > 2:  # a narrow fault: the disk fills up after two part files
             raise OSError(errno.ENOSPC, "No space left on device")
         real_write(table, path, **kw)
-    monkeypatch.setattr(storage.pq, "write_table", write_until_full)
+    monkeypatch.setattr(location.pq, "write_table", write_until_full)
     with pytest.raises(OutputError, match="No space left on device. Free space or fix permissions"):
         run_job(spec, engine_factory=engines, progress=False)
     assert not Storage(tmp_path / "out").stray(), "a visible part file always belongs to a committed unit"
-    monkeypatch.setattr(storage.pq, "write_table", real_write)
+    monkeypatch.setattr(location.pq, "write_table", real_write)
     report = run_job(spec, engine_factory=engines, progress=False)
     assert report.resumed
     assert_exactly_once([f"r{i:05d}" for i in range(16)], tmp_path / "out", tmp_path / "out" / "_rejects")
