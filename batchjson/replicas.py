@@ -68,8 +68,8 @@ class Channel:
     """A replica's end of the queue: units arrive one ahead of need, fetched by a thread, so the engine never
     waits for the driver while it has work in flight."""
 
-    def __init__(self, slot: int, inbox, outbox):
-        self.slot, self.inbox, self.outbox = slot, inbox, outbox
+    def __init__(self, slot: int, inbox, outbox, replicas: int = 1):
+        self.slot, self.inbox, self.outbox, self.replicas = slot, inbox, outbox, replicas
 
     def send(self, kind: str, *payload) -> None:
         self.outbox.put((kind, self.slot, *payload))
@@ -149,8 +149,8 @@ class LocalPool(_Pool):
 
     def _spawn(self, slot: int) -> None:
         inbox = self.inboxes[slot] = self.mp.Queue()
-        process = self.mp.Process(target=_local, args=(self.target, self.slots[slot], *self.args, slot, inbox,
-                                                       self.outbox),
+        process = self.mp.Process(target=_local, args=(self.target, self.slots[slot], *self.args, slot,
+                                                       len(self.slots), inbox, self.outbox),
                                   name=f"batchjson-replica-{slot}", daemon=False)
         process.start()
         self.live[slot] = process
@@ -201,7 +201,7 @@ class RayPool(_Pool):
     def _spawn(self, slot: int) -> None:
         inbox = self.inboxes[slot] = self.Queue()
         actor = self.actors[slot] = self.actor_class.remote()
-        self.live[slot] = actor.serve.remote(self.target, (*self.args, slot, inbox, self.outbox))
+        self.live[slot] = actor.serve.remote(self.target, (*self.args, slot, len(self.slots), inbox, self.outbox))
 
     def dead(self) -> list[int]:
         refs = list(self.live.values())

@@ -149,6 +149,7 @@ class JobRun:
         self.engine = None  # kept from pass to pass while their engine-wide settings agree
         self.passes = plan_passes(spec)
         self.slot: int | None = None  # this process's replica number, when it runs as one
+        self.share = 1  # replicas sharing the passes' units (auto judges this replica's part of a pass)
 
     def run(self) -> RunReport:
         started = time.monotonic()
@@ -237,7 +238,7 @@ class JobRun:
         """Run as one replica: take units from the runner's queue pass by pass, decode, check and commit them, and
         report each commit and each pass's counts. The runner holds the folder; a replica never claims it."""
         self._prepare()
-        self.owners, self.slot = owners, channel.slot
+        self.owners, self.slot, self.share = owners, channel.slot, channel.replicas
         try:
             with self._signals():
                 for p in self.passes:
@@ -369,7 +370,7 @@ class JobRun:
         auto = None
         if p.speculative is not None and p.speculative.method == "auto":
             auto = Auto(p.speculative, self.spec.model.max_in_flight, "gpu" if replicas.visible_gpus() else "cpu",
-                        self._rows(p, self._todo(p)))
+                        self._rows(p, self._todo(p)) // self.share)
         speculative = auto.current() if auto else p.speculative
 
         def commit(key: str, outcomes: list[Outcome]) -> None:
@@ -448,9 +449,9 @@ def _first(work: Iterator[Work]) -> Work | None:
 
 
 def serve_replica(spec: JobSpec, output: str, shard: tuple[int, int], engine_factory: EngineFactory, owners: dict,
-                  slot: int, inbox, outbox) -> None:
-    """The body of one replica (a local process or a Ray actor): see JobRun.serve."""
-    channel = replicas.Channel(slot, inbox, outbox)
+                  slot: int, count: int, inbox, outbox) -> None:
+    """The body of replica `slot` of `count` (a local process or a Ray actor): see JobRun.serve."""
+    channel = replicas.Channel(slot, inbox, outbox, count)
     os.environ["BATCHJSON_REPLICA"] = str(slot)
     try:
         JobRun(spec, output, shard=shard, engine_factory=engine_factory, progress=False).serve(channel, owners)
