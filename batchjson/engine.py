@@ -129,8 +129,6 @@ class VllmEngine:
         self.max_in_flight = model.max_in_flight
         self.steps = 0  # engine steps taken so far (ms per step, tokens per step)
         self.unfinished: list[Prompt] = []
-        self.observe = None
-        """Called with (prompt token ids, output token ids) of each finished request, when set."""
         # vLLM refuses its own "auto" with disable_any_whitespace: batchjson picks the backend, and gives it the
         # schema minus what it cannot compile (validation checks that part).
         self._schema = schema
@@ -327,8 +325,6 @@ class VllmEngine:
                     continue
                 prompt = in_flight.pop(out.request_id)
                 prompt_tokens = len(out.prompt_token_ids or ())
-                if self.observe is not None and out.outputs:
-                    self.observe(out.prompt_token_ids or (), out.outputs[0].token_ids)
                 candidates = [self._generation(prompt, c, prompt_tokens) for c in out.outputs]
                 gen = candidates[0]
                 if len(candidates) > 1:  # n > 1: the validator keeps the first valid candidate

@@ -150,6 +150,7 @@ class JobRun:
         self.passes = plan_passes(spec)
         self.slot: int | None = None  # this process's replica number, when it runs as one
         self.share = 1  # replicas sharing the passes' units (auto judges this replica's part of a pass)
+        self._platform: str | None = None
 
     def run(self) -> RunReport:
         started = time.monotonic()
@@ -244,12 +245,21 @@ class JobRun:
                 for p in self.passes:
                     stats = PassStats()
                     work = self._load(p, channel.keys(p.stage))
-                    self._decode(p, work, stats, None, lambda key, rows: channel.send("done", p.stage, key, rows))
+                    rows = self._rows(p, self._todo(p)) // self.share  # about this replica's part of the pass
+                    self._decode(p, work, rows, stats, None,
+                                 lambda key, done: channel.send("done", p.stage, key, done))
                     channel.send("stats", p.stage, stats.to_dict())
                     if self.stop.is_set():
                         return
         finally:
             self._close_engine()
+
+    @property
+    def platform(self) -> str:
+        """"gpu" or "cpu", asked once (nvidia-smi) when speculation's auto policy first needs it."""
+        if self._platform is None:
+            self._platform = "gpu" if replicas.visible_gpus() else "cpu"
+        return self._platform
 
     @property
     def renderer(self) -> Renderer:
@@ -351,10 +361,11 @@ class JobRun:
         if not keys:
             return
         stats = report.passes[p.name] = PassStats()
-        with tqdm(total=self._rows(p, keys), desc=p.name, unit="row", disable=self.progress) as bar:
-            self._decode(p, self._load(p, keys), stats, bar)
+        rows = self._rows(p, keys)
+        with tqdm(total=rows, desc=p.name, unit="row", disable=self.progress) as bar:
+            self._decode(p, self._load(p, keys), rows, stats, bar)
 
-    def _decode(self, p: Pass, work: Iterator[Work], stats: PassStats, bar,
+    def _decode(self, p: Pass, work: Iterator[Work], rows: int, stats: PassStats, bar,
                 committed: Callable[[str, int], None] | None = None) -> None:
         """Decode, check and commit the units of `work`, starting an engine when the first one arrives.
 
@@ -369,8 +380,7 @@ class JobRun:
         started = time.monotonic()
         auto = None
         if p.speculative is not None and p.speculative.method == "auto":
-            auto = Auto(p.speculative, self.spec.model.max_in_flight, "gpu" if replicas.visible_gpus() else "cpu",
-                        self._rows(p, self._todo(p)) // self.share)
+            auto = Auto(p.speculative, self.spec.model.max_in_flight, self.platform, rows)
         speculative = auto.current() if auto else p.speculative
 
         def commit(key: str, outcomes: list[Outcome]) -> None:
