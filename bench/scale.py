@@ -73,6 +73,18 @@ def launch(job: Path, out: Path, args: list[str], env: dict) -> subprocess.Popen
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True, env=env)
 
 
+def steady_rate(out: Path, started: float) -> dict:
+    """Pass 1's rate once every engine is decoding: the rows of the commit records written after the first one,
+    over the time from the first record to the last (records' mtimes), and when the first record landed."""
+    records = sorted((f.stat().st_mtime, json.loads(f.read_text())) for f in (out / "_batchjson" / "units").glob("p1-*.json"))
+    if len(records) < 3:
+        return {}
+    span = records[-1][0] - records[0][0]
+    rows = sum(r["rows"] if isinstance(r["rows"], int) else sum(r["rows"].values()) for _, r in records[1:])
+    return {"first_commit_s": round(records[0][0] - started, 1), "pass1_units": len(records),
+            "steady_pass1_rows_per_s": round(rows / span, 2) if span > 0 else None}
+
+
 def one(name: str, job: Path, root: Path, gpus: list[str]) -> dict:
     """One scenario: its processes, their reports, the samples taken while they ran."""
     base = os.environ | {"PYTHONUNBUFFERED": "1"}
@@ -100,6 +112,7 @@ def one(name: str, job: Path, root: Path, gpus: list[str]) -> dict:
     sampler.done.set()
     sampler.join()
     valid = sum(sum(r.get("valid_by_pass", {}).values()) for r in reports if "error" not in r)
+    steady = steady_rate(out, started)
     pass1 = [r["passes"]["pass1"] for r in reports if "pass1" in r.get("passes", {})]
     busy = {}
     for s in sampler.samples:
@@ -110,7 +123,7 @@ def one(name: str, job: Path, root: Path, gpus: list[str]) -> dict:
             "valid_per_wall_s": round(valid / wall, 2),
             "pass1_rows_per_s": [p["rows_per_s"] for p in pass1], "pass1_s": [p["seconds"] for p in pass1],
             "pass2_s": [r["passes"]["pass2"]["seconds"] for r in reports if "pass2" in r.get("passes", {})],
-            "gpu_util_mean": {g: round(sum(v) / len(v)) for g, v in busy.items() if v},
+            "gpu_util_mean": {g: round(sum(v) / len(v)) for g, v in busy.items() if v}, **steady,
             "reports": reports, "samples": sampler.samples}
 
 
@@ -123,6 +136,7 @@ def main() -> int:
     ap.add_argument("--runs", default="warm,1,2")
     ap.add_argument("--out", default="scale-results")
     ap.add_argument("--work", default="/tmp/scale")
+    ap.add_argument("--units", type=int, default=10, help="row groups (= units) the input is written in")
     a = ap.parse_args()
     out, work = Path(a.out), Path(a.work)
     out.mkdir(parents=True, exist_ok=True)
@@ -131,24 +145,29 @@ def main() -> int:
     for name in a.runs.split(","):
         rows = a.warm_rows if name == "warm" else a.rows
         data, job = write_task(a.task, rows, work / f"task{a.task}-{rows}", a.model, bounded=True)
-        if pq.ParquetFile(data).metadata.num_row_groups == 1:  # static shards split by row group: give them 10
-            pq.write_table(pq.read_table(data), data, row_group_size=max(1, rows // 10))
+        if pq.ParquetFile(data).metadata.num_row_groups == 1:  # units (and static shards) split by row group
+            pq.write_table(pq.read_table(data), data, row_group_size=max(1, -(-rows // a.units)))
         resumable = job.with_name(f"{job.stem}-resume.toml")  # shards need if_exists = "resume"; runs here are fresh
         resumable.write_text(job.read_text().replace('if_exists = "overwrite"', 'if_exists = "resume"'))
         job = resumable
         r = one(name, job, work / f"runs-{rows}", visible_gpus())
         results.append(r)
         print(f"[scale] {name}: {r['valid']} valid in {r['wall_s']} s = {r['valid_per_wall_s']} valid rows/s; pass 1 "
-              f"{r['pass1_rows_per_s']} rows/s in {r['pass1_s']} s; pass 2 {r['pass2_s']} s; GPU util {r['gpu_util_mean']}",
+              f"{r['pass1_rows_per_s']} rows/s in {r['pass1_s']} s (steady {r.get('steady_pass1_rows_per_s')} rows/s, first "
+              f"commit at {r.get('first_commit_s')} s); pass 2 {r['pass2_s']} s; GPU util {r['gpu_util_mean']}",
               flush=True)
         (out / "scale.json").write_text(json.dumps(results, indent=1))
     base = next((r for r in results if r["run"] == "1"), None)
-    print("\n| run | processes | valid rows | wall s | valid rows/s | vs 1 GPU | pass 1 rows/s per process | mean GPU util % |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("\n| run | processes | valid rows | wall s | valid rows/s | vs 1 GPU | pass 1 rows/s per process | steady pass 1 "
+          "rows/s | vs 1 GPU | first commit s | mean GPU util % |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in results:
         ratio = f"×{r['valid_per_wall_s'] / base['valid_per_wall_s']:.2f}" if base and r["run"] != "warm" else ""
+        steady = r.get("steady_pass1_rows_per_s")
+        sratio = (f"×{steady / base['steady_pass1_rows_per_s']:.2f}" if steady and base and base.get("steady_pass1_rows_per_s")
+                  and r["run"] != "warm" else "")
         print(f"| {r['run']} | {r['processes']} | {r['valid']} | {r['wall_s']} | {r['valid_per_wall_s']} | {ratio} | "
-              f"{r['pass1_rows_per_s']} | {r['gpu_util_mean']} |")
+              f"{r['pass1_rows_per_s']} | {steady} | {sratio} | {r.get('first_commit_s')} | {r['gpu_util_mean']} |")
     return 0
 
 

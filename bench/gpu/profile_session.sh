@@ -2,8 +2,11 @@
 # One profiling session on a two-GPU host (after the bundle is installed, and
 #   export PYTHONPATH=/tmp/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1):
 #   bash bench/gpu/profile_session.sh OUT_DIR [BUDGET_S]
-# GPU 0: SmolLM2, task A: none, ngram k=4 (parallel bitmask on), ngram k=4 (off), suffix k=8, one after the other.
-# GPU 1, meanwhile: the Llama-3-8B shape (random weights, SmolLM2's tokenizer): none, ngram k=4, draft_model k=4.
+# PLAN=profile (the default):
+#   GPU 0: SmolLM2, task A: none, ngram k=4 (parallel bitmask on), ngram k=4 (off), suffix k=8, one after the other.
+#   GPU 1, meanwhile: the Llama-3-8B shape (random weights, SmolLM2's tokenizer): none, ngram k=4, draft_model k=4.
+# PLAN=tasks: the same three SmolLM2 runs on each GPU, task TASK0 (B) on GPU 0 and TASK1 (C) on GPU 1: none,
+#   suffix k=8 with vLLM's grammar masks, suffix k=8 with the parallel masks.
 # Each bench/spec_profile.py call runs under its own `timeout` (a share of BUDGET_S, default 480), writes
 # OUT_DIR/<name>.json and OUT_DIR/<name>.log (stderr); at the end a table of every JSON, the errors the profile
 # files recorded, and the tail of each failed log.
@@ -19,6 +22,9 @@ SIZES_8B=${SIZES_8B:-1,8,32,128}
 WAVES=${WAVES:-2}
 MAX_TOKENS=${MAX_TOKENS:-256}
 TASK=${TASK:-A}
+PLAN=${PLAN:-profile}
+TASK0=${TASK0:-B}
+TASK1=${TASK1:-C}
 SKIP_8B=${SKIP_8B:-0}
 GPU0=${GPU0-0}
 GPU1=${GPU1-1}
@@ -35,7 +41,7 @@ run_one() {
     local limit=$(( left / remaining )); [ "$limit" -lt 30 ] && limit=30
     echo "[$(date +%T)] $name: GPU ${gpu:-(unset)}, timeout ${limit}s" >&2
     ( [ -n "$gpu" ] && export CUDA_VISIBLE_DEVICES=$gpu
-      eval "exec timeout -k 10 $limit ${PYTHON:-python3} '$here/bench/spec_profile.py' \"\$@\" $EXTRA --task $TASK \
+      eval "exec timeout -k 10 $limit ${PYTHON:-python3} '$here/bench/spec_profile.py' \"\$@\" $EXTRA --task ${task:-$TASK} \
           --waves $WAVES --max-tokens $MAX_TOKENS --out '$out/$name.json'" ) > "$out/$name.stdout" 2> "$out/$name.log"
     local rc=$?
     echo "$rc" > "$out/$name.rc"
@@ -54,6 +60,17 @@ lane1() {
     run_one "$GPU1" 1 8b-draft4 --model "$MODEL" --shape llama-8b --method draft_model --draft-model "$MODEL" --k 4 \
         --in-flight "$SIZES_8B"
 }
+
+tasks_lane() {
+    local gpu=$1 task=$2
+    run_one "$gpu" 3 "$task-none" --model "$MODEL" --method none --in-flight "$SIZES"
+    run_one "$gpu" 2 "$task-suffix8" --model "$MODEL" --method suffix --k 8 --parallel off --in-flight "$SIZES"
+    run_one "$gpu" 1 "$task-suffix8-par" --model "$MODEL" --method suffix --k 8 --parallel on --in-flight "$SIZES"
+}
+if [ "$PLAN" = tasks ]; then
+    lane0() { tasks_lane "$GPU0" "$TASK0"; }
+    lane1() { tasks_lane "$GPU1" "$TASK1"; }
+fi
 
 lane0 & p0=$!
 if [ "$SKIP_8B" != 1 ]; then lane1 & p1=$!; fi
