@@ -95,8 +95,9 @@ def measure(args, profile: Path) -> list[dict]:
         draft_model=(args.draft_model or model) if args.method == "draft_model" else None)
     decoding = DecodingSpec(temperature=0.0, max_tokens=args.max_tokens, repetition_detection=dict(LOOP_GUARD_BOUNDED))
     started = time.perf_counter()
-    engine = VllmEngine(ModelSpec(path=model, max_in_flight=max(sizes), engine=engine_kwargs), decoding, schema,
-                        spec if spec.enabled else None)
+    # The engine sets the plugin's switch from [model] parallel_grammar ("check" stays as the environment says).
+    engine = VllmEngine(ModelSpec(path=model, max_in_flight=max(sizes), engine=engine_kwargs,
+                                  parallel_grammar=args.parallel != "off"), decoding, schema, spec if spec.enabled else None)
     start_s = time.perf_counter() - started
     tok = engine.llm.get_tokenizer()
     texts = [tok.apply_chat_template([{"role": "system", "content": task["system"]},
@@ -170,6 +171,9 @@ def main() -> None:
         prof = {"parallel_bitmask": {}, "patches": {}, "errors": [f"no profile file {profile}: {e}"]}
     result = {"settings": {k: str(v) for k, v in vars(args).items()}, "sizes": sizes,
               "parallel_bitmask": prof["parallel_bitmask"], "patches": prof["patches"], "profile_errors": prof["errors"]}
+    state = prof["parallel_bitmask"].get("state")
+    if not error and args.method != "none" and state and (state == "off") != (args.parallel == "off"):
+        error = f"--parallel {args.parallel} asked, but the engine's parallel bitmask was {state}"
     if error:
         result["error"] = error
     text = json.dumps(result, indent=1)
