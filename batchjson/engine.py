@@ -168,7 +168,8 @@ class VllmEngine:
         self._parallel_grammar(model.parallel_grammar)
         try:
             self.llm = vllm.LLM(**kwargs)
-        except (ValueError, TypeError, OSError) as e:
+        except (ValueError, TypeError, OSError, ImportError, RuntimeError) as e:
+            # RuntimeError: the engine process failed to start (its own error is logged above), or CUDA memory.
             raise EngineError(f"vLLM could not start with model {kwargs['model']}: {e}. "
                               "Check [model], [model.engine] and [speculative].") from e
         self._probe(kwargs["structured_outputs_config"]["backend"])

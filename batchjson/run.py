@@ -392,7 +392,14 @@ class JobRun:
         feed, retry, deaths = tracker.feed(chain([first], work)), [], 0
         while not self.stop.is_set():
             t0 = time.monotonic()
-            engine, reused = self._engine_for(p, speculative)
+            try:
+                engine, reused = self._engine_for(p, speculative)
+            except EngineError as e:
+                if not (auto and speculative):
+                    raise
+                auto.could_not_start(str(e))  # auto's own choice, not the user's: the job goes on without it
+                speculative = None
+                continue
             stats.grammar = stats.grammar or getattr(getattr(engine, "choice", None), "summary", "")
             if reused:
                 stats.note = stats.note or "ran on the previous pass's engine (no second engine start)"

@@ -144,6 +144,14 @@ class Auto:
         self.trials.append(dataclasses.replace(first, rows=0, tokens=0, seconds=0.0, steps=0))
         return self.config(first.method)
 
+    def could_not_start(self, reason: str) -> None:
+        """The engine for the current (speculative) choice did not start: decode without speculation from here on."""
+        failed = self.trials[-1]
+        self.decided = f"none: {failed.method} could not start here ({reason[:300]})"
+        if not failed.rows:
+            self.trials.pop()
+        self.trials.append(Trial("none"))
+
     def report(self) -> dict:
         chosen = self.trials[-1].method
         why = self.decided or (f"{chosen}: the faster at {self.in_flight} in flight on a {self.platform} in our "

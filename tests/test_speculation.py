@@ -111,3 +111,31 @@ def test_auto_trial_on_the_engine_hands_rows_in_flight_to_the_next_engine(tmp_pa
     assert report.passes["pass1"].rows == 160
     assert_exactly_once([f"r{i:05d}" for i in range(160)], tmp_path / "out", tmp_path / "out" / "_rejects")
     assert report.verified["ok"] and report.verified["complete"]
+
+
+def test_a_draft_method_that_cannot_start_gives_way_to_none(monkeypatch):
+    monkeypatch.setattr(speculation, "draft_method", lambda: "suffix")
+    auto = speculation.Auto(AUTO, 16, "gpu", 10_000)
+    assert auto.current().method == "suffix"
+    auto.could_not_start("vLLM could not start with model m: no module named arctic_inference")
+    assert auto.current() is None and feed(auto, 64) == "stay"  # decided: no trial after that
+    report = auto.report()
+    assert report["chosen"] == "none" and "suffix could not start here" in report["why"]
+    assert [t["method"] for t in report["trials"]] == ["none"]
+
+
+@pytest.mark.engine
+def test_auto_goes_on_without_speculation_when_its_engine_cannot_start(tmp_path, tiny_model, engines, monkeypatch):
+    """auto's speculative engine is refused by vLLM at start (here: an option it does not know). The user asked for
+    none of it, so the job goes on without speculation, every row once, and the report says why."""
+    monkeypatch.setattr(speculation, "MEASURED_SPEEDUP", {"cpu": {"ngram": {1: 2.0}, "suffix": {1: 2.0}}})
+    write_rows(tmp_path / "in.parquet", 40)
+    job = write_job(tmp_path, tiny_model, tmp_path / "in.parquet", speculative="auto")
+    job.write_text(job.read_text() + "\n[speculative.options]\nno_such_option = 1\n")
+    report = run_job(load_spec(job), engine_factory=engines, progress=False)
+    (choice,) = report.passes["pass1"].auto
+    assert choice["chosen"] == "none" and "could not start here" in choice["why"], choice
+    assert "no_such_option" in choice["why"]
+    assert report.passes["pass1"].speculative == {}
+    assert_exactly_once([f"r{i:05d}" for i in range(40)], tmp_path / "out", tmp_path / "out" / "_rejects")
+    assert report.verified["ok"] and report.verified["complete"]
