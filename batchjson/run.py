@@ -245,7 +245,7 @@ class JobRun:
                 for p in self.passes:
                     stats = PassStats()
                     work = self._load(p, channel.keys(p.stage))
-                    rows = self._rows(p, self._todo(p)) // self.share  # about this replica's part of the pass
+                    rows = self._share_of(p)
                     self._decode(p, work, rows, stats, None,
                                  lambda key, done: channel.send("done", p.stage, key, done))
                     channel.send("stats", p.stage, stats.to_dict())
@@ -253,6 +253,14 @@ class JobRun:
                         return
         finally:
             self._close_engine()
+
+    def _share_of(self, p: Pass) -> int:
+        """About this replica's rows of a pass, for auto's estimate of how long the pass is: from the footers and one
+        listing of the commit records (not a check per unit, as _todo makes). Only a speculative pass needs it."""
+        if p.speculative is None:
+            return 0
+        committed = self.storage.committed()
+        return sum(ref.rows for key, ref in self.refs.items() if f"{p.stage}-{key}" not in committed) // self.share
 
     @property
     def platform(self) -> str:
@@ -409,19 +417,22 @@ class JobRun:
             try:
                 # itertools.chain, not a generator: a dead engine's stream must not close `feed` as it goes.
                 t0, steps0, wanted = time.monotonic(), getattr(engine, "steps", 0), "stay"
+
+                def measure() -> None:  # this engine's decoding so far, as auto's measurement of its choice
+                    auto.measure(time.monotonic() - t0, getattr(engine, "steps", 0) - steps0,
+                                 engine.stats() if speculative else None)
+
                 for gen in engine.stream(chain(retry, feed), _Either(self.stop, switch) if auto else self.stop):
                     tracker.finish(gen)
                     if auto and auto.add(gen.output_tokens):
-                        auto.measure(time.monotonic() - t0, getattr(engine, "steps", 0) - steps0,
-                                     engine.stats() if speculative else None)
+                        measure()
                         wanted = auto.wanted()
                         if wanted != "stay":
                             switch.set()
                 stats.speculative = engine.stats() if speculative else {}
                 if auto:
                     if wanted == "stay":  # the stream ended: its numbers so far are the choice's measurement
-                        auto.measure(time.monotonic() - t0, getattr(engine, "steps", 0) - steps0,
-                                     stats.speculative or None)
+                        measure()
                     stats.auto = [auto.report()]
                 if wanted != "stay" and not self.stop.is_set():  # auto tries (or goes back to) the other choice
                     speculative, retry = wanted, list(getattr(engine, "unfinished", []))

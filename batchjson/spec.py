@@ -143,9 +143,10 @@ class ModelSpec:
     """Requests kept inside the engine at once; the engine is refilled as each one finishes."""
     parallel_grammar: bool = False
     """Under speculation, fill the grammar's token masks of a step on several threads, one request per thread at a
-    time (vLLM fills them one after the other). Outputs are identical either way. Off by default: on an H200 the
-    masks were 4-10% of a speculative step up to 32 requests in flight, and the threaded fill was no faster at 128
-    and 512 (BENCHMARKS.md, "Speculation"). Known vLLM versions only (0.26, 0.32): on another the run warns."""
+    time (vLLM fills them one after the other). Outputs are identical either way. Off by default: on an H200 vLLM's
+    own fill was a small share of a speculative step, and the threaded fill made runs 1-28% slower at 1 to 512
+    requests in flight (BENCHMARKS.md, "The parallel grammar masks, on and off in one call"). Known vLLM versions
+    only (0.26, 0.32): on another the run warns."""
     engine: dict = field(default_factory=dict)
     """Any other vllm.LLM keyword argument, passed through unchanged (e.g. gpu_memory_utilization)."""
     replicas: int | None = None
