@@ -1,7 +1,7 @@
 """Runs a job with the fake engine and SIGKILLs itself at the N-th time the commit protocol reaches STEP.
 
     python tests/fake_runner.py JOB OUTPUT STEP N [SHARD [REPLICAS]]     (N = 0 never kills)
-FAKE_LEASE_EXPIRY (seconds) shortens the leases on object storage.
+FAKE_LEASE_EXPIRY (seconds) shortens the leases on object storage; FAKE_VALID sets the share of valid answers (0.6).
 Steps: begin, staged output|rejects|requeue, committed, published output|rejects|requeue (see storage.py).
 """
 
@@ -39,7 +39,8 @@ def main():
         storage.Lease.RENEW_EVERY = storage.Lease.EXPIRY / 4
     engines = FakeEngines(start_delay=float(os.environ.get("FAKE_START_DELAY", "0")),
                           delay=float(os.environ.get("FAKE_DELAY", "0")),
-                          start_marker=os.environ.get("FAKE_START_MARKER"))
+                          start_marker=os.environ.get("FAKE_START_MARKER"),
+                          valid=float(os.environ.get("FAKE_VALID", "0.6")))
     report = run_job(load_spec(job), output, shard=shard, engine_factory=engines, progress=False,
                      replicas=replicas)
     print(report.summary())
