@@ -4,6 +4,7 @@ passes, and the exactly-once check that ends every run."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import signal
 import sys
@@ -144,13 +145,11 @@ class JobRun:
         self.progress = None if progress is None else not progress  # tqdm: None hides the bar off a terminal
         self.validator = Validator(spec.schema_doc, spec.schema.check_format)
         self.stop = threading.Event()
-        self._renderer: Renderer | None = None
         self.owners: dict[str, tuple[str, int]] = {}
         self.engine = None  # kept from pass to pass while their engine-wide settings agree
         self.passes = plan_passes(spec)
         self.slot: int | None = None  # this process's replica number, when it runs as one
         self.share = 1  # replicas sharing the passes' units (auto judges this replica's part of a pass)
-        self._platform: str | None = None
 
     def run(self) -> RunReport:
         started = time.monotonic()
@@ -260,25 +259,20 @@ class JobRun:
         if p.speculative is None:
             return 0
         committed = self.storage.committed()
-        return sum(ref.rows for key, ref in self.refs.items() if f"{p.stage}-{key}" not in committed) // self.share
+        return self._rows(p, [key for key in self.refs if f"{p.stage}-{key}" not in committed]) // self.share
 
-    @property
+    @functools.cached_property
     def platform(self) -> str:
         """"gpu" or "cpu", asked once (nvidia-smi) when speculation's auto policy first needs it."""
-        if self._platform is None:
-            self._platform = "gpu" if replicas.visible_gpus() else "cpu"
-        return self._platform
+        return "gpu" if replicas.visible_gpus() else "cpu"
 
-    @property
+    @functools.cached_property
     def renderer(self) -> Renderer:
         """Made on first use: a run with nothing to render never loads the model's tokenizer."""
-        if self._renderer is None:
-            from batchjson.engine import resolve_model
+        from batchjson.engine import resolve_model
 
-            frame = chat_frame(resolve_model(self.spec.model.path), self.spec.prompt.system)
-            self._renderer = Renderer(self.spec.prompt, frame, self.spec.input.id_column,
-                                      self.spec.input.passthrough, self.owners)
-        return self._renderer
+        frame = chat_frame(resolve_model(self.spec.model.path), self.spec.prompt.system)
+        return Renderer(self.spec.prompt, frame, self.spec.input.id_column, self.spec.input.passthrough, self.owners)
 
     @contextmanager
     def _signals(self):

@@ -144,9 +144,9 @@ class ModelSpec:
     parallel_grammar: bool = False
     """Under speculation, fill the grammar's token masks of a step on several threads, one request per thread at a
     time (vLLM fills them one after the other). Outputs are identical either way. Off by default: on an H200 vLLM's
-    own fill was a small share of a speculative step, and the threaded fill made runs 1-28% slower at 1 to 512
-    requests in flight (BENCHMARKS.md, "The parallel grammar masks, on and off in one call"). Known vLLM versions
-    only (0.26, 0.32): on another the run warns."""
+    own fill was a small share of a speculative step, and the threaded fill ran at 0.72-0.99x the output tokens/s of
+    vLLM's at 1 to 512 requests in flight (BENCHMARKS.md, "The parallel grammar masks, on and off in one call"). Known
+    vLLM versions only (0.26, 0.32): on another the run warns."""
     engine: dict = field(default_factory=dict)
     """Any other vllm.LLM keyword argument, passed through unchanged (e.g. gpu_memory_utilization)."""
     replicas: int | None = None
