@@ -54,6 +54,13 @@ def _vllm():
     if missing:
         raise EngineError(f"vLLM {vllm.__version__} lacks {', '.join(missing)}: batchjson needs the V1 engine with "
                           f"structured outputs (vLLM >= 0.12). Upgrade: {INSTALL_HINT}.")
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        # The CPU worker runs one OpenMP thread per core; by default they spin between parallel regions, taking the
+        # cores from vLLM's scheduler, our front end and any other process on the machine. Sleeping threads decode as
+        # fast alone and share a small machine instead of collapsing (BENCHMARKS.md, "The sample job on a CPU").
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     return vllm
 
 
