@@ -113,6 +113,22 @@ def resolve_model(path: str) -> str:
     return str(out)
 
 
+def cpu_dtype(dtype: str, cpuinfo: str = "/proc/cpuinfo") -> str:
+    """The dtype a CPU engine decodes in: "auto" (the model's own, bfloat16 for most) only where the processor has
+    bfloat16 instructions. Without them oneDNN cannot build its bfloat16 kernels, vLLM falls back to torch's, and
+    decoding runs ~4x slower than in float32 (BENCHMARKS.md, "The sample job on a CPU"). An explicit dtype is kept."""
+    if dtype != "auto":
+        return dtype
+    try:
+        with open(cpuinfo) as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), None)
+    except OSError:
+        return dtype
+    if flags is None:  # not x86 (no "flags" line): vLLM's own choice
+        return dtype
+    return dtype if {"avx512_bf16", "amx_bf16"} & set(flags) else "float32"
+
+
 class VllmEngine:
     """One vllm.LLM with one pass's settings: the target decodes under the JSON constraint, the draft does not.
 
@@ -156,6 +172,7 @@ class VllmEngine:
         self.seed = decoding.seed
         if self._cpu:
             kwargs["enforce_eager"] = True  # compiling costs a minute per start on CPU and gains little there
+            kwargs["dtype"] = cpu_dtype(model.dtype)
             # A per-request seed kills the CPU engine once a prefill is chunked ("CPU Generator does not use
             # offset"): seed the engine instead, which is reproducible for the same input and settings.
             if self.seed is not None:

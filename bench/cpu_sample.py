@@ -50,7 +50,7 @@ def bare(rows: int | None) -> dict:
     from vllm.sampling_params import RepetitionDetectionParams, StructuredOutputsParams
 
     t2 = time.monotonic()
-    llm = vllm.LLM(model=model, max_model_len=spec.model.max_model_len, enforce_eager=True, seed=spec.fallback.seed,
+    llm = vllm.LLM(model=model, dtype=os.environ.get("BENCH_DTYPE", "auto"), max_model_len=spec.model.max_model_len, enforce_eager=True, seed=spec.fallback.seed,
                    structured_outputs_config={"backend": backend.backend, "disable_any_whitespace": True},
                    max_num_seqs=spec.model.max_in_flight)
     t3 = time.monotonic()
