@@ -111,7 +111,7 @@ def test_a_schema_referring_to_a_sibling_file_runs(tmp_path, tiny_model, engines
 
 @pytest.mark.parametrize("backend", ["xgrammar", "guidance"])
 def test_both_backends_decode_what_pydantic_writes(tmp_path, backend):
-    """$defs + $ref (a nested model, an enum) and anyOf [..., null] are in the grammar itself, not left to validation."""
+    """$defs + $ref (a nested model, an enum) and anyOf [..., null] are in the grammar, not left to validation."""
     from conftest import import_model, write_model
 
     schema = import_model(tmp_path, write_model(tmp_path)).model_json_schema()
