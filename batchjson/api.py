@@ -15,8 +15,9 @@ from typing import TYPE_CHECKING
 from batchjson.errors import SpecError
 from batchjson.spec import JobSpec, load_spec, parse_shard, parse_spec, with_input
 
-if TYPE_CHECKING:  # the CLI imports this module: `batchjson --help` reads no Parquet and starts no engine
+if TYPE_CHECKING:  # imported where used: the CLI imports this module, and `batchjson --help` needs no pyarrow
     from batchjson.report import RunReport
+    from batchjson.run import EngineFactory
     from batchjson.verify import Verdict
 
 
@@ -37,7 +38,7 @@ def build_job(base: str | Path = ".", **sections: dict) -> JobSpec:
 
 def run_job(job: JobSpec, output: str | None = None, *, input_path: str | None = None, fresh: bool = False,
             shard: str | None = None, replicas: int | None = None, ray: str | None = None,
-            progress: bool | None = None, engine_factory=None) -> RunReport:
+            progress: bool | None = None, engine_factory: EngineFactory | None = None) -> RunReport:
     """Run a job into `output` (default: the spec's output.path), or resume the run already there.
 
     Returns the run report, also written to `<output>/_report.json`. The CLI's exit codes are fields of it:
@@ -132,8 +133,9 @@ def _schema(spec: JobSpec) -> tuple[dict[str, str], dict[str, str], list[str]]:
     typed = {name: str(kind) for name, kind in columns.items()}
     if schema is not None and not is_object_root(schema):
         kind = "/".join(root_types(schema)) or "any JSON value"
-        lines.append(f"schema: root {kind} -> output column json" + (
-            f" and value ({typed['value']})" if typed else " (no typed column: the root does not map to one Arrow type)"))
+        mapped = (f" and value ({typed['value']})" if typed
+                  else " (no typed column: the root does not map to one Arrow type)")
+        lines.append(f"schema: root {kind} -> output column json{mapped}")
     elif schema is not None:
         json_only = [name for name in schema.get("properties") or {} if name not in typed]
         lines.append("schema: root object -> output column json and typed columns "
