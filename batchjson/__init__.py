@@ -1,10 +1,34 @@
-"""batchjson: Parquet rows to schema-validated JSON with vLLM, in two passes, losing no row."""
+"""batchjson: Parquet rows to schema-validated JSON with vLLM, in two passes, losing no row.
 
+The Python API (batchjson/api.py), next to the command line::
+
+    import batchjson
+
+    job = batchjson.load_job("jobs/invoices.toml")       # or batchjson.build_job(input={...}, prompt={...}, ...)
+    batchjson.check_job(job)                              # no engine: input, output folder, schema, grammar
+    report = batchjson.run_job(job, "out/2026-11-30")     # the report `batchjson run` writes
+    batchjson.verify_job(job, "out/2026-11-30").complete  # each input row once in output or rejects
+"""
+
+import importlib
 import importlib.util
 import sys
 import types
 
 __version__ = "0.1.0"
+
+# Imported on first use: vLLM's engine processes import this package (for batchjson's vLLM plugin) and need none of
+# the API's modules.
+_API = {"load_job": "api", "build_job": "api", "run_job": "api", "check_job": "api", "verify_job": "api",
+        "CheckResult": "api", "JobSpec": "spec", "RunReport": "report", "Verdict": "verify",
+        "BatchjsonError": "errors"}
+__all__ = list(_API)
+
+
+def __getattr__(name: str):
+    if name in _API:
+        return getattr(importlib.import_module(f"batchjson.{_API[name]}"), name)
+    raise AttributeError(f"module 'batchjson' has no attribute {name!r}")
 
 
 def _defer_iri_parser() -> None:

@@ -12,8 +12,9 @@ import json
 
 import click
 
+from batchjson.api import check_job, load_job, run_job, verify_job
 from batchjson.errors import BatchjsonError
-from batchjson.spec import load_spec, parse_shard, with_input
+from batchjson.spec import parse_shard
 
 EXIT_OK, EXIT_BUG, EXIT_USER, EXIT_REJECTS, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 
@@ -30,9 +31,10 @@ def _user_error(e: BatchjsonError) -> UserError:
 
 def _shard(ctx, param, value):
     try:
-        return parse_shard(value)
+        parse_shard(value)
     except ValueError as e:
         raise click.BadParameter(str(e).removeprefix("shard: ")) from None
+    return value
 
 
 @click.group()
@@ -53,11 +55,9 @@ def main():
 @click.option("--json-report", is_flag=True, help="Print the JSON report instead of the summary.")
 def run(job, output, input_path, fresh, shard, replicas, ray_address, json_report):
     """Run JOB (a TOML spec), or resume it where an earlier run stopped."""
-    from batchjson.run import run_job
-
     try:
-        report = run_job(with_input(load_spec(job), input_path), output, fresh=fresh, shard=shard,
-                         replicas=replicas, ray=ray_address)
+        report = run_job(load_job(job), output, input_path=input_path, fresh=fresh, shard=shard, replicas=replicas,
+                         ray=ray_address)
     except BatchjsonError as e:
         raise _user_error(e) from None
     click.echo(json.dumps(report.to_dict(), indent=2) if json_report else report.summary())
@@ -73,80 +73,19 @@ def run(job, output, input_path, fresh, shard, replicas, ray_address, json_repor
         raise SystemExit(EXIT_REJECTS)
 
 
-def _schema_lines(spec) -> list[str]:
-    """What `check` says about the schema: output columns, each pass's grammar backend and its coverage, formats."""
-    from batchjson.errors import SpecError
-    from batchjson.grammar import choose, coverage
-    from batchjson.sink import typed_columns
-    from batchjson.spec import is_object_root, root_types
-    from batchjson.validate import FORMATS, unchecked_formats, used_formats
-
-    schema, lines = spec.schema_doc, []
-    if schema is not None and not is_object_root(schema):
-        typed = typed_columns(schema, set())
-        kind = "/".join(root_types(schema)) or "any JSON value"
-        lines.append(f"schema: root {kind} -> output column json" + (
-            f" and value ({typed['value']})" if typed else " (no typed column: the root does not map to one Arrow type)"))
-    passes = [("pass1", spec.model.structured_output_backend)]
-    if spec.fallback.enabled:
-        passes.append(("pass2", spec.fallback.structured_output_backend or spec.model.structured_output_backend))
-    seen = {}
-    for name, backend in passes:
-        choice = choose(schema, backend, spec.model.disable_any_whitespace)
-        if not choice.backend:
-            raise SpecError(f"{name}: {choice.reason}. Simplify the schema or set model.structured_output_backend.")
-        if backend in seen:
-            lines.append(f"{name} grammar: same as {seen[backend]}")
-            continue
-        seen[backend] = name
-        lines.append(f"{name} grammar: {choice.summary}")
-        lines += [f"  {line}" for line in coverage(schema, choice).lines()]
-    used = sorted(used_formats(schema))
-    if used and not spec.schema.check_format:
-        lines.append(f"format: not asserted (schema.check_format = false): {', '.join(used)}")
-    elif used:
-        nobody = unchecked_formats(schema)
-        checked = [f for f in used if f in FORMATS.checkers]
-        if checked:
-            lines.append(f"format: validation checks {', '.join(checked)}")
-        if nobody:
-            lines.append(f"format: nothing checks {', '.join(nobody)} (no checker exists): check such values "
-                         "downstream, or add a pattern to the schema")
-    return lines
-
-
 @main.command()
 @click.argument("job", type=click.Path(exists=True, dir_okay=False))
 @click.option("--output", "-o", type=click.Path(), help="Output folder (overrides output.path).")
 @click.option("--input", "input_path", type=click.Path(), help="Input file, folder or glob (overrides input.path).")
 def check(job, output, input_path):
     """Check JOB's spec, schema, input and output folders without starting an engine."""
-    from batchjson.source import ParquetSource
-    from batchjson.storage import Storage
-
     try:
-        spec = with_input(load_spec(job), input_path)
-        source = ParquetSource(spec.input, spec.prompt.columns)
-        rows = source.check()
-        scan = source.scan()
-        out = output or spec.output.path
-        if out:
-            storage = Storage(out, spec.output.rejects or None)
-            storage.check_paths(spec.input.path)
-            if (storage.state / "spec.json").exists():
-                new = storage.check_inputs(scan.fingerprints, write=False)
-                click.echo(f"resumes {out}: {len(new)} new input file(s)")
+        result = check_job(load_job(job), output, input_path=input_path)
     except BatchjsonError as e:
         raise _user_error(e) from None
-    click.echo(f"ok: {len(source.files)} file(s), {rows} rows, columns {source.columns}, spec {spec.hash()}")
-    try:
-        for line in _schema_lines(spec):
-            click.echo(line)
-    except BatchjsonError as e:
-        raise _user_error(e) from None
-    if scan.repeated:
-        click.echo(f"warning: {len(scan.repeated)} ids occur more than once (e.g. {next(iter(scan.repeated))!r}); "
-                   "only one occurrence of each is processed, the others are rejected as duplicate_id", err=True)
+    click.echo(result.summary())
+    for warning in result.warnings:
+        click.echo(warning, err=True)
 
 
 @main.command()
@@ -158,10 +97,8 @@ def verify(job, output, input_path):
 
     Reads only id columns and the run state; starts no engine. Exit 0: proven; 3: not (the first offending ids
     are named), or the run is not finished yet."""
-    from batchjson.verify import verify_job
-
     try:
-        verdict = verify_job(with_input(load_spec(job), input_path), output)
+        verdict = verify_job(load_job(job), output, input_path=input_path)
     except BatchjsonError as e:
         raise _user_error(e) from None
     click.echo(verdict.summary())

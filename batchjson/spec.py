@@ -17,6 +17,7 @@ from typing import Any, Literal
 
 from jsonschema import SchemaError, validators
 
+from batchjson import pydantic_model
 from batchjson.bundle import bundle
 from batchjson.errors import SpecError
 from batchjson.grammar import local_refs
@@ -120,6 +121,9 @@ class SchemaSpec:
     """A JSON Schema file; relative paths are taken from the spec file's folder."""
     inline: dict | None = None
     """The JSON Schema as a TOML table, instead of `path`."""
+    pydantic: str | None = None
+    """A Pydantic model, 'package.module:Class', instead of `path`: imported from the spec file's folder first, then
+    the installed packages; its model_json_schema() is the schema. In Python (build_job) the class itself."""
     json_object: bool = False
     """Any JSON object, no schema: the grammar only enforces JSON syntax."""
     check_format: bool = True
@@ -278,6 +282,9 @@ class JobSpec:
         d["model"].pop("max_in_flight")
         d["model"].pop("replicas")  # where decoding runs does not change what a run writes
         d["model"].pop("parallel_grammar")  # the same outputs either way: a resumed run may switch it
+        # The model's schema counts (schema_doc), not where the class lives: a model moved out of a notebook into
+        # a module keeps its job's hash.
+        d["schema"].pop("pydantic")
         return d
 
 
@@ -357,19 +364,30 @@ def _check_schema(doc: dict, what: str = "") -> None:
                         f"{e.message}.") from None
 
 
-def load_schema(spec: SchemaSpec, base: Path) -> dict | None:
-    """Read and check the output JSON Schema; None means any JSON object."""
-    given = [k for k in ("path", "inline") if getattr(spec, k)] + (["json_object"] if spec.json_object else [])
-    _require(len(given) == 1, "[schema] needs exactly one of path, inline or json_object = true"
+def load_schema(spec: SchemaSpec, base: Path, model: type | None = None) -> dict | None:
+    """Read and check the output JSON Schema; None means any JSON object. `model`: the class of schema.pydantic,
+    when the job was built in Python with the class itself."""
+    given = [k for k in ("path", "inline", "pydantic") if getattr(spec, k)]
+    given += ["json_object"] if spec.json_object else []
+    _require(len(given) == 1, "[schema] needs exactly one of path, inline, pydantic or json_object = true"
              f"{f', got {given}' if given else ''}.")
     if spec.json_object:
         return None
+    if spec.pydantic:
+        doc = pydantic_model.json_schema(model or pydantic_model.load(spec.pydantic, base))
+        try:
+            return _checked(doc, base, None)
+        except SpecError as e:
+            raise SpecError(f"schema.pydantic ({spec.pydantic}): {e}") from None
     if spec.inline:
-        doc, folder, name = spec.inline, base, None
-    else:
-        path = Path(_resolve(base, spec.path))
-        doc = _read(path, json.loads, json.JSONDecodeError, "schema.path: the JSON Schema")
-        folder, name = path.parent, path.name
+        return _checked(spec.inline, base, None)
+    path = Path(_resolve(base, spec.path))
+    doc = _read(path, json.loads, json.JSONDecodeError, "schema.path: the JSON Schema")
+    return _checked(doc, path.parent, path.name)
+
+
+def _checked(doc: Any, folder: Path, name: str | None) -> dict:
+    """The schema, checked, with the files its refs reach bundled in (`folder/name` is where it was read)."""
     _require(isinstance(doc, dict), "the JSON Schema must be a JSON object ({...}), got "
              f"{type(doc).__name__}: wrap it, e.g. {{\"type\": \"string\"}}.")
     _check_schema(doc)
@@ -418,7 +436,13 @@ def parse_spec(doc: dict, base: Path, source: str = "") -> JobSpec:
     for required in ("input", "prompt", "schema"):
         _require(required in doc, f"the spec needs an [{required}] section.")
     inp = _build(InputSpec, doc["input"], "input")
-    schema = _build(SchemaSpec, doc["schema"], "schema")
+    table = doc["schema"]
+    model_class = table.get("pydantic") if isinstance(table, dict) else None
+    if isinstance(model_class, str):
+        model_class = None
+    elif model_class is not None:  # in Python: the class itself, named in the spec by its import path
+        table = {**table, "pydantic": pydantic_model.reference(model_class)}
+    schema = _build(SchemaSpec, table, "schema")
     out = _build(OutputSpec, doc.get("output", {}), "output")
     model = _build(ModelSpec, doc.get("model", {}), "model")
     spec = JobSpec(
@@ -433,7 +457,7 @@ def parse_spec(doc: dict, base: Path, source: str = "") -> JobSpec:
         output=dataclasses.replace(out, **{k: _resolve(base, getattr(out, k)) for k in ("path", "rejects")
                                            if getattr(out, k)}),
         source=source,
-        schema_doc=load_schema(schema, base),
+        schema_doc=load_schema(schema, base, model_class),
     )
     _require(spec.sampling.structured_output_backend is None,
              "sampling.structured_output_backend is not allowed: pass 1 uses model.structured_output_backend.")

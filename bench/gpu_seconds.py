@@ -467,6 +467,7 @@ def w_batchjson(sc: dict) -> dict:
 
     import pyarrow.parquet as pq
 
+    import batchjson.api as api
     import batchjson.cli as cli
     import batchjson.engine as engine
     import batchjson.run as run
@@ -479,7 +480,7 @@ def w_batchjson(sc: dict) -> dict:
     data, job = write_task(sc["task"], sc["rows"], WORK / "jobs", sc["model"], max_tokens=sc["max_tokens"],
                            extra=sc.get("extra") or "", bounded=sc.get("bounded", False))
     out_dir = WORK / f"out-{sc['task']}"
-    s.wrap(cli, "load_spec", "load_spec (TOML, schema check)")
+    s.wrap(api, "load_spec", "load_spec (TOML, schema check)")
     s.wrap(source.ParquetSource, "check", "source.check (footers)")
     s.wrap(source.ParquetSource, "scan", "source.scan (id column, fingerprints)")
     s.wrap(source, "list_files", "list_files")

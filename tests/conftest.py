@@ -3,9 +3,11 @@ and small jobs written as real TOML and Parquet files."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import tempfile
+import uuid
 from pathlib import Path
 
 import pyarrow as pa
@@ -29,6 +31,54 @@ TINY_SCHEMA = {
     "required": ["name", "n"],
     "additionalProperties": False,
 }
+
+
+# A Pydantic model with what Pydantic writes as $defs + $ref (a nested model, an enum), anyOf [..., null] (the
+# Optional fields) and a list; its strings and the list are bounded, as in TINY_SCHEMA.
+THING_MODEL = """
+from enum import Enum
+from typing import Annotated
+
+from pydantic import BaseModel, Field
+
+
+class Color(str, Enum):
+    red = "red"
+    blue = "blue"
+
+
+class Place(BaseModel):
+    city: str = Field(max_length=6)
+    zip: str | None = Field(default=None, max_length=4)
+
+
+class Thing(BaseModel):
+    name: str = Field(max_length=6)
+    n: int = Field(ge=0, le=9)
+    color: Color
+    place: Place
+    note: str | None = Field(default=None, max_length=4)
+    tags: list[Annotated[str, Field(max_length=3)]] = Field(max_length=2)
+"""
+
+
+def write_model(folder: Path, source: str = THING_MODEL) -> str:
+    """A model module in `folder` under a name of its own (Python imports a module name once per process); returns
+    its `schema.pydantic` reference, 'module:Thing'."""
+    name = f"things_{uuid.uuid4().hex[:8]}"
+    (folder / f"{name}.py").write_text(source)
+    return f"{name}:Thing"
+
+
+def import_model(folder: Path, ref: str) -> type:
+    """The class `ref` names, imported as the spec loader imports it (from `folder`)."""
+    import sys
+
+    sys.path.insert(0, str(folder))
+    try:
+        return getattr(importlib.import_module(ref.split(":")[0]), ref.split(":")[1])
+    finally:
+        sys.path.remove(str(folder))
 
 
 def pytest_configure(config):
@@ -98,9 +148,12 @@ def write_rows(path: Path, n: int, start: int = 0, row_group_size: int | None = 
 
 
 def write_job(tmp_path: Path, model: str, input_path: Path, *, extra: str = "", batch_size: int = 8,
-              max_tokens: int = 48, fallback_max_tokens: int = 64, speculative: str = "ngram", schema=None) -> Path:
-    """A job spec for the tiny model; `extra` appends TOML (later tables override nothing: use new keys only)."""
+              max_tokens: int = 48, fallback_max_tokens: int = 64, speculative: str = "ngram", schema=None,
+              pydantic: str | None = None) -> Path:
+    """A job spec for the tiny model; `extra` appends TOML (later tables override nothing: use new keys only).
+    `pydantic`: a model reference for schema.pydantic, instead of the schema file."""
     (tmp_path / "schema.json").write_text(json.dumps(schema or TINY_SCHEMA))
+    schema_key = f'pydantic = "{pydantic}"' if pydantic else 'path = "schema.json"'
     job = tmp_path / "job.toml"
     job.write_text(f"""
 [input]
@@ -113,7 +166,7 @@ system = "Answer with JSON."
 template = "Describe: {{text}}"
 
 [schema]
-path = "schema.json"
+{schema_key}
 
 [model]
 path = "{model}"

@@ -103,3 +103,49 @@ def test_check_a_schema_file_referring_to_a_sibling_file(tmp_path, tiny_model):
     result = CliRunner().invoke(main, ["check", str(job)])
     assert result.exit_code == 0, result.output
     assert "pass1 grammar: xgrammar (auto" in result.output and "maxLength" in result.output
+
+
+def test_check_a_pydantic_schema_names_its_columns_and_grammar(tmp_path, tiny_model):
+    from conftest import write_model
+
+    write_rows(tmp_path / "in.parquet", 3)
+    job = write_job(tmp_path, tiny_model, tmp_path / "in.parquet", pydantic=write_model(tmp_path))
+    result = CliRunner().invoke(main, ["check", str(job)])
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert ("schema: root object -> output column json and typed columns name (string), n (int64), color (string), "
+            "note (string), tags (list<item: string>); only in json: place") in lines
+    grammar = next(i for i, line in enumerate(lines) if line.startswith("pass1 grammar: xgrammar (auto"))
+    assert lines[grammar + 1].startswith("  grammar enforces: ")
+    assert all(k in lines[grammar + 1].split(", ") for k in ("$ref", "anyOf", "enum", "maxLength", "maxItems"))
+    # Pydantic leaves additionalProperties unset, which xgrammar's strict mode reads as false.
+    assert "undeclared properties" in lines[grammar + 2] and "pass2 grammar: same as pass1" in lines
+
+
+def test_a_model_that_does_not_import_exits_2_naming_the_key(tmp_path, tiny_model):
+    from conftest import write_model
+
+    write_rows(tmp_path / "in.parquet", 3)
+    ref = write_model(tmp_path, "from pydantic import BaseModel\n\n\nclass Thing(BaseModel):\n    n: itn\n")
+    job = write_job(tmp_path, tiny_model, tmp_path / "in.parquet", pydantic=ref)
+    result = CliRunner().invoke(main, ["check", str(job)])
+    assert result.exit_code == 2, result.output
+    assert f"schema.pydantic: importing {ref.split(':')[0]} failed at " in result.output
+    assert "NameError: name 'itn' is not defined" in result.output and "Traceback" not in result.output
+
+
+def test_check_the_sample_job_with_its_schema_as_a_pydantic_model(tmp_path):
+    """jobs/invoice_model.py, the README's example, gives the sample job's columns and grammar."""
+    import shutil
+
+    shutil.copy(ROOT / "jobs" / "invoice_model.py", tmp_path)
+    text = (ROOT / "jobs" / "sample.toml").read_text()
+    job = tmp_path / "job.toml"
+    job.write_text(text.replace("../sample_data/sample.parquet", str(ROOT / "sample_data" / "sample.parquet"))
+                   .replace('path = "../sample_data/schema.json"', 'pydantic = "invoice_model:Invoice"')
+                   .replace('path = "../out/sample"', f'path = "{tmp_path / "out"}"'))
+    result = CliRunner().invoke(main, ["check", str(job)])
+    assert result.exit_code == 0, result.output
+    assert ("schema: root object -> output column json and typed columns vendor (string), currency (string), "
+            "category (string), total (double); only in json: items") in result.output.splitlines()
+    assert "pass1 grammar: xgrammar (auto" in result.output and "over-constrained" not in result.output

@@ -107,3 +107,24 @@ def test_a_schema_referring_to_a_sibling_file_runs(tmp_path, tiny_model, engines
     out = ds.dataset(sorted(str(p) for p in (tmp_path / "out").glob("*.parquet"))).to_table()
     assert report.valid == out.num_rows > 0 and report.rejected == 0
     assert {json.loads(v)["color"] for v in out.column("json").to_pylist()} <= {"red", "green"}
+
+
+@pytest.mark.parametrize("backend", ["xgrammar", "guidance"])
+def test_both_backends_decode_what_pydantic_writes(tmp_path, backend):
+    """$defs + $ref (a nested model, an enum) and anyOf [..., null] are in the grammar, not left to validation."""
+    from conftest import import_model, write_model
+
+    schema = import_model(tmp_path, write_model(tmp_path)).model_json_schema()
+    choice = choose(schema, backend)
+    assert choice.relaxed.dropped == () and coverage(schema, choice).validation_only == ()
+
+    def accepts(**fields) -> bool:  # keys in the model's order: the grammar writes properties in declared order
+        value = {"name": "ab", "n": 3, "color": "red", "place": {"city": "Oslo"}, "tags": ["x"], **fields}
+        value = {k: value[k] for k in schema["properties"] if k in value}
+        return grammar_accepts(choice.relaxed, json.dumps(value, separators=(",", ":")))
+
+    assert accepts() and accepts(note=None, place={"city": "Oslo", "zip": None})
+    assert accepts(note="hi", place={"city": "Oslo", "zip": "0150"}, color="blue")
+    for bad in ({"color": "green"}, {"place": {}}, {"place": {"city": "Oslo", "zip": 150}}, {"note": 3},
+                {"tags": ["x", "y", "z"]}, {"name": "toolong"}):
+        assert not accepts(**bad), bad

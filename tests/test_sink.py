@@ -59,3 +59,20 @@ def test_non_object_root_gets_a_typed_value_column():
     # A type list containing "object" is an object root: one column per property.
     assert "a" in PartSink("id", pa.schema([]), {"type": ["object", "null"],
                                                  "properties": {"a": {"type": "string"}}}).output_schema.names
+
+
+def test_what_pydantic_writes_gets_typed_columns(tmp_path):
+    """Refs to an enum, Optional fields (anyOf [X, null]) and a list of strings map to Arrow; a nested model stays
+    in the json column."""
+    from conftest import import_model, write_model
+
+    schema = import_model(tmp_path, write_model(tmp_path)).model_json_schema()
+    sink = PartSink("id", pa.schema([pa.field("source", pa.string())]), schema)
+    assert sink.typed == {"name": pa.string(), "n": pa.int64(), "color": pa.string(), "note": pa.string(),
+                          "tags": pa.list_(pa.string())}
+    full = {"name": "ab", "n": 3, "color": "red", "place": {"city": "Oslo"}, "note": "hi", "tags": ["x", "y"]}
+    bare = {"name": "cd", "n": 4, "color": "blue", "place": {"city": "Rome"}, "tags": []}
+    table = sink.valid([outcome("a", full), outcome("b", bare)], pass_no=1)
+    assert table.select(["color", "note", "tags"]).to_pylist() == [
+        {"color": "red", "note": "hi", "tags": ["x", "y"]}, {"color": "blue", "note": None, "tags": []}]
+    assert "place" not in table.column_names

@@ -66,7 +66,7 @@ def test_invalid_schema_is_caught_at_load(tmp_path):
     (tmp_path / "s.json").write_text("{not json")
     with pytest.raises(SpecError, match="the JSON Schema .*s.json does not parse"):
         load_spec(spec_file(tmp_path, text))
-    with pytest.raises(SpecError, match="exactly one of path, inline or json_object"):
+    with pytest.raises(SpecError, match="exactly one of path, inline, pydantic or json_object"):
         load_spec(spec_file(tmp_path, text + "json_object = true\n"))
 
 
@@ -252,3 +252,90 @@ def test_a_file_of_another_draft_keeps_its_meaning_inside_the_schema(tmp_path):
         return validator.check(Generation(Prompt("r", "u", ""), json.dumps(value), "stop")).ok
 
     assert ok({"s": "abc"}) and not ok({"s": "abcd"}) and not ok({"s": 1}) and not ok({"x": 1})
+
+
+def pydantic_job(tmp_path, ref):
+    return spec_file(tmp_path, BASE.replace(BASE.splitlines()[-1], f'pydantic = "{ref}"'))
+
+
+def test_a_pydantic_model_is_the_schema(tmp_path):
+    from batchjson.records import Generation, Prompt
+    from batchjson.validate import Validator
+    from conftest import import_model, write_model
+
+    ref = write_model(tmp_path)
+    spec = load_spec(pydantic_job(tmp_path, ref))
+    doc = import_model(tmp_path, ref).model_json_schema()
+    assert spec.schema_doc == doc and spec.schema.pydantic == ref
+    # What Pydantic writes: nested models and enums under $defs, Optional as anyOf [..., null].
+    assert doc["properties"]["place"] == {"$ref": "#/$defs/Place"} and set(doc["$defs"]) == {"Color", "Place"}
+    assert {"type": "null"} in doc["properties"]["note"]["anyOf"]
+    # Every string and the list are bounded: the light loop guard, as for the same schema written by hand.
+    assert spec.sampling.repetition_detection == LOOP_GUARD_BOUNDED
+
+    def ok(value) -> bool:
+        return Validator(spec.schema_doc).check(Generation(Prompt("r", "u", ""), json.dumps(value), "stop")).ok
+
+    good = {"name": "ab", "n": 3, "color": "red", "place": {"city": "Oslo"}, "tags": ["x"]}
+    assert ok(good) and ok({**good, "note": None, "place": {"city": "Oslo", "zip": "0150"}})
+    assert not ok({**good, "color": "green"}) and not ok({**good, "place": {}}) and not ok({**good, "note": 3})
+
+
+def test_the_hash_covers_the_models_fields_not_its_module(tmp_path):
+    from conftest import THING_MODEL, write_model
+
+    spec = load_spec(pydantic_job(tmp_path, write_model(tmp_path)))
+    moved = load_spec(pydantic_job(tmp_path, write_model(tmp_path)))  # the same class in another module
+    changed = load_spec(pydantic_job(tmp_path, write_model(tmp_path, THING_MODEL.replace("le=9", "le=8"))))
+    assert spec.hash() == moved.hash() != changed.hash()
+
+
+NOT_A_MODEL = "class Thing:\n    pass\n"
+NO_JSON_SCHEMA = """
+from typing import Callable
+
+from pydantic import BaseModel
+
+
+class Thing(BaseModel):
+    f: Callable[[], int]
+"""
+REMOTE_REF = """
+from pydantic import BaseModel, Field
+
+
+class Thing(BaseModel):
+    a: str = Field(json_schema_extra={"$ref": "https://example.com/a.json"})
+"""
+
+
+@pytest.mark.parametrize("source, ref, message", [
+    (None, "things", "schema.pydantic must be 'module:Class' (e.g. 'invoices:Invoice'"),
+    (None, "nowhere_at_all:Thing", "schema.pydantic: no module 'nowhere_at_all' in {folder} or the installed "
+     "packages. Put nowhere_at_all.py next to the spec, or install the package that holds it."),
+    ("import not_a_module_either\n", "{module}:Thing", "schema.pydantic: importing {module} failed at "
+     "{folder}/{module}.py:1: ModuleNotFoundError: No module named 'not_a_module_either'"),
+    ("class Thing(:\n", "{module}:Thing", "schema.pydantic: importing {module} failed: SyntaxError"),
+    (None, "{module}:Thingy", "schema.pydantic: the module {module} ({folder}/{module}.py) has no 'Thingy'"),
+    (NOT_A_MODEL, "{module}:Thing", "schema.pydantic: the class {module}.Thing is not a Pydantic model (a "
+     "subclass of pydantic.BaseModel). Give the model class"),
+    (NO_JSON_SCHEMA, "{module}:Thing", "schema.pydantic: Pydantic cannot write a JSON Schema for {module}:Thing: "
+     "Cannot generate a JsonSchema for core_schema.CallableSchema"),
+    (REMOTE_REF, "{module}:Thing", "schema.pydantic ({module}:Thing): the JSON Schema refers to a URL ($ref "
+     "'https://example.com/a.json'): batchjson does not fetch schemas"),
+])
+def test_a_bad_model_names_the_key_and_what_to_do(tmp_path, source, ref, message):
+    from conftest import THING_MODEL, write_model
+
+    module = write_model(tmp_path, source or THING_MODEL).split(":")[0]
+    with pytest.raises(SpecError) as e:
+        load_spec(pydantic_job(tmp_path, ref.format(module=module)))
+    assert message.format(module=module, folder=tmp_path) in str(e.value)
+
+
+def test_pydantic_is_one_of_the_schema_sources(tmp_path):
+    with pytest.raises(SpecError, match="schema.pydantic: int 3 is not a Pydantic model"):
+        load_spec(spec_file(tmp_path, BASE.replace(BASE.splitlines()[-1], "pydantic = 3")))
+    with pytest.raises(SpecError, match=r"exactly one of path, inline, pydantic or json_object = true, got "
+                                        r"\['inline', 'pydantic'\]"):
+        load_spec(spec_file(tmp_path, BASE + 'pydantic = "a:B"\n'))
