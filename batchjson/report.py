@@ -26,6 +26,10 @@ class PassStats:
     """Engine replicas the pass ran on at once: its engine-seconds are seconds x replicas."""
     auto: list = field(default_factory=list)
     """speculative.method = "auto": what each engine (replica) chose and why (see speculation.py)."""
+    engine_starts: int = 0
+    """Engines this pass started (all replicas): 0 when it ran on the previous pass's engine."""
+    engine_start_s: float = 0.0
+    """Their start seconds, added up."""
 
     def add(self, ok: bool, reason: str | None, prompt_tokens: int, output_tokens: int) -> None:
         self.rows += 1
@@ -39,7 +43,8 @@ class PassStats:
 
     def merge(self, other: dict) -> None:
         """Add a replica's counts for the same pass (its to_dict()); the pass's seconds are the runner's own."""
-        for name in ("rows", "valid", "prompt_tokens", "output_tokens", "failed_output_tokens"):
+        for name in ("rows", "valid", "prompt_tokens", "output_tokens", "failed_output_tokens", "engine_starts",
+                     "engine_start_s"):
             setattr(self, name, getattr(self, name) + other[name])
         self.reasons.update(other["reasons"])
         for name, value in other["speculative"].items():
@@ -52,6 +57,7 @@ class PassStats:
     def to_dict(self) -> dict:
         d = asdict(self)
         d["reasons"] = dict(self.reasons)
+        d["engine_start_s"] = round(self.engine_start_s, 1)
         d["rows_per_s"] = round(self.rows / self.seconds, 3) if self.seconds else 0.0
         d["output_tokens_per_s"] = round(self.output_tokens / self.seconds, 1) if self.seconds else 0.0
         # The pass's wall time, engine start included: on a GPU that is what the pass costs.
@@ -120,6 +126,8 @@ class RunReport:
         made = sum(p.valid for p in self.passes.values())
         d["gpu_seconds_per_valid_row"] = round(sum(p.seconds * p.replicas for p in self.passes.values()) / made, 4) \
             if made else None
+        d["engine_starts"] = sum(p.engine_starts for p in self.passes.values())
+        d["engine_start_s"] = round(sum(p.engine_start_s for p in self.passes.values()), 1)
         d |= {"valid": self.valid, "rejected": self.rejected, "rescued_by_fallback": self.valid_by_pass.get("pass2", 0),
               "reject_rate": round(self.reject_rate, 4), "over_threshold": self.over_threshold,
               "verify_failed": self.verify_failed}
@@ -148,6 +156,10 @@ class RunReport:
                     + (f", acceptance {t['acceptance']:.2f}" if "acceptance" in t else "") for t in choice["trials"])
                 lines.append(f"    speculation: auto chose {choice['chosen']} ({choice['why']})"
                              + (f"; measured {measured}" if measured else ""))
+        starts = sum(p.engine_starts for p in self.passes.values())
+        if starts:
+            seconds = sum(p.engine_start_s for p in self.passes.values())
+            lines.append(f"  engine starts: {starts} ({seconds / starts:.1f} s each)")
         if "pass2" in self.valid_by_pass:
             lines.append(f"  fallback rescued {self.valid_by_pass['pass2']} rows")
         if self.rejects_by_reason:

@@ -382,7 +382,8 @@ class JobRun:
         started = time.monotonic()
         auto = None
         if p.speculative is not None and p.speculative.method == "auto":
-            auto = Auto(p.speculative, self.spec.model.max_in_flight, self.platform, rows)
+            # A speculative pass sends its failures to a next pass that needs an engine of its own (no draft).
+            auto = Auto(p.speculative, self.spec.model.max_in_flight, self.platform, rows, next_pass_starts=not p.last)
         speculative = auto.current() if auto else p.speculative
 
         def commit(key: str, outcomes: list[Outcome]) -> None:
@@ -405,8 +406,11 @@ class JobRun:
             stats.grammar = stats.grammar or getattr(getattr(engine, "choice", None), "summary", "")
             if reused:
                 stats.note = stats.note or "ran on the previous pass's engine (no second engine start)"
-            elif auto:
-                auto.started(time.monotonic() - t0)
+            else:
+                stats.engine_starts += 1
+                stats.engine_start_s += time.monotonic() - t0
+                if auto:
+                    auto.started(time.monotonic() - t0)
             switch = threading.Event()
             try:
                 # itertools.chain, not a generator: a dead engine's stream must not close `feed` as it goes.

@@ -14,6 +14,13 @@ the job's own outputs (acceptance), the in-flight size and the platform. So `aut
 A short pass keeps the predicted choice: a trial would cost more than it could save there. A trial that goes back
 costs two engine starts, at most 2 / TRIAL_PAYS = 5% of the rest of the pass, so auto stays within 0.95x of the
 better choice either way. The report says what was chosen and why.
+
+Auto judges the whole run, not the pass alone: the rows a pass fails go to the fallback pass, which decodes without a
+draft. After a pass without speculation that pass runs on the same engine; after a speculative one it must start an
+engine of its own. So when a fallback pass follows, auto starts without speculation and tries it only on a pass long
+enough for a trial (step 3), and keeps it only when what it saves over the rest of the pass pays for that extra start
+too (BENCHMARKS.md, "Speculation": on the H200 a minimal 6,000-row job ran 1.36x slower with suffix decoding than
+without, mostly for pass 2's second engine start).
 """
 
 from __future__ import annotations
@@ -86,6 +93,8 @@ class Auto:
     in_flight: int
     platform: str
     total_rows: int
+    next_pass_starts: bool = False
+    """A next pass follows that cannot run on a speculative engine: speculating here costs it an engine start."""
     trials: list[Trial] = field(default_factory=list)
     decided: str = ""
     """Why the current choice is final; empty while measuring."""
@@ -95,7 +104,8 @@ class Auto:
         self.candidate = dataclasses.replace(self.spec, method=method, num_speculative_tokens=DRAFT_TOKENS[method])
         self.prior = predicted_speedup(self.platform, method, self.in_flight)
         self.sample = max(2 * self.in_flight, 64)  # rows measured per choice
-        self.trials.append(Trial(method if self.prior >= BETTER_BY else "none"))
+        self.held_back = self.next_pass_starts and self.prior >= BETTER_BY  # speculation waits for a trial
+        self.trials.append(Trial(method if self.prior >= BETTER_BY and not self.held_back else "none"))
 
     def config(self, method: str) -> SpeculativeSpec | None:
         return None if method == "none" else self.candidate
@@ -131,16 +141,26 @@ class Auto:
             start_s = max(trial.start_s, 1.0)
             if rest_s < TRIAL_PAYS * start_s:
                 self.decided = (f"kept {trial.method}: the rest of the pass (~{rest_s:.0f} s) is too short to pay for "
-                                f"trying the other choice ({start_s:.0f} s per engine start)")
+                                f"trying the other choice ({start_s:.0f} s per engine start)"
+                                + ("; without speculation the fallback pass runs on this engine" * self.held_back))
                 return "stay"
             other = "none" if trial.method != "none" else self.candidate.method
             self.trials.append(Trial(other))
             return self.config(other)
         first, second = self.trials
-        if second.rate > BETTER_BY * first.rate:
+        speculative = first if first.method != "none" else second
+        # Seconds the faster choice saves over the rest of the pass, against the next pass's engine start that a
+        # speculative choice costs.
+        rest = max(self.total_rows - done, 0)
+        saved = rest * abs(first.seconds / max(first.rows, 1) - second.seconds / max(second.rows, 1))
+        extra = max(speculative.start_s, 1.0) if self.next_pass_starts else 0.0
+        if second.rate > BETTER_BY * first.rate and (second is not speculative or saved > extra):
             self.decided = f"{second.method}: {second.rate / first.rate:.2f}x the output tokens/s of {first.method}"
             return "stay"
         self.decided = f"{first.method}: {second.method} made {second.rate / first.rate:.2f}x its output tokens/s"
+        if second.rate > BETTER_BY * first.rate:
+            self.decided += (f", but would save ~{saved:.0f} s over the rest of the pass, less than the fallback pass's "
+                             f"own engine start ({extra:.0f} s)")
         self.trials.append(dataclasses.replace(first, rows=0, tokens=0, seconds=0.0, steps=0))
         return self.config(first.method)
 
@@ -157,6 +177,10 @@ class Auto:
         why = self.decided or (f"{chosen}: the faster at {self.in_flight} in flight on a {self.platform} in our "
                                f"measurements ({self.candidate.method} {self.prior:.2f}x none); the pass was too short "
                                "to try the other")
+        if self.held_back and not self.decided:
+            why = (f"none: {self.candidate.method} ({self.prior:.2f}x none at {self.in_flight} in flight in our "
+                   "measurements) would make the fallback pass start an engine of its own; the pass was too short "
+                   "to try it")
         return {"method": "auto", "chosen": chosen, "why": why,
                 "predicted_speedup": round(self.prior, 2), "in_flight": self.in_flight, "platform": self.platform,
                 "trials": [t.to_dict() for t in self.trials if t.rows]}

@@ -65,6 +65,7 @@ def test_auto_switches_engines_mid_pass_and_loses_no_row(tmp_path, tiny_model, m
     monkeypatch.setattr(speculation, "draft_method", lambda: "ngram")
     write_rows(tmp_path / "in.parquet", 300)
     job = write_job(tmp_path, tiny_model, tmp_path / "in.parquet", batch_size=8, speculative="auto")
+    job.write_text(job.read_text().replace("[fallback]\n", "[fallback]\nenabled = false\n"))  # no next pass to pay for
     engines = FakeEngines(valid=0.8, delay=0.005, spec_delay=spec_delay)
     report = run_job(load_spec(job), engine_factory=engines, progress=False)
     assert_exactly_once([f"r{i:05d}" for i in range(300)], tmp_path / "out", tmp_path / "out" / "_rejects")
@@ -91,7 +92,9 @@ def test_auto_on_the_engine_keeps_none_for_a_short_pass_and_pass2_reuses_it(tmp_
     assert report.passes["pass1"].speculative == {}
     if "pass2" in report.passes:
         assert "previous pass's engine" in report.passes["pass2"].note
+        assert report.passes["pass2"].engine_starts == 0
     assert engines.starts - starts <= 1
+    assert report.to_dict()["engine_starts"] == 1 and "engine starts: 1 (" in report.summary()
     assert_exactly_once([f"r{i:05d}" for i in range(24)], tmp_path / "out", tmp_path / "out" / "_rejects")
 
 
@@ -113,6 +116,36 @@ def test_auto_trial_on_the_engine_hands_rows_in_flight_to_the_next_engine(tmp_pa
     assert report.verified["ok"] and report.verified["complete"]
 
 
+def test_with_a_fallback_pass_speculation_waits_for_a_pass_long_enough_to_pay_for_its_second_engine(monkeypatch):
+    """A speculative pass 1 makes pass 2 start an engine of its own: auto starts without speculation, so that the
+    fallback runs on pass 1's engine, and says why."""
+    monkeypatch.setattr(speculation, "draft_method", lambda: "suffix")
+    auto = speculation.Auto(AUTO, 256, "gpu", 600, next_pass_starts=True)
+    assert auto.current() is None
+    auto.started(20.0)
+    assert feed(auto, 512, seconds=10.0) == "stay"  # the rest: ~1 s of decoding
+    report = auto.report()
+    assert report["chosen"] == "none" and "fallback pass runs on this engine" in report["why"], report
+    short = speculation.Auto(AUTO, 256, "gpu", 100, next_pass_starts=True)
+    assert "would make the fallback pass start an engine of its own" in short.report()["why"]
+
+
+@pytest.mark.parametrize("trial_s, chosen", [(5.0, "suffix"), (9.0, "none")])
+def test_a_speculative_trial_is_kept_only_if_it_saves_more_than_the_fallbacks_engine_start(trial_s, chosen):
+    """512 rows took 10 s without speculation; the rest of the pass is ~3,000 s. Suffix at 2x saves ~1,500 s: kept.
+    At 1.11x it saves ~300 s, less than the 500 s engine start the fallback pass would need: back to none."""
+    auto = speculation.Auto(AUTO, 256, "gpu", 160_000, next_pass_starts=True)
+    auto.started(20.0)
+    trial = feed(auto, 512, seconds=10.0)
+    assert trial is not None and trial.method == speculation.draft_method()
+    auto.started(500.0)
+    assert feed(auto, 512, seconds=trial_s) == ("stay" if chosen != "none" else None)
+    report = auto.report()
+    assert report["chosen"] == (trial.method if chosen != "none" else "none"), report
+    if chosen == "none":
+        assert "less than the fallback pass's own engine start (500 s)" in report["why"]
+
+
 def test_a_draft_method_that_cannot_start_gives_way_to_none(monkeypatch):
     monkeypatch.setattr(speculation, "draft_method", lambda: "suffix")
     auto = speculation.Auto(AUTO, 16, "gpu", 10_000)
@@ -131,7 +164,8 @@ def test_auto_goes_on_without_speculation_when_its_engine_cannot_start(tmp_path,
     monkeypatch.setattr(speculation, "MEASURED_SPEEDUP", {"cpu": {"ngram": {1: 2.0}, "suffix": {1: 2.0}}})
     write_rows(tmp_path / "in.parquet", 40)
     job = write_job(tmp_path, tiny_model, tmp_path / "in.parquet", speculative="auto")
-    job.write_text(job.read_text() + "\n[speculative.options]\nno_such_option = 1\n")
+    job.write_text(job.read_text().replace("[fallback]\n", "[fallback]\nenabled = false\n")  # auto speculates at once
+                   + "\n[speculative.options]\nno_such_option = 1\n")
     report = run_job(load_spec(job), engine_factory=engines, progress=False)
     (choice,) = report.passes["pass1"].auto
     assert choice["chosen"] == "none" and "could not start here" in choice["why"], choice
@@ -139,3 +173,15 @@ def test_auto_goes_on_without_speculation_when_its_engine_cannot_start(tmp_path,
     assert report.passes["pass1"].speculative == {}
     assert_exactly_once([f"r{i:05d}" for i in range(40)], tmp_path / "out", tmp_path / "out" / "_rejects")
     assert report.verified["ok"] and report.verified["complete"]
+
+
+@pytest.mark.parametrize("method, starts", [("ngram", 2), ("auto", 1)])
+def test_the_report_counts_engine_starts(tmp_path, tiny_model, method, starts):
+    """A speculative pass 1 makes pass 2 start its own engine; auto's default keeps the run to one start."""
+    write_rows(tmp_path / "in.parquet", 40)
+    job = write_job(tmp_path, tiny_model, tmp_path / "in.parquet", speculative=method)
+    report = run_job(load_spec(job), engine_factory=FakeEngines(valid=0.5), progress=False).to_dict()
+    assert report["passes"]["pass2"]["rows"] > 0
+    assert report["engine_starts"] == starts, report
+    assert [report["passes"][p]["engine_starts"] for p in ("pass1", "pass2")] == [1, starts - 1]
+    assert report["engine_start_s"] >= 0
