@@ -31,6 +31,22 @@ def is_uri(where: str | Path) -> bool:
     return "://" in str(where)
 
 
+class Unreadable(Exception):
+    """A file that is there but does not read as Parquet (truncated, emptied, overwritten, corrupt)."""
+
+
+def glob_match(parts: list[str], pattern: list[str]) -> bool:
+    """glob.glob's rule for one path (both split at /): `**` spans any number of folders, other parts match one
+    name each, and a name starting with . matches only a part that does."""
+    if not pattern:
+        return not parts
+    if pattern[0] == "**":
+        return glob_match(parts, pattern[1:]) or (bool(parts) and not parts[0].startswith(".")
+                                                    and glob_match(parts[1:], pattern))
+    return bool(parts) and (not parts[0].startswith(".") or pattern[0].startswith(".")) \
+        and fnmatch.fnmatchcase(parts[0], pattern[0]) and glob_match(parts[1:], pattern[1:])
+
+
 class Location:
     """A file or folder on a filesystem. Paths print as the user wrote them: a local path, or scheme://bucket/key.
 
@@ -196,8 +212,13 @@ class Location:
             pq.write_table(table, self.path, filesystem=self.fs)
 
     def read_parquet(self, columns: list[str] | None = None) -> pa.Table:
+        """The table, or these columns of it. Unreadable if the file does not read as Parquet. On object storage an
+        error of the store is `error`, as elsewhere; locally, an OSError once the file is open is its content's."""
         with self.open_input() as f, self._io():
-            return pq.read_table(f, columns=columns)
+            try:
+                return pq.read_table(f, columns=columns)
+            except (pa.ArrowInvalid, *((OSError,) if self.local else ())) as e:
+                raise Unreadable(f"{self} does not read as Parquet ({e})") from None
 
     def move(self, target: Location) -> None:
         """Rename locally (atomic); copy then delete on object storage (a kill between them leaves both, equal:

@@ -58,7 +58,7 @@ from typing import Literal
 import pyarrow as pa
 
 from batchjson.errors import BatchjsonError, InputError, OutputError, ResumeConflict
-from batchjson.location import Location
+from batchjson.location import Location, Unreadable, glob_match
 
 Stage = Literal["p1", "p2"]
 Kind = Literal["output", "rejects", "requeue"]
@@ -442,16 +442,29 @@ class Storage:
                 if record is not None:
                     self._publish(record)
 
-    def missing(self, keys: list[str]) -> list[str]:
-        """Of these committed units, those with a file their record lists that is gone (e.g. deleted by hand)."""
-        out = []
+    def damaged(self, keys: list[str], id_column: str) -> dict[str, str]:
+        """Of these units, the committed ones with a file their record lists that is gone (deleted by hand), does not
+        read as Parquet (truncated, emptied, overwritten) or holds another number of rows; unit -> what is wrong.
+        The files are read as verify reads them (the id column), so what verify finds unreadable a rerun redoes."""
+        out = {}
         for key in keys:
             for stage in ("p1", "p2"):
                 record = self.record(stage, key) if self.done(stage, key) else None
-                if record and any(not self.part(stage, key, kind).exists() for kind in record["files"]):
-                    out.append(key)
-                    break
+                for kind in record["files"] if record else ():
+                    flaw = self._flaw(record, kind, id_column)
+                    if flaw:
+                        out.setdefault(key, flaw)
         return out
+
+    def _flaw(self, record: dict, kind: Kind, id_column: str) -> str:
+        name, rows = record["files"][kind], record["rows"][kind]
+        try:
+            found = self.read_ids(record["stage"], record["key"], kind, [id_column]).num_rows
+        except FileNotFoundError:
+            return f"{name} was missing"
+        except Unreadable as e:
+            return str(e)
+        return "" if found == rows else f"{name} held {found} rows, not the {rows} its commit record lists"
 
     def drop(self, key: str) -> None:
         """Uncommit a unit in both passes (records first, then files), so that it is redone from scratch."""

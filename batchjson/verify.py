@@ -9,6 +9,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from batchjson.errors import OutputError, SpecError
+from batchjson.location import Unreadable
 from batchjson.source import ParquetSource, UnitRef
 from batchjson.storage import Storage
 
@@ -68,6 +69,10 @@ def verify(storage: Storage, source: ParquetSource, refs: list[UnitRef], id_colu
         except FileNotFoundError:
             v.problems.append(f"unit {key}: {record['files'][kind]} is listed in its commit record but missing "
                               "(deleted by hand?). Run the job again: it redoes the unit.")
+            return None
+        except Unreadable as e:
+            v.problems.append(f"unit {key}: {e}, but its commit record lists it (truncated or overwritten?). Run "
+                              "the job again: it redoes the unit.")
             return None
         ids = table.column(0).to_pylist()
         if kind == "output":
