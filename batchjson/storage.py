@@ -52,7 +52,7 @@ import uuid
 from collections import Counter
 from collections.abc import Callable
 from datetime import datetime, timezone
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import Literal
 
 import pyarrow as pa
@@ -205,12 +205,13 @@ class Storage:
         if out.parts_below(rej) is not None:
             raise OutputError(f"the output folder {out} is inside output.rejects {rej}. Choose separate folders.")
         if input_path:
+            # Compared as locations (normalized, a URI's ?options aside), never as the strings the user wrote.
             source = Location.of(input_path, InputError)
-            pattern = any(c in input_path for c in "*?[")
+            pattern = any(c in source.path for c in "*?[")
             for name, folder in (("output folder", out), ("output.rejects folder", rej)):
-                if pattern:  # a file this run would write there, matched against the glob
-                    probe = PurePosixPath(folder.normal()) / "p1-x.parquet"
-                    hit = folder.scheme == source.scheme and probe.match(source.normal())
+                if pattern:  # a file this run would write there, matched against the glob as glob.glob would
+                    probe = folder.normal().split("/") + ["p1-x.parquet"]
+                    hit = folder.scheme == source.scheme and glob_match(probe, source.normal().split("/"))
                 else:
                     hit = source.is_dir() and hidden_below(folder, source) is False
                 if hit:

@@ -235,6 +235,13 @@ def test_output_inside_the_input_folder_is_refused(tmp_path, tiny_model):
     run(job, output=str(tmp_path / "in" / "_out"))  # skipped by the folder reader: fine
 
 
+def test_output_inside_a_recursive_glob_of_the_input_is_refused(tmp_path, tiny_model):
+    write_rows(tmp_path / "in" / "a.parquet", 4)
+    job = write_job(tmp_path, tiny_model, tmp_path / "in" / "**" / "*.parquet")
+    result = CliRunner().invoke(main, ["check", str(job), "--output", str(tmp_path / "in" / "x" / "y" / "out")])
+    assert result.exit_code == 2 and "is inside the input" in result.output, result.output
+
+
 def test_a_failed_engine_start_does_not_claim_the_folder_for_its_spec(tmp_path, tiny_model):
     write_rows(tmp_path / "in.parquet", 4)
     job = write_job(tmp_path, tiny_model, tmp_path / "in.parquet")

@@ -19,6 +19,7 @@ from click.testing import CliRunner
 from pyarrow import fs
 
 from batchjson.cli import main
+from batchjson.errors import OutputError
 from batchjson.run import run_job
 from batchjson.spec import load_spec, with_input
 from batchjson.storage import Lease
@@ -153,7 +154,6 @@ def test_a_second_run_is_refused_while_the_first_holds_its_lease(tmp_path, tiny_
 
 
 def test_shards_share_a_layout_and_a_lost_lease_stops_commits(s3, monkeypatch):
-    from batchjson.errors import OutputError
     from batchjson.storage import Storage
 
     monkeypatch.setattr(Lease, "RENEW_EVERY", 0.2)
@@ -190,6 +190,21 @@ def test_bad_locations_are_named_with_exit_2(tmp_path, tiny_model, s3, where, me
         result = cli(command, job, where.format(s3=s3))
         assert result.exit_code == 2 and message in result.output, result.output
         assert "Traceback" not in result.output
+
+
+def test_locations_with_options_are_compared_as_locations(tmp_path, tiny_model, s3, s3_server, monkeypatch):
+    put_rows(f"{s3}/in/a.parquet", tmp_path / "a.parquet", 4)
+    monkeypatch.delenv("AWS_ENDPOINT_URL")  # the URIs' options are the only way to the server
+    options = f"endpoint_override={s3_server.endpoint}&scheme=http"
+    job = write_job(tmp_path, tiny_model, f"{s3}/in?{options}")
+    result = cli("check", job, "--output", f"{s3}/in/out?{options}")
+    assert result.exit_code == 2 and f"the output folder {s3}/in/out is inside the input" in result.output, \
+        result.output
+    with pytest.raises(OutputError, match="is inside the input"):
+        run_job(load_spec(job), f"{s3}/in/out?{options}", engine_factory=FakeEngines(), progress=False)
+    filesystem, path = fs.FileSystem.from_uri(f"{s3}/in?{options}")
+    assert [i.path for i in filesystem.get_file_info(fs.FileSelector(path, recursive=True))] == [f"{path}/a.parquet"]
+    assert cli("check", job, "--output", f"{s3}/out?{options}").exit_code == 0
 
 
 def rows_read(uri: str) -> int:
