@@ -14,10 +14,12 @@ OUT/_rejects unless output.rejects says otherwise):
     OUT/_batchjson/lease-<I>of<N>-<owner>.json            leases (object storage)
 
 The commit protocol of one unit of one pass: `begin` deletes every file of any earlier attempt, of every kind;
-`stage` writes each file under a hidden name (".<name>") in its final folder; `commit` writes the commit record
-atomically (the commit point); `publish` renames the hidden files into place. A kill before the record leaves
-only hidden files, which the next attempt deletes; a kill after it is rolled forward at the next open. So a
-unit's rows are either all in the output and rejects, once, or not there at all, whatever its outcome.
+`stage` writes each file under a hidden name (".<name>.tmp") in its final folder; `commit` writes the commit
+record atomically (the commit point); `publish` renames the hidden files into place. A kill before the record
+leaves only hidden files, which the next attempt deletes; a kill after it is rolled forward at the next open. So a
+unit's rows are either all in the output and rejects, once, or not there at all, whatever its outcome. No reader
+reads a hidden file: pyarrow.dataset skips names starting with . or _, and DuckDB's read_parquet('OUT/*.parquet'),
+which does not, reads only names ending in .parquet.
 
 OUT may be a local folder or an object-storage prefix (s3://bucket/out, gs://...; see location.py). Object storage
 has no rename: `publish` is a copy and a delete, so a kill between them leaves the file under both names, with the
@@ -63,6 +65,7 @@ from batchjson.location import Location, Unreadable, glob_match
 Stage = Literal["p1", "p2"]
 Kind = Literal["output", "rejects", "requeue"]
 STATE = "_batchjson"  # leading underscore: Parquet dataset readers (pyarrow, DuckDB, Polars) skip it
+STAGED = ".tmp"  # a staged file's suffix (after a leading dot): see the module's docstring
 
 
 def _diff(old: dict, new: dict, prefix: str = "") -> list[str]:
@@ -234,7 +237,7 @@ class Storage:
 
     @staticmethod
     def _hidden(path: Location) -> Location:
-        return path.with_name(f".{path.name}")
+        return path.with_name(f".{path.name}{STAGED}")
 
     # ----- claiming the folder ---------------------------------------------------------------------------------
     def open(self, spec_hash: str, fingerprint: dict, if_exists: str = "resume", fresh: bool = False) -> bool:
@@ -323,7 +326,7 @@ class Storage:
 
     def _clear(self) -> None:
         for folder in (self.output, self.rejects):
-            for p in folder.glob("*.parquet"):
+            for p in folder.glob("*.parquet") + folder.glob(f".*.parquet{STAGED}"):
                 p.unlink(missing_ok=True)
         for name in self.state.names():
             if not name.startswith(("lock", "lease")):
@@ -433,8 +436,8 @@ class Storage:
     def recover(self) -> None:
         """Roll forward units committed by a run that was killed before it published their files."""
         for folder in {self.output, self.rejects, self.requeue_dir}:
-            for hidden in folder.glob(".*.parquet"):
-                name = hidden.name[1:]
+            for hidden in folder.glob(f".*.parquet{STAGED}"):
+                name = hidden.name[1:-len(STAGED)]
                 if folder == self.requeue_dir:
                     stage, key = "p1", name[:-8]
                 else:
