@@ -174,6 +174,21 @@ class Location:
         with self._io():
             return [i.base_name for i in self.fs.get_file_info(fs.FileSelector(self.path, allow_not_found=True))]
 
+    def dataset_files(self) -> list[Location]:
+        """The files that a reader of this folder as a Parquet dataset reads, whatever they are called:
+        pyarrow.dataset reads every file below it except under a name starting with _ or . (at any depth), and
+        DuckDB's `read_parquet('<folder>/*.parquet')` every *.parquet file directly in it, _ and . names too."""
+        found = []
+        for below in self.tree():
+            parts = below.split("/")
+            if not any(p.startswith(("_", ".")) for p in parts) or (len(parts) == 1 and below.endswith(".parquet")):
+                found.append(self / below)
+        return found
+
+    def tree(self) -> list[str]:
+        """The files below this folder, at any depth, as paths relative to it (none if it does not exist)."""
+        return [i.path[len(self.path.rstrip("/")) + 1:] for i in self.files(recursive=True)]
+
     def glob(self, pattern: str) -> list[Location]:
         """The files directly in this folder whose name matches `pattern` (fnmatch, as Path.glob on one level)."""
         return [self / i.base_name for i in self.files() if fnmatch.fnmatchcase(i.base_name, pattern)]

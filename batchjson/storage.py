@@ -498,9 +498,10 @@ class Storage:
         raise FileNotFoundError(path)
 
     def stray(self) -> list[Location]:
-        """Part files in the output or rejects folder that no commit record lists. The folders are listed before
-        the records are read: a file is published only after its record is written, so none is taken for stray."""
-        found = set(self.output.glob("p[12]-*.parquet")) | set(self.rejects.glob("rejects-p[12]-*.parquet"))
+        """Files that readers of the output or rejects folder read (Location.dataset_files: in sub-folders too,
+        whatever their name) but no commit record lists. The folders are listed before the records are read: a
+        file is published only after its record is written, so none is taken for stray."""
+        found = set(self.output.dataset_files()) | set(self.rejects.dataset_files())
         listed = {(self.part(r["stage"], r["key"], k)) for r in self._records() for k in r["files"]}
         return sorted(found - listed)
 

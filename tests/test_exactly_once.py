@@ -193,6 +193,26 @@ def finished_run_with_rejects(tmp_path, tiny_model):
     return job, verdict
 
 
+@pytest.mark.parametrize("copy", ["copy-of-{part}", "backup/{part}", "backup/old/{part}.bak", "_{part}", ".{part}",
+                                  "_rejects/old/{reject}"])
+def test_a_copy_that_readers_read_fails_verify_wherever_it_is(tmp_path, tiny_model, copy):
+    job, verdict = finished_run_with_rejects(tmp_path, tiny_model)
+    out = tmp_path / "out"
+    part, reject = min(out.glob("p1-*.parquet")), min((out / "_rejects").glob("rejects-*.parquet"))
+    target = out / copy.format(part=part.name, reject=reject.name)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_bytes((reject if "{reject}" in copy else part).read_bytes())
+    folder = out / "_rejects" if "{reject}" in copy else out
+    assert rows_read(folder) > (verdict.reject_rows if "{reject}" in copy else verdict.output_rows)
+    result = verify_cli(job)
+    assert result.exit_code == 3 and f"{target} is read by readers of the folder" in result.output, result.output
+    assert "Remove it" in result.output
+    report = run(job)  # the check that ends every run finds it too
+    assert report.verify_failed and f"{target} is read by readers" in report.verified_summary
+    target.unlink()
+    assert verify_cli(job).exit_code == 0
+
+
 @pytest.mark.parametrize("kind, size", [("output", 0.5), ("output", 0), ("rejects", 0.5)])
 def test_a_corrupt_part_file_fails_verify_and_a_rerun_redoes_its_unit(tmp_path, tiny_model, kind, size):
     job, verdict = finished_run_with_rejects(tmp_path, tiny_model)

@@ -226,6 +226,17 @@ def finished_run(tmp_path, tiny_model, s3):
     return job, out, filesystem, part
 
 
+def test_a_copy_of_a_part_in_a_sub_folder_on_s3_fails_verify(tmp_path, tiny_model, s3):
+    job, out, filesystem, part = finished_run(tmp_path, tiny_model, s3)
+    copy = f"{part.rsplit('/', 1)[0]}/backup/copy.parquet"
+    filesystem.copy_file(part, copy)
+    assert rows_read(out) > 12
+    result = cli("verify", job, "--output", out)
+    assert result.exit_code == 3 and f"s3://{copy} is read by readers of the folder" in result.output, result.output
+    filesystem.delete_file(copy)
+    assert cli("verify", job, "--output", out).exit_code == 0
+
+
 def test_a_truncated_part_on_s3_fails_verify_and_a_rerun_redoes_its_unit(tmp_path, tiny_model, s3):
     job, out, filesystem, part = finished_run(tmp_path, tiny_model, s3)
     data = filesystem.open_input_stream(part).read()
