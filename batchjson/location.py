@@ -53,11 +53,12 @@ class Location:
     On object storage, any error from the store (no such bucket, access denied, no endpoint) becomes `error` (a
     BatchjsonError: exit 2) naming the location; locally, OSErrors stay what they are, as with pathlib."""
 
-    __slots__ = ("fs", "path", "scheme", "shown", "error")
+    __slots__ = ("fs", "path", "scheme", "shown", "error", "query")
 
     def __init__(self, filesystem: fs.FileSystem, path: str, scheme: str, shown: str,
-                 error: type[BatchjsonError] = OutputError):
+                 error: type[BatchjsonError] = OutputError, query: str = ""):
         self.fs, self.path, self.scheme, self.shown, self.error = filesystem, path, scheme, shown, error
+        self.query = query  # the URI's options (endpoint_override=...), kept for `uri`
 
     @classmethod
     def of(cls, where: str | Path | Location, error: type[BatchjsonError] = OutputError) -> Location:
@@ -78,7 +79,7 @@ class Location:
             return cls(filesystem, "/" + path, "", "/" + path, error)
         if not path:
             raise error(f"{text}: no bucket in the URI. Write {scheme}://bucket/prefix.")
-        return cls(filesystem, path, scheme, f"{scheme}://{path}", error)
+        return cls(filesystem, path, scheme, f"{scheme}://{path}", error, text.partition("?")[2])
 
     # ----- names ------------------------------------------------------------------------------------------------
     @property
@@ -93,8 +94,13 @@ class Location:
     def bucket(self) -> str:
         return self.path.split("/", 1)[0]
 
+    @property
+    def uri(self) -> str:
+        """What Location.of reads back as this location, on the same store: `shown`, with the URI's options."""
+        return f"{self.shown}?{self.query}" if self.query else self.shown
+
     def _at(self, path: str, shown: str) -> Location:
-        return Location(self.fs, path, self.scheme, shown, self.error)
+        return Location(self.fs, path, self.scheme, shown, self.error, self.query)
 
     def __truediv__(self, name: str) -> Location:
         return self._at(posixpath.join(self.path, name), os.path.join(self.shown, name) if self.local
@@ -250,6 +256,11 @@ class Location:
             if self.is_file():
                 raise
             raise FileNotFoundError(self.path) from None  # moved meanwhile by another process
+
+    def copy(self, target: Location) -> None:
+        """Copy the file (on object storage, inside the store: nothing passes through this host)."""
+        with self._io():
+            self.fs.copy_file(self.path, target.path)
 
     def unlink(self, missing_ok: bool = False) -> None:
         try:

@@ -337,6 +337,38 @@ class Storage:
         self._committed = None
         self._read.clear()
 
+    def swap_in(self, new: Location) -> None:
+        """Make the finished run folder `new` (rejects in its _rejects) this output folder, in place of whatever
+        this folder holds; `new` is gone afterwards. The folder is claimed meanwhile, so no run writes to it.
+
+        Locally, two renames: this folder to a hidden sibling, then `new` into place. Between them the folder is
+        absent; readers never see old and new rows together. Object storage has no renames: this folder's objects
+        are deleted, then `new`'s are copied in, and deleted. A reader meanwhile sees part of the old folder or
+        part of the new one, never rows of both, never a row twice; the report goes first and comes back last, so
+        it is absent for the whole swap. Part files go before the run state and come after it, so a kill
+        midway leaves commit records whose files are missing, never a file no record lists: a run on the folder
+        redoes those units."""
+        self.claim()
+        try:
+            if self.output.local:
+                old = new.with_name(f"{new.name}.old")
+                if old.exists():  # a killed swap's
+                    old.rmtree()
+                self.output.move(old)  # claim() made sure it exists
+                new.move(self.output)
+                old.rmtree()
+                return
+            report, state = self.report_path().name, f"{STATE}/"
+            for below in sorted(self.output.tree(), key=lambda b: (b != report, b.startswith(state))):
+                if self.output / below != self._lease.file:
+                    (self.output / below).unlink(missing_ok=True)
+            copied = [b for b in new.tree() if not b.startswith(f"{state}lease-")]
+            for below in sorted(copied, key=lambda b: (b == report, not b.startswith(state))):
+                (new / below).copy(self.output / below)
+            new.rmtree()
+        finally:
+            self.close()
+
     # ----- input fingerprints ----------------------------------------------------------------------------------
     def check_inputs(self, fingerprints: dict[str, dict], write: bool = True) -> list[str]:
         """Compare the input with the one committed units came from; returns the tags of new files.
