@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import os
 import re
-import shutil
-from pathlib import Path
 
 from airflow.sdk import BaseOperator
 from airflow.sdk.exceptions import AirflowException, AirflowFailException
@@ -26,7 +23,9 @@ class BatchJsonOperator(BaseOperator):
     `output_dir=".../dt={{ ds }}"` gives each run date its own partition (`output`, the CLI's name, is taken: BaseOperator.output is the task's XCom). Running the task again
     for the same date never writes a row twice: by default it resumes the run already in `output_dir` (a finished
     run is a no-op); with `replace=True` it rebuilds the partition from scratch beside it and swaps it in, so
-    readers see the old partition or the new one, never a mix.
+    readers never see rows of the old and the new partition mixed (on object storage, which has no renames, the
+    swap deletes the old objects and copies the new ones in: see Storage.swap_in). If the run fails, is stopped or
+    fails the exactly-once check, the old partition stays.
 
     The report (`RunReport.to_dict()`) is the task's return value. Rejects over the spec's output.max_reject_rate
     fail the task without retrying, since a retry would resume and find the same rejects; the report is then pushed
@@ -83,7 +82,8 @@ class BatchJsonOperator(BaseOperator):
         return result
 
     def _replace(self, spec, shard: tuple[int, int], run_id: str):
-        """Run fresh into a hidden sibling folder, then rename it into place."""
+        """Run fresh into a hidden sibling of the partition, then swap it in (Storage.swap_in says what readers see
+        meanwhile, locally and on object storage)."""
         from batchjson.errors import SpecError
         from batchjson.run import run_job
         from batchjson.storage import Storage
@@ -94,21 +94,19 @@ class BatchJsonOperator(BaseOperator):
         if spec.output.rejects:
             raise SpecError("replace=True swaps the output folder whole, rejects included: remove output.rejects "
                             "from the spec so that rejects stay in <output>/_rejects.")
-        final = Path(self.output_dir or spec.output.path or "")
-        if not final.name:
+        if not (self.output_dir or spec.output.path):
             raise SpecError("no output folder: set output.path in the spec or pass output_dir.")
+        final = Storage(self.output_dir or spec.output.path)
         # Leading dot: dataset readers and `dt=*` globs skip the folder while it fills. Named by run, so a retry of
         # the same run reuses (and, being fresh, clears) what a killed try left.
         tag = re.sub(r"[^\w.-]", "_", run_id)
-        tmp, old = (final.with_name(f".{final.name}.{kind}-{tag}") for kind in ("tmp", "old"))
-        report = run_job(spec, str(tmp), fresh=True, **self.engines)
+        tmp = final.output.with_name(f".{final.output.name}.tmp-{tag}")
+        report = run_job(spec, tmp.uri, fresh=True, **self.engines)
         if report.interrupted:  # keep the old partition; the retry starts the new one over
             raise AirflowException(INTERRUPTED.replace("a retry resumes", "a retry rebuilds the partition"))
-        shutil.rmtree(old, ignore_errors=True)
-        if final.exists():
-            os.rename(final, old)
-        os.rename(tmp, final)  # between the two renames the partition is absent: readers miss it, never mix it
-        shutil.rmtree(old, ignore_errors=True)
-        report.output, report.rejects = str(final), str(final / Path(report.rejects).relative_to(tmp))
-        Storage(final).write_report(report.to_dict())
+        if report.verify_failed:  # keep the old partition; execute() fails the task naming the new one's problems
+            return report
+        report.output, report.rejects = str(final.output), str(final.rejects)
+        Storage(tmp).write_report(report.to_dict())  # the swap brings it along
+        final.swap_in(tmp)
         return report

@@ -31,17 +31,34 @@ def is_uri(where: str | Path) -> bool:
     return "://" in str(where)
 
 
+class Unreadable(Exception):
+    """A file that is there but does not read as Parquet (truncated, emptied, overwritten, corrupt)."""
+
+
+def glob_match(parts: list[str], pattern: list[str]) -> bool:
+    """glob.glob's rule for one path (both split at /): `**` spans any number of folders, other parts match one
+    name each, and a name starting with . matches only a part that does."""
+    if not pattern:
+        return not parts
+    if pattern[0] == "**":
+        return glob_match(parts, pattern[1:]) or (bool(parts) and not parts[0].startswith(".")
+                                                    and glob_match(parts[1:], pattern))
+    return bool(parts) and (not parts[0].startswith(".") or pattern[0].startswith(".")) \
+        and fnmatch.fnmatchcase(parts[0], pattern[0]) and glob_match(parts[1:], pattern[1:])
+
+
 class Location:
     """A file or folder on a filesystem. Paths print as the user wrote them: a local path, or scheme://bucket/key.
 
     On object storage, any error from the store (no such bucket, access denied, no endpoint) becomes `error` (a
     BatchjsonError: exit 2) naming the location; locally, OSErrors stay what they are, as with pathlib."""
 
-    __slots__ = ("fs", "path", "scheme", "shown", "error")
+    __slots__ = ("fs", "path", "scheme", "shown", "error", "query")
 
     def __init__(self, filesystem: fs.FileSystem, path: str, scheme: str, shown: str,
-                 error: type[BatchjsonError] = OutputError):
+                 error: type[BatchjsonError] = OutputError, query: str = ""):
         self.fs, self.path, self.scheme, self.shown, self.error = filesystem, path, scheme, shown, error
+        self.query = query  # the URI's options (endpoint_override=...), kept for `uri`
 
     @classmethod
     def of(cls, where: str | Path | Location, error: type[BatchjsonError] = OutputError) -> Location:
@@ -62,7 +79,7 @@ class Location:
             return cls(filesystem, "/" + path, "", "/" + path, error)
         if not path:
             raise error(f"{text}: no bucket in the URI. Write {scheme}://bucket/prefix.")
-        return cls(filesystem, path, scheme, f"{scheme}://{path}", error)
+        return cls(filesystem, path, scheme, f"{scheme}://{path}", error, text.partition("?")[2])
 
     # ----- names ------------------------------------------------------------------------------------------------
     @property
@@ -77,8 +94,13 @@ class Location:
     def bucket(self) -> str:
         return self.path.split("/", 1)[0]
 
+    @property
+    def uri(self) -> str:
+        """What Location.of reads back as this location, on the same store: `shown`, with the URI's options."""
+        return f"{self.shown}?{self.query}" if self.query else self.shown
+
     def _at(self, path: str, shown: str) -> Location:
-        return Location(self.fs, path, self.scheme, shown, self.error)
+        return Location(self.fs, path, self.scheme, shown, self.error, self.query)
 
     def __truediv__(self, name: str) -> Location:
         return self._at(posixpath.join(self.path, name), os.path.join(self.shown, name) if self.local
@@ -158,6 +180,21 @@ class Location:
         with self._io():
             return [i.base_name for i in self.fs.get_file_info(fs.FileSelector(self.path, allow_not_found=True))]
 
+    def dataset_files(self) -> list[Location]:
+        """The files that a reader of this folder as a Parquet dataset reads, whatever they are called:
+        pyarrow.dataset reads every file below it except under a name starting with _ or . (at any depth), and
+        DuckDB's `read_parquet('<folder>/*.parquet')` every *.parquet file directly in it, _ and . names too."""
+        found = []
+        for below in self.tree():
+            parts = below.split("/")
+            if not any(p.startswith(("_", ".")) for p in parts) or (len(parts) == 1 and below.endswith(".parquet")):
+                found.append(self / below)
+        return found
+
+    def tree(self) -> list[str]:
+        """The files below this folder, at any depth, as paths relative to it (none if it does not exist)."""
+        return [i.path[len(self.path.rstrip("/")) + 1:] for i in self.files(recursive=True)]
+
     def glob(self, pattern: str) -> list[Location]:
         """The files directly in this folder whose name matches `pattern` (fnmatch, as Path.glob on one level)."""
         return [self / i.base_name for i in self.files() if fnmatch.fnmatchcase(i.base_name, pattern)]
@@ -196,8 +233,13 @@ class Location:
             pq.write_table(table, self.path, filesystem=self.fs)
 
     def read_parquet(self, columns: list[str] | None = None) -> pa.Table:
+        """The table, or these columns of it. Unreadable if the file does not read as Parquet. On object storage an
+        error of the store is `error`, as elsewhere; locally, an OSError once the file is open is its content's."""
         with self.open_input() as f, self._io():
-            return pq.read_table(f, columns=columns)
+            try:
+                return pq.read_table(f, columns=columns)
+            except (pa.ArrowInvalid, *((OSError,) if self.local else ())) as e:
+                raise Unreadable(f"{self} does not read as Parquet ({e})") from None
 
     def move(self, target: Location) -> None:
         """Rename locally (atomic); copy then delete on object storage (a kill between them leaves both, equal:
@@ -214,6 +256,11 @@ class Location:
             if self.is_file():
                 raise
             raise FileNotFoundError(self.path) from None  # moved meanwhile by another process
+
+    def copy(self, target: Location) -> None:
+        """Copy the file (on object storage, inside the store: nothing passes through this host)."""
+        with self._io():
+            self.fs.copy_file(self.path, target.path)
 
     def unlink(self, missing_ok: bool = False) -> None:
         try:

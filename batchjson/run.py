@@ -164,9 +164,9 @@ class JobRun:
         try:
             with self._signals():
                 storage.check_inputs(scan.fingerprints)
-                for key in storage.missing(list(self.refs)):
+                for key, why in storage.damaged(list(self.refs), self.spec.input.id_column).items():
                     storage.drop(key)
-                    report.notes.append(f"unit {key}: a committed part file was missing; the unit was redone")
+                    report.notes.append(f"unit {key}: {why}; the unit was redone")
                 # A repeated id is processed where it was committed already, else at its first occurrence.
                 self.owners = {row_id: next((p for p in places if storage.done("p1", p[0])), places[0])
                                for row_id, places in scan.repeated.items()}

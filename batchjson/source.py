@@ -8,7 +8,6 @@ files exist, and does not grow with the file's name.
 from __future__ import annotations
 
 import bisect
-import fnmatch
 import glob
 import hashlib
 import posixpath
@@ -22,7 +21,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from batchjson.errors import InputError
-from batchjson.location import Location
+from batchjson.location import Location, Unreadable, glob_match
 from batchjson.spec import InputSpec
 
 
@@ -85,18 +84,6 @@ def input_root(path: str) -> Location:
     return where if where.is_dir() else where.parent
 
 
-def _glob_match(parts: list[str], pattern: list[str]) -> bool:
-    """glob.glob's rule for one path: `**` spans any number of folders, other parts match one name each, and a
-    name starting with . matches only a part that does."""
-    if not pattern:
-        return not parts
-    if pattern[0] == "**":
-        return _glob_match(parts, pattern[1:]) or (bool(parts) and not parts[0].startswith(".")
-                                                     and _glob_match(parts[1:], pattern))
-    return bool(parts) and (not parts[0].startswith(".") or pattern[0].startswith(".")) \
-        and fnmatch.fnmatchcase(parts[0], pattern[0]) and _glob_match(parts[1:], pattern[1:])
-
-
 def list_files(path: str) -> list[Location]:
     """The Parquet files a file, folder or glob names, in a stable order (names starting with _ or . skipped)."""
     where = Location.of(path, InputError)
@@ -113,7 +100,7 @@ def list_files(path: str) -> list[Location]:
     elif _is_glob(where.path):
         root, pattern = input_root(path), where.path.split("/")
         files = [root / i.path[len(root.path) + 1:] for i in root.files(recursive=True)
-                 if _glob_match(i.path.split("/"), pattern)]
+                 if glob_match(i.path.split("/"), pattern)]
     elif where.is_dir():
         files = [where / i.path[len(where.path) + 1:] for i in where.files(recursive=True) if i.path.endswith(".parquet")
                  and not any(s.startswith(("_", ".")) for s in i.path[len(where.path) + 1:].split("/"))]
@@ -260,7 +247,7 @@ class ParquetSource:
             path = self._named.get(str(path)) or Location.of(path, InputError)
         try:
             column = path.read_parquet([self.spec.id_column]).column(0)
-        except (OSError, pa.ArrowException) as e:
+        except (OSError, pa.ArrowException, Unreadable) as e:
             raise InputError(f"{path}: the id column cannot be read ({e}). Repair or remove the file.") from None
         if column.null_count:
             row = pc.index(pc.is_null(column), True).as_py()

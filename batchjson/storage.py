@@ -14,10 +14,12 @@ OUT/_rejects unless output.rejects says otherwise):
     OUT/_batchjson/lease-<I>of<N>-<owner>.json            leases (object storage)
 
 The commit protocol of one unit of one pass: `begin` deletes every file of any earlier attempt, of every kind;
-`stage` writes each file under a hidden name (".<name>") in its final folder; `commit` writes the commit record
-atomically (the commit point); `publish` renames the hidden files into place. A kill before the record leaves
-only hidden files, which the next attempt deletes; a kill after it is rolled forward at the next open. So a
-unit's rows are either all in the output and rejects, once, or not there at all, whatever its outcome.
+`stage` writes each file under a hidden name (".<name>.tmp") in its final folder; `commit` writes the commit
+record atomically (the commit point); `publish` renames the hidden files into place. A kill before the record
+leaves only hidden files, which the next attempt deletes; a kill after it is rolled forward at the next open. So a
+unit's rows are either all in the output and rejects, once, or not there at all, whatever its outcome. No reader
+reads a hidden file: pyarrow.dataset skips names starting with . or _, and DuckDB's read_parquet('OUT/*.parquet'),
+which does not, reads only names ending in .parquet.
 
 OUT may be a local folder or an object-storage prefix (s3://bucket/out, gs://...; see location.py). Object storage
 has no rename: `publish` is a copy and a delete, so a kill between them leaves the file under both names, with the
@@ -52,17 +54,18 @@ import uuid
 from collections import Counter
 from collections.abc import Callable
 from datetime import datetime, timezone
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import Literal
 
 import pyarrow as pa
 
 from batchjson.errors import BatchjsonError, InputError, OutputError, ResumeConflict
-from batchjson.location import Location
+from batchjson.location import Location, Unreadable, glob_match
 
 Stage = Literal["p1", "p2"]
 Kind = Literal["output", "rejects", "requeue"]
 STATE = "_batchjson"  # leading underscore: Parquet dataset readers (pyarrow, DuckDB, Polars) skip it
+STAGED = ".tmp"  # a staged file's suffix (after a leading dot): see the module's docstring
 
 
 def _diff(old: dict, new: dict, prefix: str = "") -> list[str]:
@@ -205,12 +208,13 @@ class Storage:
         if out.parts_below(rej) is not None:
             raise OutputError(f"the output folder {out} is inside output.rejects {rej}. Choose separate folders.")
         if input_path:
+            # Compared as locations (normalized, a URI's ?options aside), never as the strings the user wrote.
             source = Location.of(input_path, InputError)
-            pattern = any(c in input_path for c in "*?[")
+            pattern = any(c in source.path for c in "*?[")
             for name, folder in (("output folder", out), ("output.rejects folder", rej)):
-                if pattern:  # a file this run would write there, matched against the glob
-                    probe = PurePosixPath(folder.normal()) / "p1-x.parquet"
-                    hit = folder.scheme == source.scheme and probe.match(source.normal())
+                if pattern:  # a file this run would write there, matched against the glob as glob.glob would
+                    probe = folder.normal().split("/") + ["p1-x.parquet"]
+                    hit = folder.scheme == source.scheme and glob_match(probe, source.normal().split("/"))
                 else:
                     hit = source.is_dir() and hidden_below(folder, source) is False
                 if hit:
@@ -233,7 +237,7 @@ class Storage:
 
     @staticmethod
     def _hidden(path: Location) -> Location:
-        return path.with_name(f".{path.name}")
+        return path.with_name(f".{path.name}{STAGED}")
 
     # ----- claiming the folder ---------------------------------------------------------------------------------
     def open(self, spec_hash: str, fingerprint: dict, if_exists: str = "resume", fresh: bool = False) -> bool:
@@ -322,7 +326,7 @@ class Storage:
 
     def _clear(self) -> None:
         for folder in (self.output, self.rejects):
-            for p in folder.glob("*.parquet"):
+            for p in folder.glob("*.parquet") + folder.glob(f".*.parquet{STAGED}"):
                 p.unlink(missing_ok=True)
         for name in self.state.names():
             if not name.startswith(("lock", "lease")):
@@ -332,6 +336,38 @@ class Storage:
             d.mkdir()
         self._committed = None
         self._read.clear()
+
+    def swap_in(self, new: Location) -> None:
+        """Make the finished run folder `new` (rejects in its _rejects) this output folder, in place of whatever
+        this folder holds; `new` is gone afterwards. The folder is claimed meanwhile, so no run writes to it.
+
+        Locally, two renames: this folder to a hidden sibling, then `new` into place. Between them the folder is
+        absent; readers never see old and new rows together. Object storage has no renames: this folder's objects
+        are deleted, then `new`'s are copied in, and deleted. A reader meanwhile sees part of the old folder or
+        part of the new one, never rows of both, never a row twice; the report goes first and comes back last, so
+        it is absent for the whole swap. Part files go before the run state and come after it, so a kill
+        midway leaves commit records whose files are missing, never a file no record lists: a run on the folder
+        redoes those units."""
+        self.claim()
+        try:
+            if self.output.local:
+                old = new.with_name(f"{new.name}.old")
+                if old.exists():  # a killed swap's
+                    old.rmtree()
+                self.output.move(old)  # claim() made sure it exists
+                new.move(self.output)
+                old.rmtree()
+                return
+            report, state = self.report_path().name, f"{STATE}/"
+            for below in sorted(self.output.tree(), key=lambda b: (b != report, b.startswith(state))):
+                if self.output / below != self._lease.file:
+                    (self.output / below).unlink(missing_ok=True)
+            copied = [b for b in new.tree() if not b.startswith(f"{state}lease-")]
+            for below in sorted(copied, key=lambda b: (b == report, not b.startswith(state))):
+                (new / below).copy(self.output / below)
+            new.rmtree()
+        finally:
+            self.close()
 
     # ----- input fingerprints ----------------------------------------------------------------------------------
     def check_inputs(self, fingerprints: dict[str, dict], write: bool = True) -> list[str]:
@@ -432,8 +468,8 @@ class Storage:
     def recover(self) -> None:
         """Roll forward units committed by a run that was killed before it published their files."""
         for folder in {self.output, self.rejects, self.requeue_dir}:
-            for hidden in folder.glob(".*.parquet"):
-                name = hidden.name[1:]
+            for hidden in folder.glob(f".*.parquet{STAGED}"):
+                name = hidden.name[1:-len(STAGED)]
                 if folder == self.requeue_dir:
                     stage, key = "p1", name[:-8]
                 else:
@@ -442,16 +478,29 @@ class Storage:
                 if record is not None:
                     self._publish(record)
 
-    def missing(self, keys: list[str]) -> list[str]:
-        """Of these committed units, those with a file their record lists that is gone (e.g. deleted by hand)."""
-        out = []
+    def damaged(self, keys: list[str], id_column: str) -> dict[str, str]:
+        """Of these units, the committed ones with a file their record lists that is gone (deleted by hand), does not
+        read as Parquet (truncated, emptied, overwritten) or holds another number of rows; unit -> what is wrong.
+        The files are read as verify reads them (the id column), so what verify finds unreadable a rerun redoes."""
+        out = {}
         for key in keys:
             for stage in ("p1", "p2"):
                 record = self.record(stage, key) if self.done(stage, key) else None
-                if record and any(not self.part(stage, key, kind).exists() for kind in record["files"]):
-                    out.append(key)
-                    break
+                for kind in record["files"] if record else ():
+                    flaw = self._flaw(record, kind, id_column)
+                    if flaw:
+                        out.setdefault(key, flaw)
         return out
+
+    def _flaw(self, record: dict, kind: Kind, id_column: str) -> str:
+        name, rows = record["files"][kind], record["rows"][kind]
+        try:
+            found = self.read_ids(record["stage"], record["key"], kind, [id_column]).num_rows
+        except FileNotFoundError:
+            return f"{name} was missing"
+        except Unreadable as e:
+            return str(e)
+        return "" if found == rows else f"{name} held {found} rows, not the {rows} its commit record lists"
 
     def drop(self, key: str) -> None:
         """Uncommit a unit in both passes (records first, then files), so that it is redone from scratch."""
@@ -481,9 +530,10 @@ class Storage:
         raise FileNotFoundError(path)
 
     def stray(self) -> list[Location]:
-        """Part files in the output or rejects folder that no commit record lists. The folders are listed before
-        the records are read: a file is published only after its record is written, so none is taken for stray."""
-        found = set(self.output.glob("p[12]-*.parquet")) | set(self.rejects.glob("rejects-p[12]-*.parquet"))
+        """Files that readers of the output or rejects folder read (Location.dataset_files: in sub-folders too,
+        whatever their name) but no commit record lists. The folders are listed before the records are read: a
+        file is published only after its record is written, so none is taken for stray."""
+        found = set(self.output.dataset_files()) | set(self.rejects.dataset_files())
         listed = {(self.part(r["stage"], r["key"], k)) for r in self._records() for k in r["files"]}
         return sorted(found - listed)
 

@@ -1,6 +1,8 @@
-"""Proof of exactly once: the input's ids, unit by unit, against the ids in the committed output and rejects.
+"""Proof of exactly once: the input's ids, unit by unit, against the ids in the committed output and rejects,
+and every file a reader of the output or rejects folder reads against the commit records.
 
-Reads only id (and reject reason) columns and the run state, so it is cheap enough to end every run.
+Reads only id (and reject reason) columns, the run state and a listing of both folders, so it is cheap enough to
+end every run.
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from batchjson.errors import OutputError, SpecError
+from batchjson.location import Unreadable
 from batchjson.source import ParquetSource, UnitRef
 from batchjson.storage import Storage
 
@@ -69,6 +72,10 @@ def verify(storage: Storage, source: ParquetSource, refs: list[UnitRef], id_colu
             v.problems.append(f"unit {key}: {record['files'][kind]} is listed in its commit record but missing "
                               "(deleted by hand?). Run the job again: it redoes the unit.")
             return None
+        except Unreadable as e:
+            v.problems.append(f"unit {key}: {e}, but its commit record lists it (truncated or overwritten?). Run "
+                              "the job again: it redoes the unit.")
+            return None
         ids = table.column(0).to_pylist()
         if kind == "output":
             out_ids.update(ids)
@@ -125,8 +132,8 @@ def verify(storage: Storage, source: ParquetSource, refs: list[UnitRef], id_colu
     if both:
         v.problems.append(f"{len(both)} id(s) in both output and rejects (or rejected twice): {_few(both)}")
     for path in storage.stray():
-        v.problems.append(f"{path} is a part file that no commit lists (copied in by hand, or left by another "
-                          "tool). Remove it.")
+        v.problems.append(f"{path} is read by readers of the folder, but no commit lists it (a copy, or a file of "
+                          "another tool): its rows would be read besides the committed ones. Remove it.")
     return v
 
 

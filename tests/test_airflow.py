@@ -13,8 +13,11 @@ import pyarrow as pa
 import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 import pytest
+from click.testing import CliRunner
+from pyarrow import fs
 
 from conftest import SCRATCH, write_job, write_rows
+from fake_engine import FakeEngines
 
 # Airflow reads its configuration once, on import: point it at a throwaway home first, as dlt's Airflow tests do.
 # dag.test() runs only DAGs that its dags folder holds, so the example DAG file is copied there.
@@ -163,3 +166,57 @@ def test_mapped_shards_write_exactly_the_rows_of_one_run(env):
     check = report_of(tis["check", -1])
     assert check["passes"] == {} and check["valid"] + check["rejected"] == 34
     assert sorted(partition_ids(env / "out" / "invoices_sharded")) == [(i, "2026-11-30") for i in INPUT_IDS]
+
+
+@pytest.fixture
+def fake_engine(monkeypatch):
+    """The operator's runs decode with the fake engine (tests/fake_engine.py); all else is batchjson's own."""
+    from batchjson import run as runs
+
+    real = runs.run_job
+    monkeypatch.setattr(runs, "run_job", lambda spec, output=None, **kwargs: real(
+        spec, output, engine_factory=FakeEngines(), progress=False, **kwargs))
+    return real
+
+
+@pytest.mark.parametrize("store", ["local", "s3"])
+def test_replace_swaps_the_new_partition_in_on_any_store(tmp_path, tiny_model, fake_engine, monkeypatch, request,
+                                                          store):
+    from batchjson.cli import main
+    from batchjson.spec import load_spec
+
+    monkeypatch.chdir(tmp_path)  # where a URI taken for a local path would land
+    write_rows(tmp_path / "night1" / "a.parquet", 8)
+    write_rows(tmp_path / "night2" / "a.parquet", 4, start=100)
+    job = write_job(tmp_path, tiny_model, tmp_path / "night1", batch_size=4)
+    root, options = str(tmp_path / "invoices"), ""
+    if store == "s3":
+        root, options = f"{request.getfixturevalue('s3')}/invoices", "?endpoint_override={}&scheme=http".format(
+            request.getfixturevalue("s3_server").endpoint)
+        monkeypatch.delenv("AWS_ENDPOINT_URL")  # only the URI's options lead to the server: the swap keeps them
+    partition = f"{root}/dt=2026-11-30"
+    fake_engine(load_spec(job), partition + options, engine_factory=FakeEngines(), progress=False)  # last night's
+
+    ti = run(one_task_dag(f"replace_{store}", job=str(job), input_path=str(tmp_path / "night2"),
+                          output_dir=f"{root}/dt={{{{ ds }}}}{options}", replace=True))["extract", -1]
+    assert ti.state == "success"
+    report = report_of(ti)
+    assert report["output"] == partition and report["passes"]["pass1"]["rows"] == 4
+
+    def ids(folder: str) -> list[str]:  # as pyarrow.dataset reads the folder (none: no rejects, on S3)
+        filesystem, path = fs.FileSystem.from_uri(folder + options)
+        if filesystem.get_file_info(path).type == fs.FileType.NotFound:
+            return []
+        dataset = ds.dataset(path, filesystem=filesystem, format="parquet")
+        return dataset.to_table(columns=["id"])["id"].to_pylist() if dataset.files else []
+
+    assert len(ids(partition)) == report["valid"]
+    assert sorted(ids(partition) + ids(f"{partition}/_rejects")) == [f"r{i:05d}" for i in range(100, 104)]
+    verify = CliRunner().invoke(main, ["verify", str(job), "--input", str(tmp_path / "night2"),
+                                       "--output", partition + options])
+    assert verify.exit_code == 0 and f"{report['valid']} output + {report['rejected']} rejected" in verify.output
+    filesystem, path = fs.FileSystem.from_uri(root + options)
+    # No file of the new partition's sibling is left (SeaweedFS may keep an empty folder entry, which holds none).
+    files = filesystem.get_file_info(fs.FileSelector(path, recursive=True))
+    assert {i.path[len(path) + 1:].split("/")[0] for i in files if i.type == fs.FileType.File} == {"dt=2026-11-30"}
+    assert not (tmp_path / "s3:").exists()

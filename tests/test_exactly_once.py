@@ -13,7 +13,9 @@ import sys
 import time
 from pathlib import Path
 
+import duckdb
 import pyarrow as pa
+import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
@@ -23,6 +25,7 @@ from batchjson.errors import EngineError, OutputError, SpecError
 from batchjson.run import run_job
 from batchjson.spec import load_spec
 from batchjson.storage import Storage
+from batchjson.verify import verify_job
 from conftest import write_job, write_rows
 from fake_engine import FakeEngine, FakeEngines
 from test_run import assert_exactly_once, ids_of
@@ -169,6 +172,67 @@ def test_a_stray_part_file_fails_verify(tmp_path, tiny_model):
     assert result.exit_code == 3 and "no commit lists" in result.output and "Remove it" in result.output
 
 
+def rows_read(folder: Path) -> int:
+    """The most rows that a reader the README names reads from the folder: pyarrow.dataset (sub-folders, no _ or .
+    names) or DuckDB's read_parquet('<folder>/*.parquet') (this folder only, _ and . names too)."""
+    dataset = ds.dataset(folder, format="parquet").count_rows()
+    files = duckdb.sql(f"select count(*) from glob('{folder}/*.parquet')").fetchall()[0][0]
+    return max(dataset, duckdb.sql(f"select count(*) from read_parquet('{folder}/*.parquet')").fetchall()[0][0]
+               if files else 0)
+
+
+def finished_run_with_rejects(tmp_path, tiny_model):
+    """A finished run of 12 rows in 3 units, with output and rejects; the job and its verdict."""
+    write_rows(tmp_path / "in.parquet", 12)
+    job = write_job(tmp_path, tiny_model, tmp_path / "in.parquet", batch_size=4)
+    run(job, engine_factory=FakeEngines(valid=0.4, seed=7))
+    verdict = verify_job(load_spec(job))
+    assert verdict.complete and verdict.output_rows and verdict.reject_rows, verdict.summary()
+    assert (rows_read(tmp_path / "out"), rows_read(tmp_path / "out" / "_rejects")) == \
+        (verdict.output_rows, verdict.reject_rows)
+    return job, verdict
+
+
+@pytest.mark.parametrize("copy", ["copy-of-{part}", "backup/{part}", "backup/old/{part}.bak", "_{part}", ".{part}",
+                                  "_rejects/old/{reject}"])
+def test_a_copy_that_readers_read_fails_verify_wherever_it_is(tmp_path, tiny_model, copy):
+    job, verdict = finished_run_with_rejects(tmp_path, tiny_model)
+    out = tmp_path / "out"
+    part, reject = min(out.glob("p1-*.parquet")), min((out / "_rejects").glob("rejects-*.parquet"))
+    target = out / copy.format(part=part.name, reject=reject.name)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_bytes((reject if "{reject}" in copy else part).read_bytes())
+    folder = out / "_rejects" if "{reject}" in copy else out
+    assert rows_read(folder) > (verdict.reject_rows if "{reject}" in copy else verdict.output_rows)
+    result = verify_cli(job)
+    assert result.exit_code == 3 and f"{target} is read by readers of the folder" in result.output, result.output
+    assert "Remove it" in result.output
+    report = run(job)  # the check that ends every run finds it too
+    assert report.verify_failed and f"{target} is read by readers" in report.verified_summary
+    target.unlink()
+    assert verify_cli(job).exit_code == 0
+
+
+@pytest.mark.parametrize("kind, size", [("output", 0.5), ("output", 0), ("rejects", 0.5)])
+def test_a_corrupt_part_file_fails_verify_and_a_rerun_redoes_its_unit(tmp_path, tiny_model, kind, size):
+    job, verdict = finished_run_with_rejects(tmp_path, tiny_model)
+    folder = tmp_path / "out" / ("_rejects" if kind == "rejects" else "")
+    victim = min(folder.glob("*.parquet"))
+    data = victim.read_bytes()
+    victim.write_bytes(data[:int(len(data) * size)])
+    result = verify_cli(job)
+    assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
+    assert result.exit_code == 3 and f"{victim} does not read as Parquet" in result.output, result.output
+    assert "Run the job again: it redoes the unit" in result.output
+    report = run(job, engine_factory=FakeEngines(valid=0.4, seed=7))
+    assert report.passes["pass1"].rows == 4 and "the unit was redone" in report.summary()
+    again = verify_job(load_spec(job))
+    assert again.complete and again.output_rows + again.reject_rows == 12
+    assert (rows_read(tmp_path / "out"), rows_read(tmp_path / "out" / "_rejects")) == \
+        (again.output_rows, again.reject_rows)
+    assert_exactly_once([f"r{i:05d}" for i in range(12)], tmp_path / "out", tmp_path / "out" / "_rejects")
+
+
 def test_an_input_file_rewritten_between_runs_is_refused(tmp_path, tiny_model):
     ids = [f"r{i}" for i in range(8)]
     rows(tmp_path / "in.parquet", ids)
@@ -189,6 +253,13 @@ def test_output_inside_the_input_folder_is_refused(tmp_path, tiny_model):
     with pytest.raises(OutputError, match="inside the input"):
         run(job, output=str(tmp_path / "in" / "out"))
     run(job, output=str(tmp_path / "in" / "_out"))  # skipped by the folder reader: fine
+
+
+def test_output_inside_a_recursive_glob_of_the_input_is_refused(tmp_path, tiny_model):
+    write_rows(tmp_path / "in" / "a.parquet", 4)
+    job = write_job(tmp_path, tiny_model, tmp_path / "in" / "**" / "*.parquet")
+    result = CliRunner().invoke(main, ["check", str(job), "--output", str(tmp_path / "in" / "x" / "y" / "out")])
+    assert result.exit_code == 2 and "is inside the input" in result.output, result.output
 
 
 def test_a_failed_engine_start_does_not_claim_the_folder_for_its_spec(tmp_path, tiny_model):

@@ -12,15 +12,18 @@ import sys
 import time
 
 import pyarrow as pa
+import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
 from pyarrow import fs
 
 from batchjson.cli import main
+from batchjson.errors import OutputError
 from batchjson.run import run_job
 from batchjson.spec import load_spec, with_input
 from batchjson.storage import Lease
+from batchjson.verify import verify_job
 from conftest import write_job, write_rows
 from fake_engine import FakeEngines
 from test_exactly_once import ENV, HERE
@@ -151,7 +154,6 @@ def test_a_second_run_is_refused_while_the_first_holds_its_lease(tmp_path, tiny_
 
 
 def test_shards_share_a_layout_and_a_lost_lease_stops_commits(s3, monkeypatch):
-    from batchjson.errors import OutputError
     from batchjson.storage import Storage
 
     monkeypatch.setattr(Lease, "RENEW_EVERY", 0.2)
@@ -188,6 +190,64 @@ def test_bad_locations_are_named_with_exit_2(tmp_path, tiny_model, s3, where, me
         result = cli(command, job, where.format(s3=s3))
         assert result.exit_code == 2 and message in result.output, result.output
         assert "Traceback" not in result.output
+
+
+def test_locations_with_options_are_compared_as_locations(tmp_path, tiny_model, s3, s3_server, monkeypatch):
+    put_rows(f"{s3}/in/a.parquet", tmp_path / "a.parquet", 4)
+    monkeypatch.delenv("AWS_ENDPOINT_URL")  # the URIs' options are the only way to the server
+    options = f"endpoint_override={s3_server.endpoint}&scheme=http"
+    job = write_job(tmp_path, tiny_model, f"{s3}/in?{options}")
+    result = cli("check", job, "--output", f"{s3}/in/out?{options}")
+    assert result.exit_code == 2 and f"the output folder {s3}/in/out is inside the input" in result.output, \
+        result.output
+    with pytest.raises(OutputError, match="is inside the input"):
+        run_job(load_spec(job), f"{s3}/in/out?{options}", engine_factory=FakeEngines(), progress=False)
+    filesystem, path = fs.FileSystem.from_uri(f"{s3}/in?{options}")
+    assert [i.path for i in filesystem.get_file_info(fs.FileSelector(path, recursive=True))] == [f"{path}/a.parquet"]
+    assert cli("check", job, "--output", f"{s3}/out?{options}").exit_code == 0
+
+
+def rows_read(uri: str) -> int:
+    """The rows pyarrow.dataset reads from a prefix (sub-folders too, no _ or . names)."""
+    filesystem, path = fs.FileSystem.from_uri(uri)
+    return ds.dataset(path, filesystem=filesystem, format="parquet").count_rows()
+
+
+def finished_run(tmp_path, tiny_model, s3):
+    """A finished run of 12 valid rows in 3 units on S3; the job, the output prefix and its first part file."""
+    put_rows(f"{s3}/in/a.parquet", tmp_path / "a.parquet", 12)
+    job = write_job(tmp_path, tiny_model, f"{s3}/in", batch_size=4)
+    out = f"{s3}/out"
+    run_job(load_spec(job), out, engine_factory=FakeEngines(valid=1.0), progress=False)
+    verdict = verify_job(load_spec(job), out)
+    assert verdict.complete and rows_read(out) == verdict.output_rows == 12
+    filesystem, path = fs.FileSystem.from_uri(out)
+    part = min(i.path for i in filesystem.get_file_info(fs.FileSelector(path)) if i.base_name.startswith("p1-"))
+    return job, out, filesystem, part
+
+
+def test_a_copy_of_a_part_in_a_sub_folder_on_s3_fails_verify(tmp_path, tiny_model, s3):
+    job, out, filesystem, part = finished_run(tmp_path, tiny_model, s3)
+    copy = f"{part.rsplit('/', 1)[0]}/backup/copy.parquet"
+    filesystem.copy_file(part, copy)
+    assert rows_read(out) > 12
+    result = cli("verify", job, "--output", out)
+    assert result.exit_code == 3 and f"s3://{copy} is read by readers of the folder" in result.output, result.output
+    filesystem.delete_file(copy)
+    assert cli("verify", job, "--output", out).exit_code == 0
+
+
+def test_a_truncated_part_on_s3_fails_verify_and_a_rerun_redoes_its_unit(tmp_path, tiny_model, s3):
+    job, out, filesystem, part = finished_run(tmp_path, tiny_model, s3)
+    data = filesystem.open_input_stream(part).read()
+    with filesystem.open_output_stream(part) as f:
+        f.write(data[:len(data) // 2])
+    result = cli("verify", job, "--output", out)
+    assert result.exit_code == 3 and f"s3://{part} does not read as Parquet" in result.output, result.output
+    report = run_job(load_spec(job), out, engine_factory=FakeEngines(valid=1.0), progress=False)
+    assert report.passes["pass1"].rows == 4 and "the unit was redone" in report.summary()
+    assert cli("verify", job, "--output", out).exit_code == 0 and rows_read(out) == 12
+    assert sorted(ids_at(out)) == [f"r{i:05d}" for i in range(12)]
 
 
 def test_no_credentials_is_exit_2_naming_the_path(tmp_path, tiny_model, s3, monkeypatch):
