@@ -468,6 +468,8 @@ class Storage:
     def recover(self) -> None:
         """Roll forward units committed by a run that was killed before it published their files."""
         for folder in {self.output, self.rejects, self.requeue_dir}:
+            for legacy in folder.glob(".*.parquet"):  # staged by a version before STAGED: DuckDB reads these
+                legacy.move(legacy.with_name(f"{legacy.name}{STAGED}"))
             for hidden in folder.glob(f".*.parquet{STAGED}"):
                 name = hidden.name[1:-len(STAGED)]
                 if folder == self.requeue_dir:

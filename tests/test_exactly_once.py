@@ -426,3 +426,16 @@ def test_a_shard_killed_mid_commit_is_finished_by_its_rerun(tmp_path, tiny_model
     assert shard(0).returncode == 0
     assert verify_cli(job).exit_code == 0
     assert_exactly_once([f"r{i:05d}" for i in range(60)], out, out / "_rejects")
+
+
+def test_a_unit_staged_under_the_earlier_hidden_name_is_rolled_forward(tmp_path, tiny_model):
+    """A run of the version before `.tmp` staged names, killed between a commit record and publishing, left
+    `.p1-<unit>.parquet` (which DuckDB reads): the next open publishes it, as it did then; nothing is redone."""
+    job, verdict = finished_run_with_rejects(tmp_path, tiny_model)
+    victim = min((tmp_path / "out").glob("p1-*.parquet"))
+    victim.rename(victim.with_name(f".{victim.name}"))
+    again = verify_job(load_spec(job))
+    assert again.complete, again.problems
+    assert victim.exists() and not list((tmp_path / "out").glob(".*"))
+    assert (rows_read(tmp_path / "out"), rows_read(tmp_path / "out" / "_rejects")) == \
+        (again.output_rows, again.reject_rows)
