@@ -18,11 +18,11 @@ from click.testing import CliRunner
 from pyarrow import fs
 
 from batchjson.cli import main
+from batchjson.fake_engine import FakeEngines
 from batchjson.run import run_job
 from batchjson.spec import load_spec, with_input
 from batchjson.storage import Lease
 from conftest import write_job, write_rows
-from fake_engine import FakeEngines
 from test_exactly_once import ENV, HERE
 
 LEASE = 3.0  # seconds: the lease expiry of the runs these tests kill
