@@ -10,7 +10,6 @@ import shutil
 import tempfile
 import threading
 import time
-import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
@@ -249,7 +248,6 @@ class VllmEngine(Engine):
         self.use(decoding)
         # Engine processes started from here die with this process, however it dies (see vllm_plugin.py).
         os.environ["BATCHJSON_RUNNER_PID"] = str(os.getpid())
-        self._parallel_grammar(model.parallel_grammar)
         try:
             self.llm = vllm.LLM(**kwargs)
         except (ValueError, TypeError, OSError, ImportError, RuntimeError) as e:
@@ -258,23 +256,6 @@ class VllmEngine(Engine):
                               "Check [model], [model.engine] and [speculative].") from e
         self._probe(kwargs["structured_outputs_config"]["backend"])
         self._watch()
-
-    @staticmethod
-    def _parallel_grammar(wanted: bool) -> None:
-        """Ask the plugin for the parallel grammar bitmask in the engine process (vllm_patches.py).
-
-        On a vLLM it does not know, the run goes on with vLLM's own code and says so: the patch only changes speed,
-        and a nightly job should not stop because vLLM was upgraded."""
-        from batchjson import vllm_patches
-
-        why = vllm_patches.unsupported() if wanted else None
-        if why:
-            warnings.warn(f"model.parallel_grammar: {why}; vLLM's own serial grammar bitmask is used. Set "
-                          "[model] parallel_grammar = false to silence this.", stacklevel=3)
-        on = wanted and not why
-        # "check" (tests): the engine also runs vLLM's own bitmask each step and counts differences.
-        os.environ[vllm_patches.ENV_PARALLEL] = ("check" if os.environ.get(vllm_patches.ENV_PARALLEL) == "check"
-                                                 else "1") if on else "0"
 
     def accepts(self, decoding: DecodingSpec, speculative: SpeculativeSpec | None) -> bool:
         """Whether a pass with these settings can run on this engine: sampling is per request, but the grammar
