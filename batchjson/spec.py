@@ -29,15 +29,14 @@ META_COLUMNS = ("_pass", "_finish_reason", "_prompt_tokens", "_output_tokens")
 # Columns batchjson writes next to the id and pass-through columns (output, rejects, re-queue).
 WRITTEN_COLUMNS = frozenset({"json", "reason", "detail", "raw_text", "prompt", *META_COLUMNS})
 # The default loop guard of both passes (vLLM's RepetitionDetectionParams): stop a row once the tail of its output
-# is a pattern of 8 to 64 tokens repeated 3 times. Chosen on an H200 over 1,800 greedy outputs of three extraction
-# tasks (BENCHMARKS.md, "GPU-seconds per valid row"): it stopped 1,089 of 1,180 looping rows and none of the 620
-# valid ones. A short loop ("1.1.1.") is also a repeat of 8+ tokens, so min_pattern_size 8 still catches it, while
+# is a pattern of 8 to 64 tokens repeated 3 times: of the candidates measured on three extraction tasks, it stopped
+# nearly every looping row and no valid one (BENCHMARKS.md, "Loop guard: which `repetition_detection`"). A short loop ("1.1.1.") is also a repeat of 8+ tokens, so min_pattern_size 8 still catches it, while
 # legitimate short repeats (the digits of 10000) are left alone.
 LOOP_GUARD = {"max_pattern_size": 64, "min_pattern_size": 8, "min_count": 3}
 # The default for a schema that bounds every array (maxItems) and every string (maxLength, enum or const): the
 # grammar ends such outputs by itself, and a row that fills an array with the same item is often right elsewhere.
-# There LOOP_GUARD stopped 278 of 599 valid rows of task A, this one 55 (BENCHMARKS.md, "GPU-seconds per valid
-# row"); on the sample job it kept 81 of 120 vendors right, against 57 with LOOP_GUARD.
+# There LOOP_GUARD stops many valid rows and this one few, and it keeps more of the sample job's answers right
+# (BENCHMARKS.md, "Loop guard: which `repetition_detection`", "Bounded schemas get a lighter default").
 LOOP_GUARD_BOUNDED = {"max_pattern_size": 16, "min_pattern_size": 2, "min_count": 4}
 
 
