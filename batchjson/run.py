@@ -19,6 +19,7 @@ from itertools import chain
 from tqdm import tqdm
 
 from batchjson import replicas
+from batchjson.engine import Engine
 from batchjson.errors import BatchjsonError, EngineDied, EngineError, SpecError
 from batchjson.prompts import Renderer, chat_frame
 from batchjson.records import WAIT, Generation, Outcome, Prompt
@@ -42,10 +43,10 @@ DEATHS_PER_ROW = 2
 
 # A unit of work on its way into a pass: its key and its rows (prompts, or rows that already failed).
 Work = tuple[str, list[Prompt | Generation]]
-EngineFactory = Callable[[JobSpec, DecodingSpec, "SpeculativeSpec | None"], "Engine"]  # noqa: F821
+EngineFactory = Callable[[JobSpec, DecodingSpec, "SpeculativeSpec | None"], Engine]
 
 
-def vllm_engine(spec: JobSpec, decoding: DecodingSpec, speculative: SpeculativeSpec | None):
+def vllm_engine(spec: JobSpec, decoding: DecodingSpec, speculative: SpeculativeSpec | None) -> Engine:
     from batchjson.engine import VllmEngine
 
     return VllmEngine(spec.model, decoding, spec.schema_doc, speculative)
@@ -146,7 +147,7 @@ class JobRun:
         self.validator = Validator(spec.schema_doc, spec.schema.check_format)
         self.stop = threading.Event()
         self.owners: dict[str, tuple[str, int]] = {}
-        self.engine = None  # kept from pass to pass while their engine-wide settings agree
+        self.engine: Engine | None = None  # kept from pass to pass while their engine-wide settings agree
         self.passes = plan_passes(spec)
         self.slot: int | None = None  # this process's replica number, when it runs as one
         self.share = 1  # replicas sharing the passes' units (auto judges this replica's part of a pass)
@@ -297,7 +298,7 @@ class JobRun:
             for s, h in previous.items():
                 signal.signal(s, h)
 
-    def _engine_for(self, p: Pass, speculative: SpeculativeSpec | None):
+    def _engine_for(self, p: Pass, speculative: SpeculativeSpec | None) -> tuple[Engine, bool]:
         """The engine for a pass: the previous pass's one when its engine-wide settings fit (sampling is per
         request), so a small fallback does not pay a second engine start; else a new one."""
         if self.engine is not None and self.engine.accepts(p.decoding, speculative):
@@ -403,7 +404,7 @@ class JobRun:
                 auto.could_not_start(str(e))  # auto's own choice, not the user's: the job goes on without it
                 speculative = None
                 continue
-            stats.grammar = stats.grammar or getattr(getattr(engine, "choice", None), "summary", "")
+            stats.grammar = stats.grammar or (engine.choice.summary if engine.choice else "")
             if reused:
                 stats.note = stats.note or "ran on the previous pass's engine (no second engine start)"
             else:
@@ -414,10 +415,10 @@ class JobRun:
             switch = threading.Event()
             try:
                 # itertools.chain, not a generator: a dead engine's stream must not close `feed` as it goes.
-                t0, steps0, wanted = time.monotonic(), getattr(engine, "steps", 0), "stay"
+                t0, steps0, wanted = time.monotonic(), engine.steps, "stay"
 
                 def measure() -> None:  # this engine's decoding so far, as auto's measurement of its choice
-                    auto.measure(time.monotonic() - t0, getattr(engine, "steps", 0) - steps0,
+                    auto.measure(time.monotonic() - t0, engine.steps - steps0,
                                  engine.stats() if speculative else None)
 
                 for gen in engine.stream(chain(retry, feed), _Either(self.stop, switch) if auto else self.stop):
@@ -433,7 +434,7 @@ class JobRun:
                         measure()
                     stats.auto = [auto.report()]
                 if wanted != "stay" and not self.stop.is_set():  # auto tries (or goes back to) the other choice
-                    speculative, retry = wanted, list(getattr(engine, "unfinished", []))
+                    speculative, retry = wanted, list(engine.unfinished)
                     continue
                 break
             except EngineDied as died:

@@ -10,6 +10,7 @@ import string
 import tomllib
 import types
 import typing
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,15 +29,14 @@ META_COLUMNS = ("_pass", "_finish_reason", "_prompt_tokens", "_output_tokens")
 # Columns batchjson writes next to the id and pass-through columns (output, rejects, re-queue).
 WRITTEN_COLUMNS = frozenset({"json", "reason", "detail", "raw_text", "prompt", *META_COLUMNS})
 # The default loop guard of both passes (vLLM's RepetitionDetectionParams): stop a row once the tail of its output
-# is a pattern of 8 to 64 tokens repeated 3 times. Chosen on an H200 over 1,800 greedy outputs of three extraction
-# tasks (BENCHMARKS.md, "GPU-seconds per valid row"): it stopped 1,089 of 1,180 looping rows and none of the 620
-# valid ones. A short loop ("1.1.1.") is also a repeat of 8+ tokens, so min_pattern_size 8 still catches it, while
+# is a pattern of 8 to 64 tokens repeated 3 times: of the candidates measured on three extraction tasks, it stopped
+# nearly every looping row and no valid one (BENCHMARKS.md, "Loop guard: which `repetition_detection`"). A short loop ("1.1.1.") is also a repeat of 8+ tokens, so min_pattern_size 8 still catches it, while
 # legitimate short repeats (the digits of 10000) are left alone.
 LOOP_GUARD = {"max_pattern_size": 64, "min_pattern_size": 8, "min_count": 3}
 # The default for a schema that bounds every array (maxItems) and every string (maxLength, enum or const): the
 # grammar ends such outputs by itself, and a row that fills an array with the same item is often right elsewhere.
-# There LOOP_GUARD stopped 278 of 599 valid rows of task A, this one 55 (BENCHMARKS.md, "GPU-seconds per valid
-# row"); on the sample job it kept 81 of 120 vendors right, against 57 with LOOP_GUARD.
+# There LOOP_GUARD stops many valid rows and this one few, and it keeps more of the sample job's answers right
+# (BENCHMARKS.md, "Loop guard: which `repetition_detection`", "Bounded schemas get a lighter default").
 LOOP_GUARD_BOUNDED = {"max_pattern_size": 16, "min_pattern_size": 2, "min_count": 4}
 
 
@@ -145,12 +145,6 @@ class ModelSpec:
     """Forbid whitespace between JSON tokens. Small models otherwise pad with spaces until max_tokens."""
     max_in_flight: int = 256
     """Requests kept inside the engine at once; the engine is refilled as each one finishes."""
-    parallel_grammar: bool = False
-    """Under speculation, fill the grammar's token masks of a step on several threads, one request per thread at a
-    time (vLLM fills them one after the other). Outputs are identical either way. Off by default: on an H200 vLLM's
-    own fill was a small share of a speculative step, and the threaded fill ran at 0.72-0.99x the output tokens/s of
-    vLLM's at 1 to 512 requests in flight (BENCHMARKS.md, "The parallel grammar masks, on and off in one call"). Known
-    vLLM versions only (0.26, 0.32): on another the run warns."""
     engine: dict = field(default_factory=dict)
     """Any other vllm.LLM keyword argument, passed through unchanged (e.g. gpu_memory_utilization)."""
     replicas: int | None = None
@@ -281,7 +275,6 @@ class JobSpec:
             d.pop(k)
         d["model"].pop("max_in_flight")
         d["model"].pop("replicas")  # where decoding runs does not change what a run writes
-        d["model"].pop("parallel_grammar")  # the same outputs either way: a resumed run may switch it
         # The model's schema counts (schema_doc), not where the class lives: a model moved out of a notebook into
         # a module keeps its job's hash.
         d["schema"].pop("pydantic")
@@ -317,6 +310,23 @@ def _coerce(value: Any, hint: Any, key: str) -> Any:
     ok = isinstance(value, hint) and not (hint is int and isinstance(value, bool))
     _require(ok, f"{key} must be {hint.__name__}, got {type(value).__name__} {value!r}.")
     return value
+
+
+# Keys that earlier releases took and that changed only speed, never what a run writes: a spec that still sets one
+# runs, with a warning to delete the line (a nightly job should not stop over a knob that had no effect on results).
+REMOVED_KEYS = {
+    "model": {"parallel_grammar": "the threaded grammar masks were removed: they ran no faster than vLLM's own "
+                                  '(BENCHMARKS.md, "The parallel grammar masks, on and off in one call")'},
+}
+
+
+def _without_removed(table: Any, section: str) -> Any:
+    if not isinstance(table, dict):
+        return table
+    for key, why in REMOVED_KEYS.get(section, {}).items():
+        if key in table:
+            warnings.warn(f"{section}.{key} is ignored: {why}. Delete the line from the spec.", stacklevel=3)
+    return {k: v for k, v in table.items() if k not in REMOVED_KEYS.get(section, {})}
 
 
 def _build(cls: type, table: Any, section: str, **defaults: Any) -> Any:
@@ -444,7 +454,7 @@ def parse_spec(doc: dict, base: Path, source: str = "") -> JobSpec:
         table = {**table, "pydantic": pydantic_model.reference(model_class)}
     schema = _build(SchemaSpec, table, "schema")
     out = _build(OutputSpec, doc.get("output", {}), "output")
-    model = _build(ModelSpec, doc.get("model", {}), "model")
+    model = _build(ModelSpec, _without_removed(doc.get("model", {}), "model"), "model")
     spec = JobSpec(
         input=dataclasses.replace(inp, path=_resolve(base, inp.path)),
         prompt=_build(PromptSpec, doc["prompt"], "prompt"),

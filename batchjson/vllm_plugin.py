@@ -2,9 +2,8 @@
 engine processes of a batchjson run die with the runner, whatever kills it.
 
 Without it, a runner killed by SIGKILL or the OOM killer leaves vLLM's engine process alive, holding gigabytes
-of memory (GPU memory on a GPU) until someone finds it. It also installs, in those processes, the changes to
-vLLM's internals in vllm_patches.py that the run asks for by environment (the parallel grammar bitmask, step
-profiling). Does nothing outside a batchjson run, nor in the runner process itself.
+of memory (GPU memory on a GPU) until someone finds it. It also installs, in those processes, the step profiler
+of vllm_patches.py when the run asks for it by environment (BATCHJSON_PROFILE_STEPS). Does nothing outside a batchjson run, nor in the runner process itself.
 
 Forked engine processes. vLLM loads general plugins once per process (vllm/plugins/__init__.py, 0.26.0: the
 `plugins_loaded` flag, lines 33 and 82-85): the runner loads them first (EngineArgs.__post_init__,

@@ -38,6 +38,9 @@ class Budget:
         return self.deadline - time.monotonic() if self.deadline else float("inf")
 
 
+FAILED: list[str] = []  # the runs of this invocation that failed: the command then exits 1
+
+
 def run_worker(kind: str, sc: dict, timeout: float, out: Path, budget: Budget, min_s: float = 20) -> dict:
     """Run one scenario in a fresh process group; a timeout kills the group (the engine core with it)."""
     timeout = min(timeout, budget.left() - 5)
@@ -77,6 +80,7 @@ def run_worker(kind: str, sc: dict, timeout: float, out: Path, budget: Budget, m
     res |= {"label": label, "worker_wall_s": wall}
     print(f"[bench] {label}: {'FAILED ' + res['error'] if 'error' in res else 'done'} in {wall}s", flush=True)
     if "error" in res:
+        FAILED.append(f"{label}: {res['error']}")
         with open(log) as f:
             f.seek(start)
             print("".join(f.readlines()[-25:]), flush=True)
@@ -437,7 +441,7 @@ def main() -> int:
     o.add_argument("--fail-kinds", default="repetition", help="failures to cycle: repetition, length, schema")
     o.add_argument("--max-in-flight", type=int, default=256)
     o.add_argument("--timeout", type=float, default=300)
-    o.add_argument("--what-if", default="", help="also run with proposed runner changes patched in: rs_validator,lean_tally,cached_columns")
+    o.add_argument("--what-if", default="", help="also run with proposed runner changes patched in: rs_validator,cached_columns")
 
     g = add("gpu", "the whole GPU plan: compare, sweep, scale, within --budget")
     g.add_argument("--model", default="default")
@@ -468,6 +472,9 @@ def main() -> int:
         args, out, budget)
     print(f"\n# bench {args.mode} finished in {time.monotonic() - t0:.0f}s; results in {out}\n", flush=True)
     print("\n\n".join(lines), flush=True)
+    if FAILED:
+        print(f"\n# {len(FAILED)} run(s) failed (see {out / 'workers.log'}):\n  " + "\n  ".join(FAILED), flush=True)
+        return 1
     return 0
 
 

@@ -1,8 +1,8 @@
 """batchjson's own cost per row, outside the engine: run_job against an in-process fake engine (no vLLM).
 
-The fake implements batchjson.engine.Engine (stream, stats, close), keeps max_in_flight prompts
-buffered as the real engine does, and answers with canned outputs: a share of pass-1 rows fail (schema errors
-and truncations, as SmolLM2 does on the sample task) so pass 2's re-queue paths run too.
+The engine is batchjson's fake one (batchjson/fake_engine.py): it keeps max_in_flight prompts buffered as the real
+engine does, and answers with canned outputs: a fixed share of pass-1 rows fail (loops, schema errors and
+truncations, as SmolLM2 does on the sample task) so pass 2's re-queue paths run too.
 """
 
 from __future__ import annotations
@@ -13,9 +13,11 @@ import io
 import pstats
 import resource
 import time
-from collections import deque
 
 from common import MB, Clock, build_spec
+
+from batchjson.engine import EngineWrapper
+from batchjson.fake_engine import Answer, FakeEngine
 
 VALID = [
     '{"vendor":"PixelPro Devices","currency":"USD","category":"hardware","total":16160.27,"items":[{"description":'
@@ -28,6 +30,10 @@ VALID = [
 ]
 SCHEMA_BAD = '{"vendor":"Staple & Co","currency":"JPY","category":"office","total":87.5,"items":[]}'
 TRUNCATED = '{"vendor":"Datavault SaaS","currency":"USD","category":"software","total":12.0,"items":[{"description":"API'
+# The failures the fake cycles over: "repetition" (vLLM stopped a looping row: what SmolLM2's pass-1 failures were on
+# the H200, 11% of rows), "length" (truncated) and "schema" (valid JSON, wrong values).
+FAILURES = {"repetition": Answer(TRUNCATED, "repetition", 43), "length": Answer(TRUNCATED, "length", 320),
+            "schema": Answer(SCHEMA_BAD, "stop", 40)}
 
 
 def _rss() -> int:
@@ -35,71 +41,49 @@ def _rss() -> int:
         return int(f.read().split()[1]) * resource.getpagesize()
 
 
-class FakeEngine:
-    """An Engine that costs next to nothing: canned outputs, a share of them failing, RSS sampled as it goes.
+def chat_frame(system: str) -> tuple[str, str]:
+    return f"<|im_start|>system\n{system}<|im_end|>\n<|im_start|>user\n", "<|im_end|>\n<|im_start|>assistant\n"
 
-    `fail_kinds` cycles over the failures: "repetition" (vLLM stopped a looping row: what SmolLM2's pass-1
-    failures were on the H200, 11% of rows), "length" (truncated) and "schema" (valid JSON, wrong values).
-    """
 
-    def __init__(self, max_in_flight: int, fail_rate: float, rss_every: int = 10_000, log: list | None = None,
-                 tag: str = "pass1", fail_kinds: tuple[str, ...] = ("repetition",)):
-        self.max_in_flight, self.fail_per_100, self.rss_every = max_in_flight, round(fail_rate * 100), rss_every
-        self.log, self.tag, self.fail_kinds = (log if log is not None else []), tag, fail_kinds
-        self.n = 0
+def fake_engine(max_in_flight: int, fail_rate: float, kinds: tuple[str, ...]) -> FakeEngine:
+    """batchjson's fake engine with the sample task's answers: a fixed share of them failing, `kinds` in turn."""
+    return FakeEngine(1 - fail_rate, max_in_flight=max_in_flight, cycle=True, prompt_tokens=300,
+                      answers=[Answer(v, "stop", 90) for v in VALID], failures=[FAILURES[k] for k in kinds])
 
-    @staticmethod
-    def chat_frame(system: str) -> tuple[str, str]:
-        return f"<|im_start|>system\n{system}<|im_end|>\n<|im_start|>user\n", "<|im_end|>\n<|im_start|>assistant\n"
 
-    def _answer(self, prompt):
-        from batchjson.records import Generation
+class SampledEngine(EngineWrapper):
+    """The fake engine, with the runner's RSS sampled every `every` answers and at the end of each stream."""
 
-        self.n += 1
-        if self.n % self.rss_every == 0:
-            self.log.append((self.tag, self.n, _rss()))
-        slot = self.n % 100
-        if slot < self.fail_per_100:
-            kind = self.fail_kinds[slot % len(self.fail_kinds)]
-            if kind == "length":
-                return Generation(prompt, TRUNCATED, "length", 300, 320)
-            if kind == "repetition":
-                return Generation(prompt, TRUNCATED, "repetition", 300, 43)
-            return Generation(prompt, SCHEMA_BAD, "stop", 300, 40)
-        return Generation(prompt, VALID[self.n % 3], "stop", 300, 90)
+    def __init__(self, inner: FakeEngine, log: list, tag: str, every: int = 10_000):
+        super().__init__(inner)
+        self.log, self.tag, self.every = log, tag, every
 
     def stream(self, prompts, stop=None):
-        window = deque()
-        for p in prompts:
-            if stop is not None and stop.is_set():
-                return
-            window.append(p)
-            if len(window) >= self.max_in_flight:
-                yield self._answer(window.popleft())
-        while window:
-            yield self._answer(window.popleft())
-        self.log.append((f"{self.tag}-end", self.n, _rss()))
-
-    def stats(self) -> dict[str, float]:
-        return {}
-
-    def close(self) -> None:
-        pass
+        for gen in self.inner.stream(prompts, stop):
+            if self.inner.answered % self.every == 0:
+                self.log.append((self.tag, self.inner.answered, _rss()))
+            yield gen
+        self.log.append((f"{self.tag}-end", self.inner.answered, _rss()))
 
 
 # Stages of the run, as (file suffix, function): disjoint, so their cumulative times add up.
 STAGES = {
-    "read input (ParquetSource.units)": [("batchjson/source.py", "units")],
+    "read input (ParquetSource.unit)": [("batchjson/source.py", "unit")],
     "render prompts (Renderer.render)": [("batchjson/prompts.py", "render")],
     "validate (Validator.check)": [("batchjson/validate.py", "check"), ("bench/overhead.py", "check")],
     "build Arrow tables (PartSink.valid/rejected)": [("batchjson/sink.py", "valid"), ("batchjson/sink.py", "rejected")],
     "write Parquet parts (Storage._write)": [("batchjson/storage.py", "_write")],
-    "commit records (Storage.commit/done)": [("batchjson/storage.py", "commit"), ("batchjson/storage.py", "done")],
+    "commit records (Storage.begin/_publish/done, write_json)": [
+        ("batchjson/storage.py", "begin"), ("batchjson/storage.py", "_publish"), ("batchjson/storage.py", "done"),
+        ("batchjson/location.py", "write_json")],
     "pass-2 re-read (JobRun._requeued)": [("batchjson/run.py", "_requeued")],
-    "report tally (re-read all outputs)": [("batchjson/report.py", "tally")],
+    "exactly-once check (verify.verify)": [("batchjson/verify.py", "verify")],
+    "report tally (RunReport.tally)": [("batchjson/report.py", "tally")],
     "source.check (footers)": [("batchjson/source.py", "check")],
+    "load the tokenizer (prompts.chat_frame)": [("batchjson/prompts.py", "chat_frame")],
     "progress bar (tqdm.update)": [("tqdm/std.py", "update")],
-    "fake engine (own time)": [("bench/overhead.py", "stream"), ("bench/overhead.py", "_answer")],
+    "fake engine (own time)": [("batchjson/fake_engine.py", "stream"), ("batchjson/fake_engine.py", "answer"),
+                               ("bench/overhead.py", "stream")],
 }
 
 
@@ -126,7 +110,7 @@ def _fake_cost(rows: int, max_in_flight: int, fail_rate: float, kinds: tuple[str
     from batchjson.records import Prompt
 
     prompts = [Prompt(f"r{i}", "u", "text") for i in range(rows)]
-    fake = FakeEngine(max_in_flight, fail_rate, fail_kinds=kinds)
+    fake = SampledEngine(fake_engine(max_in_flight, fail_rate, kinds), [], "cost")
     t = time.process_time()
     for _ in fake.stream(iter(prompts)):
         pass
@@ -148,6 +132,7 @@ def micro(spec) -> dict:
     import orjson
     import pyarrow as pa
 
+    from batchjson.location import Location
     from batchjson.prompts import Renderer
     from batchjson.records import Generation, Prompt
     from batchjson.sink import PartSink
@@ -167,7 +152,7 @@ def micro(spec) -> dict:
         out["jsonschema_is_valid_us"] = _per_call(lambda: v._validator.is_valid(value), 3000)
     source = ParquetSource(spec.input, spec.prompt.columns)
     unit = next(source.read(source.plan()[:1]))
-    renderer = Renderer(spec.prompt, FakeEngine.chat_frame(spec.prompt.system),
+    renderer = Renderer(spec.prompt, chat_frame(spec.prompt.system),
                         spec.input.id_column, spec.input.passthrough)
     n = unit.batch.num_rows
     out["render_us_per_row"] = round(_per_call(lambda: list(renderer.render(unit)), 200) / n, 2)
@@ -178,7 +163,7 @@ def micro(spec) -> dict:
     out["build_table_us_per_row"] = round(_per_call(lambda: sink.valid(outcomes, 1), 200) / n, 2)
     table = sink.valid(outcomes, 1)
     with tempfile.TemporaryDirectory() as d:
-        target = Path(d) / "p.parquet"
+        target = Location.of(Path(d) / "p.parquet")
         out["write_part_us_per_unit"] = _per_call(lambda: Storage(Path(d))._write(table, target), 200)
         names = iter(range(10**9))  # a new file each time: creating a marker is what the ledger does per unit
         out["create_marker_us"] = _per_call(lambda: (Path(d) / f"m{next(names)}").touch(), 2000)
@@ -190,7 +175,6 @@ def what_if(changes: list[str]) -> None:
     """Patch batchjson in this worker process only, to measure a proposed runner change before anyone makes it.
 
     rs_validator: decide validity with jsonschema-rs (compiled, Rust); keep jsonschema only to explain failures.
-    lean_tally: count the report's columns one part file at a time instead of one dataset over all files.
     cached_columns: parse the prompt template's placeholders once (PromptSpec.columns is a property that
     re-parses the template for every row Renderer.render formats).
     """
@@ -223,22 +207,6 @@ def what_if(changes: list[str]) -> None:
             return Outcome(gen, value=value) if fast.is_valid(value) else slow(self, gen)
 
         Validator.check = check
-    if "lean_tally" in changes:
-        from collections import Counter
-
-        import pyarrow.compute as pc
-        import pyarrow.parquet as pq
-
-        from batchjson import report
-
-        def count(folder, column):
-            out = Counter()
-            for f in sorted(folder.glob("*.parquet")):
-                for v in pc.value_counts(pq.read_table(f, columns=[column]).column(0)).to_pylist():
-                    out[v["values"]] += v["counts"]
-            return out
-
-        report._count = count
 
 
 def run_overhead(sc: dict) -> dict:
@@ -251,23 +219,29 @@ def run_overhead(sc: dict) -> dict:
 
     def factory(spec_, decoding, speculative):
         second = decoding is spec_.fallback
-        return FakeEngine(spec_.model.max_in_flight, 0.0 if second else fail_rate, log=log,
-                          tag="pass2" if second else "pass1", fail_kinds=kinds)
+        return SampledEngine(fake_engine(spec_.model.max_in_flight, 0.0 if second else fail_rate, kinds), log,
+                             "pass2" if second else "pass1")
 
-    # Where the end of a run spends memory: RSS around the report's tally (it re-reads every part file).
+    # Where the end of a run spends memory: RSS around the report's tally (over the commit records).
     from batchjson.report import RunReport
 
     real_tally, tally = RunReport.tally, {}
 
-    def timed_tally(self):
+    def timed_tally(self, *args):
         tally["rss_before_mb"] = round(_rss() / MB, 1)
         tally["peak_before_mb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
         with Clock() as c:
-            real_tally(self)
+            real_tally(self, *args)
         tally.update(rss_after_mb=round(_rss() / MB, 1), wall_s=round(c.wall, 3), cpu_s=round(c.cpu, 3),
                      peak_after_mb=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1))
 
     RunReport.tally = timed_tally
+    # The run loads the model's tokenizer for its chat frame; importing transformers for that (seconds, once per
+    # process) is not a cost per row, so it happens here, before the clock.
+    from batchjson.engine import resolve_model
+    from batchjson.prompts import chat_frame as load_chat_frame
+
+    load_chat_frame(resolve_model(spec.model.path), spec.prompt.system)
     gc.collect()
     rss0 = _rss()
     prof = cProfile.Profile() if sc.get("profile") else None

@@ -1,14 +1,12 @@
 """Where a speculative step's time goes under a JSON-schema grammar: one method, one in-flight size, one run.
 
-    python bench/spec_profile.py --model /tmp/models/smollm2 --method ngram --in-flight 1,8,32,128,512 --parallel on
-    python bench/spec_profile.py --model /tmp/models/smollm2 --method ngram --in-flight 1,8,32,128,512 --parallel off
+    python bench/spec_profile.py --model /tmp/models/smollm2 --method ngram --in-flight 1,8,32,128,512
     python bench/spec_profile.py --model /tmp/models/smollm2 --shape llama-8b --method ngram --in-flight 1,8,32
 
 Starts one engine (batchjson's VllmEngine: the task's bounded JSON Schema, the default loop guard, greedy) and runs
 each in-flight size in turn on it (waves x size rows of a bench/tasks.py task), with the step profiler on
-(BATCHJSON_PROFILE_STEPS) and the
-parallel grammar bitmask on or off (BATCHJSON_PARALLEL_BITMASK): both are installed by batchjson's vLLM plugin in
-the engine processes, so batchjson must be installed (pip install -e .) where this runs. Prints one JSON object
+(BATCHJSON_PROFILE_STEPS), which batchjson's vLLM plugin installs in the engine processes, so batchjson must be
+installed (pip install -e .) where this runs. Prints one JSON object
 (also written to --out): wall seconds, output tokens/s, acceptance, mean accepted draft tokens per request-step,
 engine steps and the per-part profile (count, total s, ms per step).
 
@@ -32,7 +30,7 @@ from pathlib import Path
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
 
 import tasks  # noqa: E402
-from batchjson.vllm_patches import DUMP_EVERY_S, ENV_PARALLEL, ENV_PROFILE, ENV_PROFILE_SYNC, read_profile  # noqa: E402
+from batchjson.vllm_patches import DUMP_EVERY_S, ENV_PROFILE, ENV_PROFILE_SYNC, read_profile  # noqa: E402
 
 LLAMA_8B = {"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
             "num_key_value_heads": 8, "head_dim": 128, "rope_theta": 500000.0}
@@ -95,9 +93,8 @@ def measure(args, profile: Path) -> list[dict]:
         draft_model=(args.draft_model or model) if args.method == "draft_model" else None)
     decoding = DecodingSpec(temperature=0.0, max_tokens=args.max_tokens, repetition_detection=dict(LOOP_GUARD_BOUNDED))
     started = time.perf_counter()
-    # The engine sets the plugin's switch from [model] parallel_grammar ("check" stays as the environment says).
-    engine = VllmEngine(ModelSpec(path=model, max_in_flight=max(sizes), engine=engine_kwargs,
-                                  parallel_grammar=args.parallel != "off"), decoding, schema, spec if spec.enabled else None)
+    engine = VllmEngine(ModelSpec(path=model, max_in_flight=max(sizes), engine=engine_kwargs), decoding, schema,
+                        spec if spec.enabled else None)
     start_s = time.perf_counter() - started
     tok = engine.llm.get_tokenizer()
     texts = [tok.apply_chat_template([{"role": "system", "content": task["system"]},
@@ -117,7 +114,7 @@ def measure(args, profile: Path) -> list[dict]:
         valid = sum(validator.check(g).ok for g in gens)
         steps = prof["steps"] or 1
         out.append({"method": args.method, "k": args.k if spec.enabled else 0, "shape": args.shape or "", "task": args.task,
-                    "parallel": args.parallel, "in_flight": size, "rows": count, "wall_s": round(wall, 3),
+                    "in_flight": size, "rows": count, "wall_s": round(wall, 3),
                     "output_tokens": tokens, "output_tokens_per_s": round(tokens / wall, 1), "valid": valid,
                     "acceptance": round(accepted / drafted, 3) if drafted else None,
                     "accepted_per_draft": round(accepted / drafts, 3) if drafts else None,
@@ -143,8 +140,6 @@ def main() -> None:
     ap.add_argument("--task", default="A", choices=sorted(tasks.TASKS))
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-tokens", type=int, default=256)
-    ap.add_argument("--parallel", choices=("on", "off", "check"), default="on",
-                    help="the parallel grammar bitmask (check: also run vLLM's own each step and count differences)")
     ap.add_argument("--shape", choices=sorted(SHAPES), help="a random-weight model of this shape instead of --model")
     ap.add_argument("--profile-sync", choices=("on", "off"), default="on",
                     help="wait for the GPU around model-runner parts (on: per-part times are real, overlap is lost)")
@@ -156,7 +151,6 @@ def main() -> None:
                  "pip install --no-deps -e .")
     profile = Path(tempfile.mkdtemp(prefix="spec-profile-")) / "profile.json"
     os.environ.update({"BATCHJSON_RUNNER_PID": str(os.getpid()), ENV_PROFILE: str(profile),
-                       ENV_PARALLEL: {"on": "1", "off": "0", "check": "check"}[args.parallel],
                        ENV_PROFILE_SYNC: "1" if args.profile_sync == "on" else "0"})
     try:
         sizes, error = measure(args, profile), None
@@ -168,12 +162,9 @@ def main() -> None:
     try:
         prof = read_profile(profile)
     except (OSError, ValueError, KeyError) as e:
-        prof = {"parallel_bitmask": {}, "patches": {}, "errors": [f"no profile file {profile}: {e}"]}
+        prof = {"patches": {}, "errors": [f"no profile file {profile}: {e}"]}
     result = {"settings": {k: str(v) for k, v in vars(args).items()}, "sizes": sizes,
-              "parallel_bitmask": prof["parallel_bitmask"], "patches": prof["patches"], "profile_errors": prof["errors"]}
-    state = prof["parallel_bitmask"].get("state")
-    if not error and args.method != "none" and state and (state == "off") != (args.parallel == "off"):
-        error = f"--parallel {args.parallel} asked, but the engine's parallel bitmask was {state}"
+              "patches": prof["patches"], "profile_errors": prof["errors"]}
     if error:
         result["error"] = error
     text = json.dumps(result, indent=1)

@@ -14,6 +14,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from batchjson.engine import EngineWrapper
+
 # Keep vLLM's caches, its ZMQ sockets and the converted default model out of the home folder.
 SCRATCH = Path(os.environ.get("BATCHJSON_TEST_SCRATCH", Path(tempfile.gettempdir()) / "batchjson-tests"))
 for var, sub in (("VLLM_CACHE_ROOT", "vllm"), ("TORCHINDUCTOR_CACHE_DIR", "inductor"), ("HF_HOME", "hf"),
@@ -119,12 +121,8 @@ class SharedEngines:
             engine.close()
 
 
-class _Borrowed:
-    def __init__(self, engine):
-        self._engine = engine
-
-    def __getattr__(self, name):
-        return getattr(self._engine, name)
+class _Borrowed(EngineWrapper):
+    """A shared engine lent to one run: the run's close leaves it open."""
 
     def close(self):
         pass

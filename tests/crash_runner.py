@@ -8,18 +8,17 @@ import os
 import signal
 import sys
 
+from batchjson.engine import EngineWrapper
 from batchjson.run import run_job, vllm_engine
 from batchjson.spec import load_spec
 
 
-class KillAfter:
+class KillAfter(EngineWrapper):
     """The real engine; the process group is killed once `n` results have been handed to the runner."""
 
     def __init__(self, inner, n):
-        self.inner, self.n = inner, n
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
+        super().__init__(inner)
+        self.n = n
 
     def stream(self, prompts, stop=None):
         for i, gen in enumerate(self.inner.stream(prompts, stop), 1):

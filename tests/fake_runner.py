@@ -10,9 +10,9 @@ import signal
 import sys
 
 from batchjson import storage
+from batchjson.fake_engine import FakeEngines
 from batchjson.run import run_job
 from batchjson.spec import load_spec, parse_shard
-from fake_engine import FakeEngines
 
 
 def main():

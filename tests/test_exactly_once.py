@@ -1,7 +1,7 @@
 """Exactly once, attacked: kills at every step of the commit protocol, odd ids, inputs that change between runs,
 folders that overlap, concurrent runs, and user mistakes that must end in a message (exit 2), not a traceback.
 
-The engine here is the fake one (tests/fake_engine.py): outcomes are random, so a redone unit differs."""
+The engine here is the fake one (batchjson/fake_engine.py): outcomes are random, so a redone unit differs."""
 
 from __future__ import annotations
 
@@ -21,13 +21,14 @@ import pytest
 from click.testing import CliRunner
 
 from batchjson.cli import main
+from batchjson.engine import EngineWrapper
 from batchjson.errors import EngineError, OutputError, SpecError
+from batchjson.fake_engine import FakeEngine, FakeEngines
 from batchjson.run import run_job
 from batchjson.spec import load_spec
 from batchjson.storage import Storage
 from batchjson.verify import verify_job
 from conftest import write_job, write_rows
-from fake_engine import FakeEngine, FakeEngines
 from test_run import assert_exactly_once, ids_of
 
 HERE = Path(__file__).parent
@@ -282,17 +283,14 @@ def test_a_stop_never_starts_an_engine(tmp_path, tiny_model):
     engines = FakeEngines()
     runner = None
 
+    class SignalledEngine(EngineWrapper):
+        def stream(self, prompts, stop=None):
+            stop.set()  # the signal arrived...
+            yield from self.inner.stream(prompts)  # ...and the engine dies of it
+
     def factory(*args):
         engines(*args)
-        engine = FakeEngine(die_after=2)
-        inner = engine.stream
-
-        def stream(prompts, stop=None):
-            stop.set()  # the signal arrived...
-            yield from inner(prompts)  # ...and the engine dies of it
-
-        engine.stream = stream
-        return engine
+        return SignalledEngine(FakeEngine(die_after=2))
 
     from batchjson.run import JobRun
 

@@ -20,12 +20,12 @@ from pyarrow import fs
 
 from batchjson.cli import main
 from batchjson.errors import OutputError
+from batchjson.fake_engine import FakeEngines
 from batchjson.run import run_job
 from batchjson.spec import load_spec, with_input
 from batchjson.storage import Lease
 from batchjson.verify import verify_job
 from conftest import write_job, write_rows
-from fake_engine import FakeEngines
 from test_exactly_once import ENV, HERE
 
 LEASE = 3.0  # seconds: the lease expiry of the runs these tests kill

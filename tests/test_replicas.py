@@ -1,6 +1,6 @@
 """Several engine replicas on one queue (local processes): every unit once, whoever dies.
 
-The engine is the fake one (tests/fake_engine.py) except where marked `engine`."""
+The engine is the fake one (batchjson/fake_engine.py) except where marked `engine`."""
 
 from __future__ import annotations
 
@@ -16,10 +16,10 @@ from pathlib import Path
 import psutil
 import pytest
 
+from batchjson.fake_engine import FakeEngines
 from batchjson.run import run_job
 from batchjson.spec import load_spec
 from conftest import write_job, write_rows
-from fake_engine import FakeEngines
 from test_run import assert_exactly_once, ids_of
 
 HERE = Path(__file__).parent
@@ -48,11 +48,8 @@ def test_a_slow_replica_does_not_hold_the_others_up(tmp_path, tiny_model):
     """Pull, not a static split: the fast replica takes most units while the slow one decodes."""
     write_rows(tmp_path / "in.parquet", 200)
     job = write_job(tmp_path, tiny_model, tmp_path / "in.parquet", batch_size=4)
-    os.environ["FAKE_SLOW_SLOT"] = "1"
-    try:
-        report = run_job(load_spec(job), replicas=2, progress=False, engine_factory=FakeEngines(valid=1.0, delay=0.01))
-    finally:
-        del os.environ["FAKE_SLOW_SLOT"]
+    engines = FakeEngines(valid=1.0, delay=0.01, slow_replica=1)
+    report = run_job(load_spec(job), replicas=2, progress=False, engine_factory=engines)
     by_replica = collections.Counter(r["replica"] for r in records(tmp_path / "out"))
     assert by_replica[0] > 3 * by_replica[1], by_replica
     assert report.verified["ok"] and report.verified["complete"]

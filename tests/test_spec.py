@@ -339,3 +339,10 @@ def test_pydantic_is_one_of_the_schema_sources(tmp_path):
     with pytest.raises(SpecError, match=r"exactly one of path, inline, pydantic or json_object = true, got "
                                         r"\['inline', 'pydantic'\]"):
         load_spec(spec_file(tmp_path, BASE + 'pydantic = "a:B"\n'))
+
+
+def test_a_removed_key_is_ignored_with_a_warning_to_delete_it(tmp_path):
+    plain = load_spec(spec_file(tmp_path, BASE + "[model]\nmax_in_flight = 8\n"))
+    with pytest.warns(UserWarning, match=r"model.parallel_grammar is ignored: .* Delete the line"):
+        old = load_spec(spec_file(tmp_path, BASE + "[model]\nmax_in_flight = 8\nparallel_grammar = true\n"))
+    assert old == plain and old.hash() == plain.hash()  # a run started before the upgrade resumes

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 
 from batchjson import speculation
+from batchjson.fake_engine import FakeEngines
 from batchjson.run import run_job
 from batchjson.spec import SpeculativeSpec, load_spec
 from conftest import write_job, write_rows  # noqa: E402
-from fake_engine import FakeEngines
 from test_run import assert_exactly_once
 
 AUTO = SpeculativeSpec(method="auto")

@@ -7,7 +7,9 @@ arctic-inference 0.3.0 is on PyPI as a source archive only, and its setup.py wan
 build time (for CUDA ops and an embedding server that vLLM never uses) and registers a vLLM plugin. vLLM's
 suffix proposer imports `arctic_inference.suffix_decoding.SuffixDecodingCache` and nothing else, so this
 builds only that: the C++ suffix tree (csrc/suffix_decoding, nanobind) plus the two Python files over it,
-with no plugin entry point, as version `0.3.0+suffix`. It needs g++ (C++20) and nothing from CUDA or torch.
+with no plugin entry point, as version `0.3.0+suffix`. It needs g++ (C++20) and nothing from CUDA or torch, except
+that pip reads the sdist's metadata by running its setup.py, which imports torch: that step runs on a Python with
+torch (this one, or the project's .venv).
 
 `--abi3` builds against Python's stable ABI for 3.12 (nanobind's STABLE_ABI mode: Py_LIMITED_API=0x030C0000),
 so one build serves every CPython from 3.12 on without a 3.12 interpreter here. The stable-ABI headers come
@@ -32,17 +34,34 @@ ABI3_DEB = "libpython3.13-dev"
 ABI3_SUITE = "trixie"
 
 
+def has_torch(python: str) -> bool:
+    return subprocess.run([python, "-c", "import importlib.util, sys; sys.exit(not importlib.util.find_spec('torch'))"],
+                          capture_output=True).returncode == 0
+
+
+def metadata_python() -> str:
+    """A Python that can prepare the sdist's metadata: its setup.py imports torch. This one if it has torch, else the
+    project's .venv (pip download only runs it there; nothing is installed), else none: say how to get one."""
+    venv = Path(__file__).resolve().parents[2] / ".venv" / "bin" / "python"
+    for python in (sys.executable, str(venv)):
+        if Path(python).exists() and has_torch(python):
+            return python
+    sys.exit(f"arctic_wheel.py: arctic-inference {VERSION}'s setup.py imports torch even to read its metadata, and "
+             f"neither {sys.executable} nor {venv} has torch. Create the project's .venv (README.md), or run this "
+             "script with a Python that has torch.")
+
+
 def download(cache: Path) -> tuple[Path, Path]:
     """The sdist unpacked and nanobind unpacked, downloaded once into `cache`."""
     src, nb = cache / f"arctic_inference-{VERSION}", cache / f"nanobind-{NANOBIND}"
-    pip = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", str(cache)]
+    pip = ["-m", "pip", "download", "-q", "--no-deps", "-d", str(cache)]
     if not src.is_dir():
         # --no-build-isolation: pip prepares the sdist's metadata, which would otherwise install torch.
-        subprocess.run(pip + ["--no-binary", ":all:", "--no-build-isolation", f"arctic-inference=={VERSION}"],
-                       check=True)
+        subprocess.run([metadata_python(), *pip, "--no-binary", ":all:", "--no-build-isolation",
+                        f"arctic-inference=={VERSION}"], check=True)
         shutil.unpack_archive(cache / f"arctic_inference-{VERSION}.tar.gz", cache)
     if not nb.is_dir():
-        subprocess.run(pip + ["--only-binary", ":all:", f"nanobind=={NANOBIND}"], check=True)
+        subprocess.run([sys.executable, *pip, "--only-binary", ":all:", f"nanobind=={NANOBIND}"], check=True)
         zipfile.ZipFile(cache / f"nanobind-{NANOBIND}-py3-none-any.whl").extractall(nb)
     return src, nb / "nanobind"
 

@@ -3,10 +3,10 @@
 #   export PYTHONPATH=/tmp/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1):
 #   bash bench/gpu/profile_session.sh OUT_DIR [BUDGET_S]
 # PLAN=profile (the default):
-#   GPU 0: SmolLM2, task A: none, ngram k=4 (parallel bitmask on), ngram k=4 (off), suffix k=8, one after the other.
+#   GPU 0: SmolLM2, task A: none, ngram k=4, suffix k=8, one after the other.
 #   GPU 1, meanwhile: the Llama-3-8B shape (random weights, SmolLM2's tokenizer): none, ngram k=4, draft_model k=4.
-# PLAN=tasks: the same three SmolLM2 runs on each GPU, task TASK0 (B) on GPU 0 and TASK1 (C) on GPU 1: none,
-#   suffix k=8 with vLLM's grammar masks, suffix k=8 with the parallel masks.
+# PLAN=tasks: the same two SmolLM2 runs on each GPU, task TASK0 (B) on GPU 0 and TASK1 (C) on GPU 1: none and
+#   suffix k=8.
 # Each bench/spec_profile.py call runs under its own `timeout` (a share of BUDGET_S, default 480), writes
 # OUT_DIR/<name>.json and OUT_DIR/<name>.log (stderr); at the end a table of every JSON, the errors the profile
 # files recorded, and the tail of each failed log.
@@ -49,9 +49,8 @@ run_one() {
 }
 
 lane0() {
-    run_one "$GPU0" 4 smollm2-none --model "$MODEL" --method none --in-flight "$SIZES"
-    run_one "$GPU0" 3 smollm2-ngram4-par --model "$MODEL" --method ngram --k 4 --parallel on --in-flight "$SIZES"
-    run_one "$GPU0" 2 smollm2-ngram4-serial --model "$MODEL" --method ngram --k 4 --parallel off --in-flight "$SIZES"
+    run_one "$GPU0" 3 smollm2-none --model "$MODEL" --method none --in-flight "$SIZES"
+    run_one "$GPU0" 2 smollm2-ngram4 --model "$MODEL" --method ngram --k 4 --in-flight "$SIZES"
     run_one "$GPU0" 1 smollm2-suffix8 --model "$MODEL" --method suffix --k 8 --in-flight "$SIZES"
 }
 lane1() {
@@ -63,9 +62,8 @@ lane1() {
 
 tasks_lane() {
     local gpu=$1 task=$2
-    run_one "$gpu" 3 "$task-none" --model "$MODEL" --method none --in-flight "$SIZES"
-    run_one "$gpu" 2 "$task-suffix8" --model "$MODEL" --method suffix --k 8 --parallel off --in-flight "$SIZES"
-    run_one "$gpu" 1 "$task-suffix8-par" --model "$MODEL" --method suffix --k 8 --parallel on --in-flight "$SIZES"
+    run_one "$gpu" 2 "$task-none" --model "$MODEL" --method none --in-flight "$SIZES"
+    run_one "$gpu" 1 "$task-suffix8" --model "$MODEL" --method suffix --k 8 --in-flight "$SIZES"
 }
 if [ "$PLAN" = tasks ]; then
     lane0() { tasks_lane "$GPU0" "$TASK0"; }
@@ -91,7 +89,7 @@ for rc_file in sorted(out.glob("*.rc")):
     data = json.loads(js.read_text()) if js.exists() else {}
     for s in data.get("sizes", []):
         top = sorted(s["parts_ms_per_step"].items(), key=lambda kv: -kv[1])[:4]
-        rows.append((name, f"{s['method']}{s['k'] or ''}{'' if s['parallel'] == 'on' else '/' + s['parallel']}",
+        rows.append((name, f"{s['method']}{s['k'] or ''}",
                      s["shape"] or "-", str(s["in_flight"]), f"{s['output_tokens_per_s']:.0f}",
                      "-" if s["acceptance"] is None else f"{s['acceptance']:.2f}", f"{s['tokens_per_step']:.2f}",
                      f"{s['ms_per_step']:.2f}", " ".join(f"{k}={v:.2f}" for k, v in top)))

@@ -1,0 +1,74 @@
+"""The Engine contract (engine.py) and the fake engine that implements it without a model (fake_engine.py)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from batchjson.engine import Engine, EngineWrapper
+from batchjson.errors import EngineDied
+from batchjson.fake_engine import FakeEngine
+from batchjson.records import WAIT, Prompt
+
+
+def prompts(n: int) -> list[Prompt]:
+    return [Prompt(f"r{i}", "u", "text") for i in range(n)]
+
+
+def test_an_engine_that_misses_a_method_cannot_be_made():
+    class NoStats(Engine):
+        def accepts(self, decoding, speculative):
+            return True
+
+        def use(self, decoding):
+            pass
+
+        def stream(self, prompts, stop=None):
+            yield from ()
+
+        def close(self):
+            pass
+
+    with pytest.raises(TypeError, match="stats"):
+        NoStats()
+    assert isinstance(FakeEngine(), Engine) and isinstance(EngineWrapper(FakeEngine()), Engine)
+
+
+def test_every_prompt_is_answered_once_even_with_prompts_in_flight():
+    engine = FakeEngine(valid=1.0, max_in_flight=4)
+    got = [g.prompt.row_id for g in engine.stream([*prompts(3), WAIT, *prompts(9)[3:]])]
+    assert got == [f"r{i}" for i in range(9)] and engine.unfinished == []
+
+
+def test_a_stop_leaves_what_was_in_flight_in_unfinished():
+    engine, stop = FakeEngine(max_in_flight=3), threading.Event()
+    stream = engine.stream(prompts(10), stop)
+    assert next(stream).prompt.row_id == "r0"
+    stop.set()
+    assert list(stream) == []
+    assert [p.row_id for p in engine.unfinished] == ["r1", "r2", "r3"]
+
+
+def test_a_dying_engine_returns_its_prompts_in_flight():
+    engine = FakeEngine(die_after=2, max_in_flight=2)
+    with pytest.raises(EngineDied) as died:
+        list(engine.stream(prompts(5)))
+    assert [p.row_id for p in died.value.in_flight] == ["r1", "r2"]
+
+
+def test_a_cycle_fails_the_same_share_every_run():
+    engine = FakeEngine(valid=0.89, cycle=True)
+    reasons = [g.finish_reason for g in engine.stream(prompts(1000))]
+    assert reasons.count("stop") + reasons.count("length") == 1000
+    valid = sum(g.text.startswith('{"name":"ab","n"') for g in FakeEngine(valid=0.89, cycle=True).stream(prompts(1000)))
+    assert valid == 890
+
+
+def test_a_speculative_engine_accepts_only_speculative_passes():
+    from batchjson.spec import DecodingSpec, SpeculativeSpec
+
+    spec = SpeculativeSpec(method="ngram")
+    assert FakeEngine(speculative=True).accepts(DecodingSpec(), spec)
+    assert not FakeEngine(speculative=True).accepts(DecodingSpec(), None)
+    assert FakeEngine().accepts(DecodingSpec(), None) and not FakeEngine().accepts(DecodingSpec(), spec)
