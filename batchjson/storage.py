@@ -468,8 +468,9 @@ class Storage:
     def recover(self) -> None:
         """Roll forward units committed by a run that was killed before it published their files."""
         for folder in {self.output, self.rejects, self.requeue_dir}:
-            for legacy in folder.glob(".*.parquet"):  # staged by a version before STAGED: DuckDB reads these
-                legacy.move(legacy.with_name(f"{legacy.name}{STAGED}"))
+            for legacy in folder.glob(".*.parquet"):  # staged by a version before STAGED (DuckDB reads these)
+                if not legacy.with_name(legacy.name[1:]).exists():  # beside its published part it is a copy
+                    legacy.move(legacy.with_name(f"{legacy.name}{STAGED}"))
             for hidden in folder.glob(f".*.parquet{STAGED}"):
                 name = hidden.name[1:-len(STAGED)]
                 if folder == self.requeue_dir:

@@ -17,7 +17,7 @@ from click.testing import CliRunner
 from pyarrow import fs
 
 from conftest import SCRATCH, write_job, write_rows
-from fake_engine import FakeEngines
+from batchjson.fake_engine import FakeEngines
 
 # Airflow reads its configuration once, on import: point it at a throwaway home first, as dlt's Airflow tests do.
 # dag.test() runs only DAGs that its dags folder holds, so the example DAG file is copied there.
