@@ -408,10 +408,11 @@ class JobRun:
             if reused:
                 stats.note = stats.note or "ran on the previous pass's engine (no second engine start)"
             else:
+                start_s = time.monotonic() - t0
                 stats.engine_starts += 1
-                stats.engine_start_s += time.monotonic() - t0
+                stats.engine_start_s += start_s
                 if auto:
-                    auto.started(time.monotonic() - t0)
+                    auto.started(start_s)
             switch = threading.Event()
             try:
                 # itertools.chain, not a generator: a dead engine's stream must not close `feed` as it goes.
