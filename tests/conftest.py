@@ -3,6 +3,7 @@ and small jobs written as real TOML and Parquet files."""
 
 from __future__ import annotations
 
+import faulthandler
 import importlib
 import json
 import os
@@ -87,6 +88,12 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "engine: starts the real vLLM engine (slow)")
 
 
+def pytest_unconfigure(config):
+    """After the last test: should the interpreter hang on its way out (a child process joined at exit, a thread
+    that never ends), print every thread's stack and exit 1 within five minutes rather than stall the caller."""
+    faulthandler.dump_traceback_later(300, exit=True)
+
+
 @pytest.fixture(scope="session")
 def tiny_model() -> str:
     """Path of a tiny random Llama that vLLM loads (BATCHJSON_TEST_MODEL overrides it)."""
@@ -100,32 +107,56 @@ def tiny_model() -> str:
 class SharedEngines:
     """An engine factory for run_job that starts each distinct engine configuration once per test session.
 
-    Tests close nothing: the session closes every engine at its end.
+    Tests close nothing: the session closes every engine at its end. At most MAX_IDLE engines stay open while no
+    run uses them (the least recently used is closed first): each holds an engine process with its KV cache, and
+    a session that kept every configuration open ran a small machine out of memory.
     """
 
+    MAX_IDLE = 2
+
     def __init__(self):
-        self.engines = {}
+        self.engines = {}  # key -> engine, least recently used first
+        self.lent = {}  # key -> how many runs hold it now
         self.starts = 0
 
     def __call__(self, spec, decoding, speculative):
         from batchjson.engine import VllmEngine
 
         key = repr((spec.model, decoding, speculative, json.dumps(spec.schema_doc, sort_keys=True)))
-        if key not in self.engines:
+        engine = self.engines.pop(key, None)
+        if engine is None:
+            self._evict(keep=self.MAX_IDLE - 1)
             self.starts += 1
-            self.engines[key] = VllmEngine(spec.model, decoding, spec.schema_doc, speculative)
-        return _Borrowed(self.engines[key])
+            engine = VllmEngine(spec.model, decoding, spec.schema_doc, speculative)
+        self.engines[key] = engine
+        self.lent[key] = self.lent.get(key, 0) + 1
+        return _Borrowed(engine, lambda: self._give_back(key))
+
+    def _give_back(self, key):
+        self.lent[key] -= 1
+
+    def _evict(self, keep):
+        idle = [key for key in self.engines if not self.lent.get(key)]
+        for key in idle[:max(0, len(idle) - keep)]:
+            self.engines.pop(key).close()
 
     def close(self):
         for engine in self.engines.values():
             engine.close()
+        self.engines.clear()
 
 
 class _Borrowed(EngineWrapper):
-    """A shared engine lent to one run: the run's close leaves it open."""
+    """A shared engine lent to one run: the run's close gives it back and leaves it open."""
+
+    def __init__(self, inner, give_back):
+        super().__init__(inner)
+        self._give_back = give_back
 
     def close(self):
-        pass
+        if self._give_back is not None:
+            self._give_back, give_back = None, self._give_back
+            give_back()
 
 
 @pytest.fixture(scope="session")

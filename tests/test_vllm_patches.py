@@ -4,7 +4,9 @@ the plugin itself in a forked engine process."""
 from __future__ import annotations
 
 import json
-import os
+import subprocess
+import sys
+import textwrap
 
 import pytest
 
@@ -40,24 +42,30 @@ def test_step_profiler_times_each_part_of_a_speculative_step(tiny_model, monkeyp
         assert got["parts"][part]["count"] > 0 and got["parts"][part]["seconds"] > 0, part
 
 
-def test_plugin_runs_again_in_a_forked_engine_process(monkeypatch):
+def test_plugin_runs_again_in_a_forked_engine_process():
     """On CUDA vLLM forks its engine process from the runner, whose vllm.plugins.plugins_loaded is already True:
-    the runner's at-fork hook clears it in the child, so vLLM loads the plugin there."""
-    import vllm.plugins
+    the runner's at-fork hook clears it in the child, so vLLM loads the plugin there. The runner is a fresh
+    Python, as a user's is: forking this many-threaded test process could hang in another library's fork hook."""
+    runner = textwrap.dedent("""
+        import os
+        import vllm.plugins
+        from batchjson import vllm_plugin
 
-    from batchjson import vllm_plugin
-
-    monkeypatch.setenv("BATCHJSON_RUNNER_PID", str(os.getpid()))
-    monkeypatch.setattr(vllm.plugins, "plugins_loaded", True)
-    vllm_plugin.register()  # the runner: nothing but the hook
-    assert vllm.plugins.plugins_loaded
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        os.write(w, b"0" if vllm.plugins.plugins_loaded else b"1")
-        os._exit(0)
-    os.waitpid(pid, 0)
-    assert os.read(r, 1) == b"1"
+        os.environ["BATCHJSON_RUNNER_PID"] = str(os.getpid())
+        vllm.plugins.plugins_loaded = True
+        vllm_plugin.register()  # the runner: nothing but the hook
+        assert vllm.plugins.plugins_loaded
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            os.write(w, b"0" if vllm.plugins.plugins_loaded else b"1")
+            os._exit(0)
+        os.waitpid(pid, 0)
+        print("child loads plugins:", os.read(r, 1) == b"1")
+    """)
+    done = subprocess.run([sys.executable, "-c", runner], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "child loads plugins: True" in done.stdout
 
 
 def test_profiler_records_skips_and_errors(monkeypatch, tmp_path):
