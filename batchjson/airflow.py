@@ -56,7 +56,7 @@ class BatchJsonOperator(BaseOperator):
     def execute(self, context):
         # Imported here, not at the top: the DAG processor parses DAG files often and needs none of this.
         from batchjson.errors import BatchjsonError
-        from batchjson.run import run_job
+        from batchjson.job import run_job
         from batchjson.spec import load_spec, parse_shard, with_input
 
         shard = parse_shard(self.shard)
@@ -85,7 +85,7 @@ class BatchJsonOperator(BaseOperator):
         """Run fresh into a hidden sibling of the partition, then swap it in (Storage.swap_in says what readers see
         meanwhile, locally and on object storage)."""
         from batchjson.errors import SpecError
-        from batchjson.run import run_job
+        from batchjson.job import run_job
         from batchjson.storage import Storage
 
         if shard != (0, 1):

@@ -17,7 +17,7 @@ from batchjson.spec import JobSpec, load_spec, parse_shard, parse_spec, with_inp
 
 if TYPE_CHECKING:  # imported where used: the CLI imports this module, and `batchjson --help` needs no pyarrow
     from batchjson.report import RunReport
-    from batchjson.run import EngineFactory
+    from batchjson.job import EngineFactory
     from batchjson.verify import Verdict
 
 
@@ -51,7 +51,7 @@ def run_job(job: JobSpec, output: str | None = None, *, input_path: str | None =
     on a terminal only). `engine_factory(spec, decoding, speculative)` makes the engines (default: vLLM), each an
     `engine.Engine`, for tests that share engines or fake one (`batchjson.fake_engine.FakeEngines()` answers
     without a model)."""
-    from batchjson import run
+    from batchjson import job as run
 
     try:
         shards = parse_shard(shard)

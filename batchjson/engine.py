@@ -15,6 +15,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from batchjson import vllm_patches
 from batchjson.errors import EngineDied, EngineError
 from batchjson.grammar import Choice, choose
 from batchjson.records import WAIT, Generation, Prompt
@@ -41,11 +42,13 @@ class Engine(ABC):
 
     @abstractmethod
     def accepts(self, decoding: DecodingSpec, speculative: SpeculativeSpec | None) -> bool:
-        """Whether a pass with these settings can run on this engine without a restart."""
+        """Whether a pass with these settings can run on this engine without a restart. `speculative` None on a
+        speculative engine: whether its requests can be decoded without a draft (see `use`)."""
 
     @abstractmethod
-    def use(self, decoding: DecodingSpec) -> None:
-        """Decode the next streams with these sampling settings."""
+    def use(self, decoding: DecodingSpec, stage: str = "p1", draft: bool = True) -> None:
+        """Decode prompts of `stage` (Prompt.stage) with these sampling settings from now on, and on a speculative
+        engine with drafts or without (`draft`), so that both passes share one engine."""
 
     @abstractmethod
     def stream(self, prompts: Iterable[Prompt], stop: threading.Event | None = None) -> Iterator[Generation]:
@@ -76,8 +79,8 @@ class EngineWrapper(Engine):
     def accepts(self, decoding: DecodingSpec, speculative: SpeculativeSpec | None) -> bool:
         return self.inner.accepts(decoding, speculative)
 
-    def use(self, decoding: DecodingSpec) -> None:
-        self.inner.use(decoding)
+    def use(self, decoding: DecodingSpec, stage: str = "p1", draft: bool = True) -> None:
+        self.inner.use(decoding, stage, draft)
 
     def stream(self, prompts: Iterable[Prompt], stop: threading.Event | None = None) -> Iterator[Generation]:
         return self.inner.stream(prompts, stop)
@@ -245,6 +248,9 @@ class VllmEngine(Engine):
         self._constraint = (StructuredOutputsParams(json=self.choice.grammar_schema) if schema is not None
                             else StructuredOutputsParams(json_object=True))
         self._sampling = vllm.SamplingParams
+        self.params: dict[str, Any] = {}  # stage -> SamplingParams
+        # Requests without a draft on a speculative engine (pass 2): through batchjson's scheduler patch.
+        self.no_draft = self.speculative is not None and vllm_patches.no_draft_ready()
         self.use(decoding)
         # Engine processes started from here die with this process, however it dies (see vllm_plugin.py).
         os.environ["BATCHJSON_RUNNER_PID"] = str(os.getpid())
@@ -264,16 +270,21 @@ class VllmEngine(Engine):
                          self._model.disable_any_whitespace).backend
         wanted = speculative if speculative is not None and speculative.enabled else None
         seed_ok = not self._cpu or decoding.seed is None or decoding.seed == self.seed
-        return backend == self.backend and wanted == self.speculative and seed_ok
+        draft_ok = wanted == self.speculative or (wanted is None and self.no_draft)
+        return backend == self.backend and draft_ok and seed_ok
 
-    def use(self, decoding: DecodingSpec) -> None:
-        """Decode the next streams with these sampling settings (per request: no engine restart)."""
+    def use(self, decoding: DecodingSpec, stage: str = "p1", draft: bool = True) -> None:
+        """Decode prompts of `stage` with these sampling settings (per request: no engine restart)."""
+        if not draft and self.speculative is not None and not self.no_draft:
+            raise EngineError("[internal] this engine cannot decode requests without a draft")
+        extra = {vllm_patches.NO_DRAFT: True} if not draft and self.speculative is not None else None
         try:
-            self.params = self._sampling(
+            self.params[stage] = self._sampling(
                 temperature=decoding.temperature, top_p=decoding.top_p, max_tokens=decoding.max_tokens,
                 repetition_penalty=decoding.repetition_penalty, frequency_penalty=decoding.frequency_penalty,
                 presence_penalty=decoding.presence_penalty, seed=None if self._cpu else decoding.seed, n=decoding.n,
-                structured_outputs=self._constraint, **self._repetition(decoding.repetition_detection))
+                structured_outputs=self._constraint, extra_args=extra,
+                **self._repetition(decoding.repetition_detection))
         except (TypeError, *self._refused) as e:
             raise EngineError(f"vLLM refuses these sampling settings: {e}. Fix [sampling] or [fallback].") from None
 
@@ -301,7 +312,7 @@ class VllmEngine(Engine):
     def _probe(self, backend: str) -> None:
         """Fail at start, not on every row, when the grammar backend cannot take the schema."""
         try:
-            (request_id,) = self.llm.enqueue("{", self.params, use_tqdm=False)
+            (request_id,) = self.llm.enqueue("{", self.params["p1"], use_tqdm=False)
         except self._refused as e:
             self.close()
             raise EngineError(f"the {backend} structured-output backend cannot use this JSON Schema: {e}. "
@@ -369,7 +380,7 @@ class VllmEngine(Engine):
                     break
                 in_flight["adding"] = prompt  # a dying engine fails this call: the prompt goes back too
                 try:
-                    (request_id,) = self.llm.enqueue(prompt.text, self.params, use_tqdm=False)
+                    (request_id,) = self.llm.enqueue(prompt.text, self.params[prompt.stage], use_tqdm=False)
                 except self._dead:
                     raise
                 except self._refused as e:

@@ -13,7 +13,7 @@ import os
 import random
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -43,27 +43,33 @@ class FakeEngine(Engine):
 
     `max_in_flight` prompts are held before the first answer, as the real engine keeps them in flight (1: answer
     each prompt as it arrives). After `die_after` prompts the engine dies (EngineDied with the prompts in flight).
-    `speculative`: the engine runs with speculation (it accepts only passes that ask for it).
+    `speculative`: the engine runs with speculation (it accepts only passes that ask for it, and, with `no_draft`,
+    passes without it, whose prompts it then answers without a draft: `drafted` counts prompts per stage that got
+    drafts).
     """
 
     def __init__(self, valid: float = 0.6, *, seed: int | None = None, delay: float = 0.0,
                  die_after: int | None = None, speculative: bool = False, max_in_flight: int = 1,
                  cycle: bool = False, answers: Sequence[Answer] = ANSWERS, failures: Sequence[Answer] = FAILURES,
-                 prompt_tokens: int = 10):
+                 prompt_tokens: int = 10, no_draft: bool = True):
         self.rng = random.Random(seed)
         self.valid, self.delay, self.die_after, self.speculative = valid, delay, die_after, speculative
         self.max_in_flight, self.cycle, self.prompt_tokens = max(1, max_in_flight), cycle, prompt_tokens
         self.answers, self.failures = tuple(answers), tuple(failures)
         self.unfinished: list[Prompt] = []
-        self.decoding: DecodingSpec | None = None
+        self.no_draft = no_draft
+        self.decoding: dict[str, DecodingSpec] = {}
+        self.draft: dict[str, bool] = {}
+        self.drafted: Counter = Counter()  # stage -> prompts answered with drafts
+        self.stages: Counter = Counter()  # stage -> prompts answered
         self.answered = 0
         self.closed = False
 
     def accepts(self, decoding: DecodingSpec, speculative: SpeculativeSpec | None) -> bool:
-        return (speculative is not None) == self.speculative
+        return (speculative is not None) == self.speculative or (speculative is None and self.no_draft)
 
-    def use(self, decoding: DecodingSpec) -> None:
-        self.decoding = decoding
+    def use(self, decoding: DecodingSpec, stage: str = "p1", draft: bool = True) -> None:
+        self.decoding[stage], self.draft[stage] = decoding, draft and self.speculative
 
     def stream(self, prompts: Iterable[Prompt], stop: threading.Event | None = None) -> Iterator[Generation]:
         stop = stop or threading.Event()
@@ -98,6 +104,9 @@ class FakeEngine(Engine):
             time.sleep(self.delay)
         self.answered += 1
         n = self.answered
+        self.stages[prompt.stage] += 1
+        if self.draft.get(prompt.stage):
+            self.drafted[prompt.stage] += 1
         if self.cycle:
             slot = n % 100
             failed = slot < round((1 - self.valid) * 100)
@@ -129,7 +138,9 @@ class FakeEngines:
                  slow_replica: int | None = None, **kwargs):
         self.start_delay, self.start_marker, self.spec_delay = start_delay, start_marker, spec_delay
         self.slow_replica, self.kwargs = slow_replica, kwargs
+        self.no_draft = kwargs.get("no_draft", True)  # the worker asks before it starts an engine
         self.started: list[tuple[DecodingSpec, SpeculativeSpec | None]] = []
+        self.engines: list[FakeEngine] = []  # in this process (a replica's are in its own)
 
     def __call__(self, spec, decoding: DecodingSpec, speculative: SpeculativeSpec | None) -> FakeEngine:
         if self.start_marker:
@@ -141,4 +152,5 @@ class FakeEngines:
         if self.slow_replica is not None and os.environ.get("BATCHJSON_REPLICA") == str(self.slow_replica):
             kwargs["delay"] = kwargs.get("delay", 0) * 50
         self.started.append((decoding, speculative))
-        return FakeEngine(speculative=speculative is not None, **kwargs)
+        self.engines.append(FakeEngine(speculative=speculative is not None, **kwargs))
+        return self.engines[-1]

@@ -16,12 +16,14 @@ Reason = Literal["truncated", "repetition", "json_parse", "schema", "engine_erro
 
 @dataclass(slots=True)
 class Prompt:
-    """One row on its way to the engine: its id, the unit of work it belongs to, and the chat-rendered text."""
+    """One row on its way to the engine: its id, the unit of work it belongs to, the chat-rendered text, and the
+    pass it is in ("p1", or "p2" for a row that failed pass 1): the engine decodes it with that pass's settings."""
 
     row_id: str
     unit: str
     text: str
     extra: dict[str, Any] = field(default_factory=dict)  # pass-through column values
+    stage: str = "p1"
 
 
 @dataclass(slots=True)

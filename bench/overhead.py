@@ -210,7 +210,7 @@ def what_if(changes: list[str]) -> None:
 
 
 def run_overhead(sc: dict) -> dict:
-    from batchjson.run import run_job
+    from batchjson.job import run_job
 
     spec = build_spec(sc)
     what_if(sc.get("what_if", []))

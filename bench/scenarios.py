@@ -225,7 +225,7 @@ def batchjson_side(sc: dict) -> dict:
     _env()
     import vllm
 
-    from batchjson.run import run_job, vllm_engine
+    from batchjson.job import run_job, vllm_engine
 
     seen_kwargs: list[dict] = []
     real_init = vllm.LLM.__init__

@@ -9,7 +9,7 @@ import signal
 import sys
 
 from batchjson.engine import EngineWrapper
-from batchjson.run import run_job, vllm_engine
+from batchjson.job import run_job, vllm_engine
 from batchjson.spec import load_spec
 
 

@@ -11,7 +11,7 @@ import sys
 
 from batchjson import storage
 from batchjson.fake_engine import FakeEngines
-from batchjson.run import run_job
+from batchjson.job import run_job
 from batchjson.spec import load_spec, parse_shard
 
 

@@ -171,7 +171,7 @@ def test_mapped_shards_write_exactly_the_rows_of_one_run(env):
 @pytest.fixture
 def fake_engine(monkeypatch):
     """The operator's runs decode with the fake engine (tests/fake_engine.py); all else is batchjson's own."""
-    from batchjson import run as runs
+    from batchjson import job as runs
 
     real = runs.run_job
     monkeypatch.setattr(runs, "run_job", lambda spec, output=None, **kwargs: real(

@@ -24,7 +24,7 @@ from batchjson.cli import main
 from batchjson.engine import EngineWrapper
 from batchjson.errors import EngineError, OutputError, SpecError
 from batchjson.fake_engine import FakeEngine, FakeEngines
-from batchjson.run import run_job
+from batchjson.job import run_job
 from batchjson.spec import load_spec
 from batchjson.storage import Storage
 from batchjson.verify import verify_job
@@ -292,7 +292,7 @@ def test_a_stop_never_starts_an_engine(tmp_path, tiny_model):
         engines(*args)
         return SignalledEngine(FakeEngine(die_after=2))
 
-    from batchjson.run import JobRun
+    from batchjson.job import JobRun
 
     runner = JobRun(load_spec(job), engine_factory=factory, progress=False)
     report = runner.run()

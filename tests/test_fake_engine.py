@@ -65,10 +65,16 @@ def test_a_cycle_fails_the_same_share_every_run():
     assert valid == 890
 
 
-def test_a_speculative_engine_accepts_only_speculative_passes():
+def test_a_speculative_engine_takes_passes_without_a_draft_only_where_it_can_skip_drafts():
     from batchjson.spec import DecodingSpec, SpeculativeSpec
 
     spec = SpeculativeSpec(method="ngram")
     assert FakeEngine(speculative=True).accepts(DecodingSpec(), spec)
-    assert not FakeEngine(speculative=True).accepts(DecodingSpec(), None)
+    assert FakeEngine(speculative=True).accepts(DecodingSpec(), None)  # per-request no-draft (vLLM with the patch)
+    assert not FakeEngine(speculative=True, no_draft=False).accepts(DecodingSpec(), None)
     assert FakeEngine().accepts(DecodingSpec(), None) and not FakeEngine().accepts(DecodingSpec(), spec)
+    engine = FakeEngine(speculative=True)
+    engine.use(DecodingSpec(), "p1")
+    engine.use(DecodingSpec(max_tokens=9), "p2", draft=False)
+    list(engine.stream([Prompt("a", "u", "x"), Prompt("b", "u", "y", stage="p2")]))
+    assert engine.stages == {"p1": 1, "p2": 1} and engine.drafted == {"p1": 1}

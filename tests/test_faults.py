@@ -21,7 +21,7 @@ from batchjson import location
 from batchjson.engine import VllmEngine
 from batchjson.errors import EngineError, InputError, OutputError, ResumeConflict
 from batchjson.storage import Storage
-from batchjson.run import run_job
+from batchjson.job import run_job
 from batchjson.spec import load_spec
 from conftest import write_job, write_rows
 from test_run import assert_exactly_once, ids_of

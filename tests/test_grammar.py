@@ -71,7 +71,7 @@ def test_array_root_runs_on_the_auto_backend(tmp_path, tiny_model, engines):
     """A non-object root through the real engine: every output is an array of the enum, in the typed value column."""
     import pyarrow.dataset as ds
 
-    from batchjson.run import run_job
+    from batchjson.job import run_job
     from batchjson.spec import load_spec
     from conftest import write_job, write_rows
 
@@ -93,7 +93,7 @@ def test_a_schema_referring_to_a_sibling_file_runs(tmp_path, tiny_model, engines
 
     import pyarrow.dataset as ds
 
-    from batchjson.run import run_job
+    from batchjson.job import run_job
     from batchjson.spec import load_spec
     from conftest import write_job, write_rows
 

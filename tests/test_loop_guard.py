@@ -5,7 +5,7 @@ from __future__ import annotations
 import pyarrow.dataset as ds
 import pytest
 
-from batchjson.run import run_job
+from batchjson.job import run_job
 from batchjson.spec import LOOP_GUARD, LOOP_GUARD_BOUNDED, load_spec
 from conftest import write_job, write_rows
 

@@ -17,7 +17,7 @@ import psutil
 import pytest
 
 from batchjson.fake_engine import FakeEngines
-from batchjson.run import run_job
+from batchjson.job import run_job
 from batchjson.spec import load_spec
 from conftest import write_job, write_rows
 from test_run import assert_exactly_once, ids_of

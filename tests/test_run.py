@@ -9,7 +9,7 @@ import pyarrow.dataset as ds
 import pytest
 
 from batchjson.records import Reason
-from batchjson.run import run_job
+from batchjson.job import run_job
 from batchjson.spec import load_spec
 from conftest import write_job, write_rows
 
@@ -75,7 +75,7 @@ def test_rerun_resumes_without_redoing_or_duplicating(tmp_path, tiny_model, engi
 
 def test_pass_two_reuses_the_engine_when_its_settings_allow(tmp_path, tiny_model):
     """No speculation in pass 1: the fallback's sampling is per request, so no second engine start."""
-    from batchjson.run import vllm_engine
+    from batchjson.job import vllm_engine
 
     write_rows(tmp_path / "in.parquet", 12)
     spec = load_spec(write_job(tmp_path, tiny_model, tmp_path / "in.parquet", max_tokens=3, speculative="none"))

@@ -7,7 +7,7 @@ import collections
 import pyarrow.dataset as ds
 import pytest
 
-from batchjson.run import run_job
+from batchjson.job import run_job
 from batchjson.source import ParquetSource
 from batchjson.spec import load_spec
 from conftest import write_job, write_rows

@@ -6,7 +6,7 @@ import pytest
 
 from batchjson import speculation
 from batchjson.fake_engine import FakeEngines
-from batchjson.run import run_job
+from batchjson.job import run_job
 from batchjson.spec import SpeculativeSpec, load_spec
 from conftest import write_job, write_rows  # noqa: E402
 from test_run import assert_exactly_once
@@ -175,13 +175,23 @@ def test_auto_goes_on_without_speculation_when_its_engine_cannot_start(tmp_path,
     assert report.verified["ok"] and report.verified["complete"]
 
 
-@pytest.mark.parametrize("method, starts", [("ngram", 2), ("auto", 1)])
-def test_the_report_counts_engine_starts(tmp_path, tiny_model, method, starts):
-    """A speculative pass 1 makes pass 2 start its own engine; auto's default keeps the run to one start."""
+@pytest.mark.parametrize("method, no_draft, starts", [("ngram", True, 1), ("auto", True, 1), ("ngram", False, 2),
+                                                       ("auto", False, 1)])
+def test_both_passes_share_one_engine_start_and_pass_2_never_drafts(tmp_path, tiny_model, method, no_draft, starts):
+    """Pass 2 runs on pass 1's speculative engine, its requests without a draft; only an engine that cannot skip
+    drafts per request makes pass 2 start its own (and then auto does not speculate at all)."""
     write_rows(tmp_path / "in.parquet", 40)
-    job = write_job(tmp_path, tiny_model, tmp_path / "in.parquet", speculative=method)
-    report = run_job(load_spec(job), engine_factory=FakeEngines(valid=0.5), progress=False).to_dict()
+    job = write_job(tmp_path, tiny_model, tmp_path / "in.parquet", speculative=method, batch_size=4)
+    engines = FakeEngines(valid=0.5, no_draft=no_draft)
+    report = run_job(load_spec(job), engine_factory=engines, progress=False).to_dict()
     assert report["passes"]["pass2"]["rows"] > 0
     assert report["engine_starts"] == starts, report
     assert [report["passes"][p]["engine_starts"] for p in ("pass1", "pass2")] == [1, starts - 1]
     assert report["engine_start_s"] >= 0
+    assert sum(e.stages["p2"] for e in engines.engines) == report["passes"]["pass2"]["rows"]
+    assert sum(e.drafted["p2"] for e in engines.engines) == 0  # the target alone decoded every pass-2 row
+    if method == "ngram":
+        assert sum(e.drafted["p1"] for e in engines.engines) == report["passes"]["pass1"]["rows"]
+    if starts == 1:
+        assert "beside pass 1" in report["passes"]["pass2"]["note"]
+    assert_exactly_once([f"r{i:05d}" for i in range(40)], tmp_path / "out", tmp_path / "out" / "_rejects")

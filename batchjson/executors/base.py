@@ -1,0 +1,219 @@
+"""The driver's queue of units over both passes, and a worker's end of it: every executor hands out work this way.
+
+The driver (job.py) holds a `Queue` of (stage, unit) pairs. A worker asks for work its engine can take; the queue
+hands it one pair, says nothing fits now ("idle"), or that the run is over ("end"). When a unit's pass-1 commit
+lands with rows to redo, its pass-2 pair joins the queue at once: the passes run as a pipeline, with no barrier
+between them. A pass-2 pair is handed out only after its pass-1 commit is accepted, and a pass-1 pair is never
+handed out again after that, so pass 2 always reads the requeue file of the unit's final pass-1 commit.
+
+Messages, worker -> driver: ("want", slot, stages), ("done", slot, stage, key, rows, requeued),
+("stats", slot, {stage: PassStats dict}), ("error", slot, message). Driver -> worker: the queue's replies,
+("unit", stage, key) | ("idle", others) | ("end",).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections import defaultdict, deque
+from collections.abc import Callable, Iterable, Iterator
+
+from batchjson.errors import EngineError
+from batchjson.records import WAIT
+
+# A replica that dies is replaced this many times per slot before the run gives up (its units are kept).
+RESPAWNS_PER_SLOT = 2
+TICK = 0.2  # seconds between the driver's looks at its replicas
+IDLE_POLL = 0.05  # seconds a worker waits before asking again when nothing fits now
+
+Work = tuple[str, str]  # (stage, unit key)
+
+
+class Queue:
+    """Every (stage, unit) pair of the run that is not committed yet: pending, or held by a worker."""
+
+    def __init__(self, todo: dict[str, list[str]], follows: dict[str, str]):
+        self.lock = threading.Lock()
+        self.pending = {stage: deque(keys) for stage, keys in todo.items()}
+        self.left = {(stage, key) for stage, keys in todo.items() for key in keys}
+        self.follows = follows  # stage -> the stage its failed rows go to
+        self.held: dict[int, set[Work]] = defaultdict(set)
+        self.first_handed: dict[str, float] = {}
+        self.last_done: dict[str, float] = {}
+
+    def want(self, slot: int, stages: Iterable[str]) -> tuple:
+        stages = tuple(stages)
+        with self.lock:
+            # A unit's pass 2 before more first passes: it is the older work, and the tail of the run stays short.
+            for stage in sorted(stages, reverse=True):
+                if self.pending.get(stage):
+                    key = self.pending[stage].popleft()
+                    self.held[slot].add((stage, key))
+                    self.first_handed.setdefault(stage, time.monotonic())
+                    return ("unit", stage, key)
+            if not self.left:
+                return ("end",)
+            return ("idle", any(keys for stage, keys in self.pending.items() if stage not in stages))
+
+    def done(self, slot: int, stage: str, key: str, requeued: int) -> bool:
+        """A worker committed (stage, key); False if that was already accepted (the pair was redone)."""
+        with self.lock:
+            self.held[slot].discard((stage, key))
+            if (stage, key) not in self.left:
+                return False
+            self.left.discard((stage, key))
+            self.last_done[stage] = time.monotonic()
+            after = self.follows.get(stage)
+            if requeued and after:
+                self.pending.setdefault(after, deque()).append(key)
+                self.left.add((after, key))
+            return True
+
+    def lost(self, slot: int) -> list[Work]:
+        """A worker died: the pairs it held go back to the front of the queue."""
+        with self.lock:
+            back = sorted(self.held.pop(slot, set()) & self.left, reverse=True)
+            for stage, key in back:
+                self.pending[stage].appendleft(key)
+            return back
+
+    @property
+    def finished(self) -> bool:
+        return not self.left
+
+    def seconds(self, stage: str) -> float:
+        """From the stage's first hand-out to its last accepted commit (passes overlap, so each has its own)."""
+        start, end = self.first_handed.get(stage), self.last_done.get(stage)
+        return round(end - start, 2) if start is not None and end is not None and end >= start else 0.0
+
+
+class Channel:
+    """A worker's end of the queue: work arrives one ahead of need, fetched by a thread, so the engine never waits
+    for the driver while it has work in flight.
+
+    `ask(stages)` sends a want and returns the queue's reply; `send(kind, *payload)` reports to the driver.
+    """
+
+    def __init__(self, slot: int, replicas: int, ask: Callable[[tuple], tuple], send: Callable[..., None]):
+        self.slot, self.replicas, self.ask, self.send = slot, replicas, ask, send
+        self.ended = ""  # how the last `work` ended: "end" (the run is over) or "idle" (other stages have work)
+
+    def work(self, stages: Callable[[], tuple], hold: Callable[[], bool] = lambda: False) -> Iterator[Work]:
+        """(stage, key) pairs of the stages `stages()` names (asked anew each time); WAIT while none is ready. Ends
+        when the run is over, or when nothing fits but other stages have work, or `hold()` (the worker holds work
+        its engine cannot take): then the worker changes engines."""
+        ready: queue.Queue = queue.Queue(maxsize=1)
+
+        def fetch():
+            while True:
+                reply = self.ask(stages())
+                if reply[0] == "idle" and not reply[1] and not hold():
+                    time.sleep(IDLE_POLL)  # nothing for anyone now: units in flight elsewhere may bring some
+                    continue
+                ready.put(reply)
+                if reply[0] != "unit":
+                    return
+
+        threading.Thread(target=fetch, name="batchjson-fetch", daemon=True).start()
+        while True:
+            try:
+                reply = ready.get(timeout=0.002)
+            except queue.Empty:
+                yield WAIT
+                continue
+            if reply[0] != "unit":
+                self.ended = reply[0]
+                return
+            yield reply[1], reply[2]
+
+
+class Pool:
+    """Workers in other processes and their mailboxes; subclasses start them as processes or as Ray actors."""
+
+    def __init__(self, target: Callable, args: tuple, slots: list):
+        self.target, self.args, self.slots = target, args, slots
+        self.respawns = [0] * len(slots)
+        self.live: dict[int, object] = {}
+        self.inboxes: dict[int, object] = {}
+        self.outbox = self._queue()
+        for slot in range(len(slots)):
+            self._spawn(slot)
+
+    def _queue(self): ...
+    def _spawn(self, slot: int) -> None: ...
+    def dead(self) -> list[int]: ...
+    def stop(self) -> None: ...
+    def close(self) -> None: ...
+
+    def replace(self, slot: int) -> bool:
+        """Start a new worker in a dead one's place; False once the slot has used up its respawns."""
+        del self.live[slot]
+        if self.respawns[slot] >= RESPAWNS_PER_SLOT:
+            return False
+        self.respawns[slot] += 1
+        self._spawn(slot)
+        return True
+
+    def put(self, slot: int, message: tuple) -> None:
+        self.inboxes[slot].put(message)
+
+    empty: type[Exception] = queue.Empty
+
+    def get(self, timeout: float):
+        try:
+            return self.outbox.get(timeout=timeout)
+        except self.empty:
+            return None
+
+    def drive(self, work: Queue, stop: threading.Event, on_done: Callable, on_stats: Callable,
+              on_note: Callable[[str, str], None]) -> None:
+        """Serve the workers until every pair is committed and every worker has reported: hand out work, take back
+        a dead worker's pairs (a new worker takes its place). Deaths are noted on the stage of the work they cost
+        (`on_note(stage, text)`)."""
+        reported: set[int] = set()
+        while True:
+            if stop.is_set():
+                self.stop()
+                return
+            for slot in self.dead():
+                lost = work.lost(slot)
+                if slot in reported and not lost:
+                    continue  # it finished and then exited: the end of the run, or a crash after it
+                for stage in sorted({stage for stage, _ in lost}) or ["p1"]:
+                    count = sum(s == stage for s, _ in lost)
+                    on_note(stage, f"replica {slot} died; {count} open unit(s) handed to others")
+                reported.discard(slot)
+                if not self.replace(slot) and not self.live:
+                    raise EngineError(f"every replica died (each slot restarted {RESPAWNS_PER_SLOT} times). "
+                                      "Finished units are kept: rerun the same command to resume.")
+            if work.finished and set(self.live) <= reported:
+                return
+            message = self.get(TICK)
+            if message is None:
+                continue
+            kind, slot, *payload = message
+            if kind == "error":
+                self.stop()
+                raise EngineError(f"replica {slot}: {payload[0]}")
+            if slot not in self.live:
+                continue  # from a worker already replaced: its pairs were handed to others
+            if kind == "want":
+                self.put(slot, work.want(slot, payload[0]))
+            elif kind == "done":
+                stage, key, rows, requeued = payload
+                if work.done(slot, stage, key, requeued):
+                    on_done(stage, key, rows, requeued)
+            elif kind == "stats":
+                reported.add(slot)
+                on_stats(payload[0])
+
+
+def queue_channel(slot: int, replicas: int, inbox, outbox) -> Channel:
+    """A worker's channel over two queues (a local process's or a Ray actor's)."""
+
+    def ask(stages: tuple) -> tuple:
+        outbox.put(("want", slot, stages))
+        return inbox.get()
+
+    return Channel(slot, replicas, ask, lambda kind, *payload: outbox.put((kind, slot, *payload)))

@@ -1,0 +1,189 @@
+"""The driver of a job: check and claim the output folder, plan the units, hand both passes' units to the workers
+(in this process, local processes or Ray actors: one path for all), then verify what readers will read and report.
+
+The order of stages lives here and in worker.py: source -> prompts -> engine -> validate -> tables -> storage, in
+two passes that run as a pipeline, and the exactly-once check that ends every run.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+from tqdm import tqdm
+
+from batchjson.errors import BatchjsonError, SpecError
+from batchjson.executors.base import Queue, queue_channel
+from batchjson.executors.inline import run_inline
+from batchjson.executors.local import local_layout
+from batchjson.report import PassStats, RunReport
+from batchjson.source import ParquetSource
+from batchjson.spec import DecodingSpec, JobSpec, SpeculativeSpec
+from batchjson.storage import Storage
+from batchjson.verify import verify
+from batchjson.worker import EngineFactory, Worker, plan_passes, signals
+
+
+def vllm_engine(spec: JobSpec, decoding: DecodingSpec, speculative: SpeculativeSpec | None):
+    from batchjson.engine import VllmEngine
+
+    return VllmEngine(spec.model, decoding, spec.schema_doc, speculative)
+
+
+class JobRun:
+    """One invocation of a job on one output folder (one shard of it)."""
+
+    def __init__(self, spec: JobSpec, output: str | None = None, *, fresh: bool = False,
+                 shard: tuple[int, int] = (0, 1), engine_factory: EngineFactory = vllm_engine,
+                 progress: bool | None = None, replicas: int | None = None, ray: str | None = None):
+        out = output or spec.output.path
+        if not out:
+            raise SpecError("no output folder: set output.path in the spec or pass --output.")
+        self.spec, self.shard, self.make_engine, self.fresh = spec, shard, engine_factory, fresh
+        self.output, self.ray = out, ray
+        self.replicas = replicas if replicas is not None else spec.model.replicas
+        if self.replicas is not None and self.replicas < 1:
+            raise SpecError(f"replicas must be at least 1, not {self.replicas}.")
+        self.storage = Storage(out, spec.output.rejects or None, shard)
+        self.source = ParquetSource(spec.input, spec.prompt.columns)
+        self.progress = None if progress is None else not progress  # tqdm: None hides the bar off a terminal
+        self.stop = threading.Event()
+        self.owners: dict[str, tuple[str, int]] = {}
+        self.passes = plan_passes(spec)
+
+    def run(self) -> RunReport:
+        started = time.monotonic()
+        input_rows = self.source.check()
+        everything = self.source.plan()
+        mine = self.source.plan(self.shard) if self.shard[1] > 1 else everything
+        self.refs = {r.key: r for r in mine}
+        self.storage.check_paths(self.spec.input.path)
+        scan = self.source.scan()  # a null id fails here, before the output folder is claimed
+        layout = [] if self.ray else local_layout(self.replicas, self.spec.model.engine)
+        storage = self.storage
+        report = RunReport(self.spec.hash(), input_rows, str(storage.output), str(storage.rejects),
+                           max_reject_rate=self.spec.output.max_reject_rate)
+        report.resumed = storage.open(self.spec.hash(), self.spec.fingerprint(), self.spec.output.if_exists, self.fresh)
+        try:
+            with signals(self.stop):
+                storage.check_inputs(scan.fingerprints)
+                for key, why in storage.damaged(list(self.refs), self.spec.input.id_column).items():
+                    storage.drop(key)
+                    report.notes.append(f"unit {key}: {why}; the unit was redone")
+                # A repeated id is processed where it was committed already, else at its first occurrence.
+                self.owners = {row_id: next((p for p in places if storage.done("p1", p[0])), places[0])
+                               for row_id, places in scan.repeated.items()}
+                self._run_passes(report, layout)
+                report.tally(storage.records())
+                verdict = verify(storage, self.source, everything, self.spec.input.id_column)
+                if not self.stop.is_set() and self.shard[1] == 1 and verdict.pending and verdict.ok:
+                    verdict.problems.append(f"[internal] {verdict.pending} units left undone by an uninterrupted run")
+                report.verified = verdict.to_dict()
+                report.verified_summary = verdict.summary()
+        finally:
+            storage.close()
+        report.interrupted = self.stop.is_set()
+        report.seconds = round(time.monotonic() - started, 2)
+        storage.write_report(report.to_dict())
+        return report
+
+    def _todo(self) -> dict[str, list[str]]:
+        """The units each pass has left, found in storage (so a rerun resumes either pass)."""
+        storage = self.storage
+        todo = {"p1": [k for k in self.refs if not storage.done("p1", k)]}
+        if len(self.passes) > 1:
+            todo["p2"] = [k for k in self.refs if storage.requeued(k) and not storage.done("p2", k)]
+        return todo
+
+    def _run_passes(self, report: RunReport, layout: list) -> None:
+        """Both passes through one queue, on this process's engine or on replicas: the same worker body."""
+        todo = self._todo()
+        work = Queue(todo, {"p1": "p2"} if len(self.passes) > 1 else {})
+        if not any(todo.values()):
+            return
+        names = {p.stage: p.name for p in self.passes}
+        stats = {p.stage: PassStats() for p in self.passes}
+        bars: dict[str, tqdm] = {}
+
+        def bar(stage: str) -> tqdm:
+            if stage not in bars:
+                bars[stage] = tqdm(total=0, desc=names[stage], unit="row", disable=self.progress, position=len(bars))
+            return bars[stage]
+
+        bar("p1").total = sum(self.refs[k].rows for k in todo["p1"])
+        if todo.get("p2"):
+            bar("p2").total = sum(self.storage.record("p1", k)["rows"]["requeue"] for k in todo["p2"])
+
+        def on_done(stage: str, key: str, rows: int, requeued: int) -> None:
+            bar(stage).update(rows)
+            if requeued and stage == "p1" and "p2" in names:
+                bar("p2").total += requeued
+                bar("p2").refresh()
+
+        def on_stats(counts: dict) -> None:
+            for stage, d in counts.items():
+                stats[stage].merge(d)
+
+        def on_note(stage: str, text: str) -> None:
+            stats[stage].note = "; ".join(filter(None, (stats[stage].note, text)))
+
+        try:
+            if len(layout) > 1 or self.ray:
+                report.replicas = self._on_replicas(work, layout, on_done, on_stats, on_note)
+            else:
+                worker = Worker(self.spec, self.storage, self.source, self.refs, self.owners, self.make_engine,
+                                self.stop)
+                run_inline(worker.serve, work, on_done, on_stats)
+        finally:
+            for b in bars.values():
+                b.close()
+            for p in self.passes:
+                s = stats[p.stage]
+                if p.stage in work.first_handed or s.rows or s.engine_starts:
+                    s.seconds = work.seconds(p.stage)
+                    s.replicas = report.replicas
+                    report.passes[p.name] = s
+
+    def _on_replicas(self, work: Queue, layout: list, on_done, on_stats, on_note) -> int:
+        """The queue served to engine replicas that pull units from it (executors/local.py, executors/ray.py)."""
+        os.environ["BATCHJSON_RUNNER_PID"] = str(os.getpid())  # local replicas die with this process
+        args = (self.spec, str(self.output), self.shard, self.make_engine, self.owners)
+        if self.ray:
+            from batchjson.executors.ray import ray_pool
+
+            pool = ray_pool(serve_replica, args, self.ray, self.replicas, self.spec.model.engine)
+        else:
+            from batchjson.executors.local import LocalPool
+
+            pool = LocalPool(serve_replica, args, layout)
+        try:
+            pool.drive(work, self.stop, on_done, on_stats, on_note)
+        finally:
+            pool.close()
+        return len(pool.slots)
+
+
+def serve_replica(spec: JobSpec, output: str, shard: tuple[int, int], engine_factory: EngineFactory, owners: dict,
+                  slot: int, count: int, inbox, outbox) -> None:
+    """The body of replica `slot` of `count` (a local process or a Ray actor): a worker on the driver's queue. The
+    driver holds the folder; a replica never claims it."""
+    channel = queue_channel(slot, count, inbox, outbox)
+    os.environ["BATCHJSON_REPLICA"] = str(slot)
+    try:
+        source = ParquetSource(spec.input, spec.prompt.columns)
+        refs = {r.key: r for r in source.plan(shard)}
+        storage = Storage(output, spec.output.rejects or None, shard)
+        stop = threading.Event()
+        with signals(stop):
+            Worker(spec, storage, source, refs, owners, engine_factory, stop, slot=slot, share=count).serve(channel)
+    except BatchjsonError as e:
+        channel.send("error", str(e))
+    except BaseException as e:
+        channel.send("error", f"[internal] {type(e).__name__}: {e}")
+        raise
+
+
+def run_job(spec: JobSpec, output: str | None = None, **kwargs) -> RunReport:
+    """Run (or resume) a job; returns the report, also written to <output>/_report.json."""
+    return JobRun(spec, output, **kwargs).run()
