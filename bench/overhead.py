@@ -72,10 +72,11 @@ STAGES = {
     "render prompts (Renderer.render)": [("batchjson/prompts.py", "render")],
     "validate (Validator.check)": [("batchjson/validate.py", "check"), ("bench/overhead.py", "check")],
     "build Arrow tables (PartSink.valid/rejected)": [("batchjson/sink.py", "valid"), ("batchjson/sink.py", "rejected")],
-    "write Parquet parts (Storage._write)": [("batchjson/storage.py", "_write")],
+    "write Parquet parts (Storage._write)": [("batchjson/storage/folder.py", "_write")],
     "commit records (Storage.begin/_publish/done, write_json)": [
-        ("batchjson/storage.py", "begin"), ("batchjson/storage.py", "_publish"), ("batchjson/storage.py", "done"),
-        ("batchjson/location.py", "write_json")],
+        ("batchjson/storage/folder.py", "begin"), ("batchjson/storage/folder.py", "_publish"),
+        ("batchjson/storage/folder.py", "done"),
+        ("batchjson/storage/location.py", "write_json")],
     "pass-2 re-read (JobRun._requeued)": [("batchjson/run.py", "_requeued")],
     "exactly-once check (verify.verify)": [("batchjson/verify.py", "verify")],
     "report tally (RunReport.tally)": [("batchjson/report.py", "tally")],
@@ -132,11 +133,10 @@ def micro(spec) -> dict:
     import orjson
     import pyarrow as pa
 
-    from batchjson.location import Location
     from batchjson.prompts import Renderer
     from batchjson.records import Generation, Prompt
     from batchjson.sink import PartSink
-    from batchjson.storage import Storage
+    from batchjson.storage import Location, Storage
     from batchjson.source import ParquetSource
     from batchjson.validate import Validator
 

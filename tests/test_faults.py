@@ -17,10 +17,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from batchjson import location
 from batchjson.engine import VllmEngine
 from batchjson.errors import EngineError, InputError, OutputError, ResumeConflict
-from batchjson.storage import Storage
+from batchjson.storage import Storage, location
 from batchjson.run import run_job
 from batchjson.spec import load_spec
 from conftest import write_job, write_rows
