@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from batchjson.errors import EngineDied, EngineError
-from batchjson.grammar import Choice, choose
+from batchjson.schema.grammar import Choice, choose
 from batchjson.records import WAIT, Generation, Prompt
 from batchjson.spec import DecodingSpec, ModelSpec, SpeculativeSpec
 

@@ -29,7 +29,7 @@ from batchjson.source import ParquetSource
 from batchjson.speculation import Auto
 from batchjson.spec import DecodingSpec, JobSpec, SpeculativeSpec
 from batchjson.storage import Stage, Storage
-from batchjson.validate import Validator
+from batchjson.schema.validate import Validator
 from batchjson.verify import verify
 
 # Failures that another pass with the same model cannot fix: they go straight to rejects.

@@ -8,9 +8,9 @@ from urllib.parse import unquote
 
 import pyarrow as pa
 
-from batchjson.grammar import local_refs
 from batchjson.records import Outcome
-from batchjson.spec import META_COLUMNS, is_object_root, root_types
+from batchjson.schema.shape import is_object_root, local_refs, root_types
+from batchjson.spec import META_COLUMNS
 
 # JSON Schema types that map cleanly onto one Arrow type; other properties stay in the `json` column only.
 ARROW_TYPES = {"string": pa.string(), "integer": pa.int64(), "number": pa.float64(), "boolean": pa.bool_()}

@@ -70,7 +70,7 @@ class SampledEngine(EngineWrapper):
 STAGES = {
     "read input (ParquetSource.unit)": [("batchjson/source.py", "unit")],
     "render prompts (Renderer.render)": [("batchjson/prompts.py", "render")],
-    "validate (Validator.check)": [("batchjson/validate.py", "check"), ("bench/overhead.py", "check")],
+    "validate (Validator.check)": [("batchjson/schema/validate.py", "check"), ("bench/overhead.py", "check")],
     "build Arrow tables (PartSink.valid/rejected)": [("batchjson/sink.py", "valid"), ("batchjson/sink.py", "rejected")],
     "write Parquet parts (Storage._write)": [("batchjson/storage/folder.py", "_write")],
     "commit records (Storage.begin/_publish/done, write_json)": [
@@ -138,7 +138,7 @@ def micro(spec) -> dict:
     from batchjson.sink import PartSink
     from batchjson.storage import Location, Storage
     from batchjson.source import ParquetSource
-    from batchjson.validate import Validator
+    from batchjson.schema.validate import Validator
 
     v = Validator(spec.schema_doc)
     p = Prompt("inv-1", "u", "text", {"source": "email"})
@@ -190,7 +190,7 @@ def what_if(changes: list[str]) -> None:
         import orjson
 
         from batchjson.records import Outcome
-        from batchjson.validate import Validator
+        from batchjson.schema.validate import Validator
 
         slow = Validator.check
 
