@@ -127,7 +127,7 @@ def _schema(spec: JobSpec) -> tuple[dict[str, str], dict[str, str], list[str]]:
     from batchjson.schema.grammar import choose, coverage
     from batchjson.schema.shape import is_object_root, root_types
     from batchjson.schema.validate import FORMATS, unchecked_formats, used_formats
-    from batchjson.sink import reserved, typed_columns
+    from batchjson.tables import reserved, typed_columns
 
     schema, lines = spec.schema_doc, []
     columns = typed_columns(schema, reserved(spec.input.id_column, spec.input.passthrough))

@@ -24,7 +24,7 @@ from batchjson.errors import BatchjsonError, EngineDied, EngineError, SpecError
 from batchjson.prompts import Renderer, chat_frame
 from batchjson.records import WAIT, Generation, Outcome, Prompt
 from batchjson.report import PassStats, RunReport
-from batchjson.sink import PartSink
+from batchjson.tables import PartSink
 from batchjson.source import ParquetSource
 from batchjson.speculation import Auto
 from batchjson.spec import DecodingSpec, JobSpec, SpeculativeSpec

@@ -71,7 +71,8 @@ STAGES = {
     "read input (ParquetSource.unit)": [("batchjson/source.py", "unit")],
     "render prompts (Renderer.render)": [("batchjson/prompts.py", "render")],
     "validate (Validator.check)": [("batchjson/schema/validate.py", "check"), ("bench/overhead.py", "check")],
-    "build Arrow tables (PartSink.valid/rejected)": [("batchjson/sink.py", "valid"), ("batchjson/sink.py", "rejected")],
+    "build Arrow tables (PartSink.valid/rejected)": [("batchjson/tables.py", "valid"),
+                                                     ("batchjson/tables.py", "rejected")],
     "write Parquet parts (Storage._write)": [("batchjson/storage/folder.py", "_write")],
     "commit records (Storage.begin/_publish/done, write_json)": [
         ("batchjson/storage/folder.py", "begin"), ("batchjson/storage/folder.py", "_publish"),
@@ -135,10 +136,10 @@ def micro(spec) -> dict:
 
     from batchjson.prompts import Renderer
     from batchjson.records import Generation, Prompt
-    from batchjson.sink import PartSink
-    from batchjson.storage import Location, Storage
-    from batchjson.source import ParquetSource
     from batchjson.schema.validate import Validator
+    from batchjson.source import ParquetSource
+    from batchjson.storage import Location, Storage
+    from batchjson.tables import PartSink
 
     v = Validator(spec.schema_doc)
     p = Prompt("inv-1", "u", "text", {"source": "email"})
