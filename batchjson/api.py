@@ -124,10 +124,10 @@ def check_job(job: JobSpec, output: str | None = None, *, input_path: str | None
 def _schema(spec: JobSpec) -> tuple[dict[str, str], dict[str, str], list[str]]:
     """What `check` says about the schema: the typed output columns, each pass's grammar backend, and the lines
     that say so (with each backend's coverage, and formats)."""
-    from batchjson.grammar import choose, coverage
-    from batchjson.sink import reserved, typed_columns
-    from batchjson.spec import is_object_root, root_types
-    from batchjson.validate import FORMATS, unchecked_formats, used_formats
+    from batchjson.schema.grammar import choose, coverage
+    from batchjson.schema.shape import is_object_root, root_types
+    from batchjson.schema.validate import FORMATS, unchecked_formats, used_formats
+    from batchjson.tables import reserved, typed_columns
 
     schema, lines = spec.schema_doc, []
     columns = typed_columns(schema, reserved(spec.input.id_column, spec.input.passthrough))

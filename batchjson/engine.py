@@ -17,7 +17,7 @@ from typing import Any
 
 from batchjson import vllm_patches
 from batchjson.errors import EngineDied, EngineError
-from batchjson.grammar import Choice, choose
+from batchjson.schema.grammar import Choice, choose
 from batchjson.records import WAIT, Generation, Prompt
 from batchjson.spec import DecodingSpec, ModelSpec, SpeculativeSpec
 
@@ -29,7 +29,7 @@ class Engine(ABC):
     """What a pass needs from an engine: bounded in flight, results yielded as they finish.
 
     VllmEngine is the real one; batchjson.fake_engine.FakeEngine answers without a model, for tests and benchmarks.
-    A subclass that misses a method cannot be constructed. Besides the methods, run.py reads three attributes,
+    A subclass that misses a method cannot be constructed. Besides the methods, worker.py reads three attributes,
     which each engine keeps up to date (the defaults here suit an engine without them):
     `steps`, the engine steps taken so far (auto's measure of ms per step); `unfinished`, the prompts that were in
     flight when the last stream stopped (another engine takes them over); and `choice`, the grammar backend the

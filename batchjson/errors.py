@@ -28,7 +28,7 @@ class EngineError(BatchjsonError):
 
 
 class EngineDied(Exception):
-    """The engine process died mid-pass. Not the user's to fix: run.py restarts the engine and re-feeds `in_flight`."""
+    """The engine process died mid-pass. Not the user's to fix: worker.py restarts the engine and re-feeds `in_flight`."""
 
     def __init__(self, in_flight: list, cause: BaseException | None = None):
         super().__init__(f"the engine died with {len(in_flight)} requests in flight: {cause!r}")

@@ -1,6 +1,6 @@
 """Parquet input -> units of work (record batches of one row group of one file), streamed with pyarrow.
 
-The input may be local or on object storage (see location.py). Units are planned from the files' footers alone (no row is read to know what work there is), and keyed by the
+The input may be local or on object storage (see storage/location.py). Units are planned from the files' footers alone (no row is read to know what work there is), and keyed by the
 file's path below the input root, its row group and the batch's position: a key does not depend on which other
 files exist, and does not grow with the file's name.
 """
@@ -21,8 +21,8 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from batchjson.errors import InputError
-from batchjson.location import Location, Unreadable, glob_match
 from batchjson.spec import InputSpec
+from batchjson.storage.location import Location, Unreadable, glob_match
 
 
 def id_strings(column: pa.Array | pa.ChunkedArray, where: str = "") -> pa.Array | pa.ChunkedArray:

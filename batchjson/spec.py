@@ -18,10 +18,10 @@ from typing import Any, Literal
 
 from jsonschema import SchemaError, validators
 
-from batchjson import pydantic_model
-from batchjson.bundle import bundle
 from batchjson.errors import SpecError
-from batchjson.grammar import local_refs
+from batchjson.schema import pydantic_model
+from batchjson.schema.bundle import bundle
+from batchjson.schema.shape import bounded, local_refs
 
 IfExists = Literal["resume", "fail", "overwrite"]
 BACKEND_NAMES = ("auto", "xgrammar", "guidance", "outlines")
@@ -38,32 +38,6 @@ LOOP_GUARD = {"max_pattern_size": 64, "min_pattern_size": 8, "min_count": 3}
 # There LOOP_GUARD stops many valid rows and this one few, and it keeps more of the sample job's answers right
 # (BENCHMARKS.md, "Loop guard: which `repetition_detection`", "Bounded schemas get a lighter default").
 LOOP_GUARD_BOUNDED = {"max_pattern_size": 16, "min_pattern_size": 2, "min_count": 4}
-
-
-def bounded(schema: dict | None) -> bool:
-    """Whether every array and string the schema can produce has a length bound (so loops end in the grammar)."""
-    if schema is None:
-        return False
-    maps = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
-    stack: list[Any] = [schema]
-    while stack:
-        node = stack.pop()
-        if not isinstance(node, dict):
-            continue
-        kinds = node.get("type")
-        kinds = set(kinds) if isinstance(kinds, list) else {kinds}
-        if ("array" in kinds or "items" in node or "prefixItems" in node) and "maxItems" not in node:
-            return False
-        if "string" in kinds and not any(k in node for k in ("maxLength", "enum", "const")):
-            return False
-        for key, value in node.items():
-            if key in maps and isinstance(value, dict):
-                stack.extend(value.values())
-            elif isinstance(value, dict):
-                stack.append(value)  # items, additionalProperties, not, if/then/else, contains, ...
-            elif isinstance(value, list) and key not in ("enum", "required", "type", "examples"):
-                stack.extend(value)  # anyOf, oneOf, allOf, prefixItems
-    return True
 
 
 def default_loop_guard(schema: dict | None) -> dict:
@@ -413,28 +387,6 @@ def _checked(doc: Any, folder: Path, name: str | None) -> dict:
                         "schemas. Save the referenced schema next to the schema file and refer to it by a relative "
                         "path (\"$ref\": \"other.json#/definitions/x\"), or inline it under \"$defs\".")
     return doc
-
-
-def root_types(schema: dict | None) -> tuple[str, ...]:
-    """The JSON types the schema allows at its root; () means any. json_object jobs (None) are objects."""
-    if schema is None:
-        return ("object",)
-    kind = schema.get("type")
-    if isinstance(kind, str):
-        return (kind,)
-    if isinstance(kind, list):
-        return tuple(k for k in kind if isinstance(k, str))
-    if "const" in schema or isinstance(schema.get("enum"), list):
-        values = [schema["const"]] if "const" in schema else schema["enum"]
-        names = {bool: "boolean", int: "integer", float: "number", str: "string", type(None): "null",
-                 list: "array", dict: "object"}
-        return tuple(dict.fromkeys(names.get(type(v), "string") for v in values))
-    return ()
-
-
-def is_object_root(schema: dict | None) -> bool:
-    """Object roots get one typed column per property; a type list containing "object" counts as an object."""
-    return "object" in root_types(schema) or (schema is not None and not root_types(schema) and "properties" in schema)
 
 
 def parse_spec(doc: dict, base: Path, source: str = "") -> JobSpec:

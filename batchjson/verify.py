@@ -11,9 +11,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from batchjson.errors import OutputError, SpecError
-from batchjson.location import Unreadable
 from batchjson.source import ParquetSource, UnitRef
-from batchjson.storage import Storage
+from batchjson.storage import Storage, Unreadable
 
 SHOWN = 5  # offending ids named per problem
 

@@ -28,12 +28,12 @@ from batchjson.executors.base import Channel, Work
 from batchjson.prompts import Renderer, chat_frame
 from batchjson.records import WAIT, Generation, Outcome, Prompt
 from batchjson.report import PassStats
-from batchjson.sink import PartSink
+from batchjson.tables import PartSink
 from batchjson.source import ParquetSource, UnitRef
 from batchjson.spec import DecodingSpec, JobSpec, SpeculativeSpec
 from batchjson.speculation import Auto
 from batchjson.storage import Stage, Storage
-from batchjson.validate import Validator
+from batchjson.schema.validate import Validator
 
 # Failures that another pass with the same model cannot fix: they go straight to rejects.
 FINAL_REASONS = {"empty_prompt", "invalid_input", "prompt_too_long", "duplicate_id"}

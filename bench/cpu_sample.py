@@ -30,7 +30,7 @@ def bare(rows: int | None) -> dict:
     """Bare vLLM, in this process: the sample job's prompts and pass-1 settings, one llm.generate."""
     t0 = time.monotonic()
     from batchjson.engine import resolve_model
-    from batchjson.grammar import choose
+    from batchjson.schema.grammar import choose
     from batchjson.prompts import Renderer, chat_frame
     from batchjson.source import ParquetSource
     from batchjson.spec import load_spec

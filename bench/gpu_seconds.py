@@ -398,7 +398,7 @@ def w_bare(sc: dict) -> dict:
     from vllm.sampling_params import StructuredOutputsParams
 
     res["from_vllm_import_LLM_s"] = round(time.time() - a, 3)
-    from batchjson.validate import Validator
+    from batchjson.schema.validate import Validator
 
     a = time.time()
     llm = LLM(**_engine_kwargs(sc["model"]))
@@ -474,7 +474,7 @@ def w_batchjson(sc: dict) -> dict:
     import batchjson.source as source
     import batchjson.spec as spec
     import batchjson.storage as storage
-    import batchjson.validate as validate
+    import batchjson.schema.validate as validate
 
     s.events.append(("import batchjson (cli, run)", round(a, 3), round(time.time() - t_launch, 3)))
     data, job = write_task(sc["task"], sc["rows"], WORK / "jobs", sc["model"], max_tokens=sc["max_tokens"],
@@ -566,7 +566,7 @@ def w_online(sc: dict) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.sampling_params import RepetitionDetectionParams, StructuredOutputsParams
 
-    from batchjson.validate import Validator
+    from batchjson.schema.validate import Validator
 
     with gzip.open(WORK / "bare-outputs.json.gz", "rt") as f:
         bare = json.load(f)

@@ -70,13 +70,15 @@ class SampledEngine(EngineWrapper):
 STAGES = {
     "read input (ParquetSource.unit)": [("batchjson/source.py", "unit")],
     "render prompts (Renderer.render)": [("batchjson/prompts.py", "render")],
-    "validate (Validator.check)": [("batchjson/validate.py", "check"), ("bench/overhead.py", "check")],
-    "build Arrow tables (PartSink.valid/rejected)": [("batchjson/sink.py", "valid"), ("batchjson/sink.py", "rejected")],
-    "write Parquet parts (Storage._write)": [("batchjson/storage.py", "_write")],
+    "validate (Validator.check)": [("batchjson/schema/validate.py", "check"), ("bench/overhead.py", "check")],
+    "build Arrow tables (PartSink.valid/rejected)": [("batchjson/tables.py", "valid"),
+                                                     ("batchjson/tables.py", "rejected")],
+    "write Parquet parts (Storage._write)": [("batchjson/storage/folder.py", "_write")],
     "commit records (Storage.begin/_publish/done, write_json)": [
-        ("batchjson/storage.py", "begin"), ("batchjson/storage.py", "_publish"), ("batchjson/storage.py", "done"),
-        ("batchjson/location.py", "write_json")],
-    "pass-2 re-read (JobRun._requeued)": [("batchjson/run.py", "_requeued")],
+        ("batchjson/storage/folder.py", "begin"), ("batchjson/storage/folder.py", "_publish"),
+        ("batchjson/storage/folder.py", "done"),
+        ("batchjson/storage/location.py", "write_json")],
+    "pass-2 re-read (Worker._requeued)": [("batchjson/worker.py", "_requeued")],
     "exactly-once check (verify.verify)": [("batchjson/verify.py", "verify")],
     "report tally (RunReport.tally)": [("batchjson/report.py", "tally")],
     "source.check (footers)": [("batchjson/source.py", "check")],
@@ -132,13 +134,12 @@ def micro(spec) -> dict:
     import orjson
     import pyarrow as pa
 
-    from batchjson.location import Location
     from batchjson.prompts import Renderer
     from batchjson.records import Generation, Prompt
-    from batchjson.sink import PartSink
-    from batchjson.storage import Storage
+    from batchjson.schema.validate import Validator
     from batchjson.source import ParquetSource
-    from batchjson.validate import Validator
+    from batchjson.storage import Location, Storage
+    from batchjson.tables import PartSink
 
     v = Validator(spec.schema_doc)
     p = Prompt("inv-1", "u", "text", {"source": "email"})
@@ -190,7 +191,7 @@ def what_if(changes: list[str]) -> None:
         import orjson
 
         from batchjson.records import Outcome
-        from batchjson.validate import Validator
+        from batchjson.schema.validate import Validator
 
         slow = Validator.check
 

@@ -128,7 +128,7 @@ def bare(sc: dict) -> dict:
 
     from batchjson.prompts import MARK
     from batchjson.records import Generation
-    from batchjson.validate import Validator
+    from batchjson.schema.validate import Validator
 
     spec = build_spec(sc)
     mon = RssMonitor()
@@ -279,7 +279,7 @@ def sweep(sc: dict) -> dict:
         return {"method": method, "skipped": "arctic-inference is not importable here (suffix decoding needs it)"}
     from batchjson.engine import VllmEngine, resolve_model
     from batchjson.prompts import chat_frame
-    from batchjson.validate import Validator
+    from batchjson.schema.validate import Validator
 
     spec = build_spec(sc)
     mon = RssMonitor()

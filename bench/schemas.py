@@ -25,10 +25,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from batchjson.errors import SpecError  # noqa: E402
-from batchjson.grammar import AUTO_ORDER, build, choose, grammar_accepts, relax  # noqa: E402
 from batchjson.records import Generation, Prompt  # noqa: E402
+from batchjson.schema.grammar import AUTO_ORDER, build, choose, grammar_accepts, relax  # noqa: E402
+from batchjson.schema.validate import Validator  # noqa: E402
 from batchjson.spec import SchemaSpec, load_schema  # noqa: E402
-from batchjson.validate import Validator  # noqa: E402
 
 BACKENDS = ("guidance", "xgrammar")
 

@@ -74,7 +74,7 @@ def measure(args, profile: Path) -> list[dict]:
     from batchjson.engine import VllmEngine
     from batchjson.records import Prompt
     from batchjson.spec import LOOP_GUARD_BOUNDED, DecodingSpec, ModelSpec, SpeculativeSpec
-    from batchjson.validate import Validator
+    from batchjson.schema.validate import Validator
 
     from bench import make_shape_model, _model
 

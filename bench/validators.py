@@ -39,7 +39,7 @@ def main() -> None:
     from jsonschema import validators
 
     from batchjson.records import Generation, Prompt
-    from batchjson.validate import Validator
+    from batchjson.schema.validate import Validator
 
     schema = json.loads((ROOT / "sample_data" / "schema.json").read_text())
     v = Validator(schema)

@@ -2,7 +2,7 @@
 
     python tests/fake_runner.py JOB OUTPUT STEP N [SHARD [REPLICAS]]     (N = 0 never kills)
 FAKE_LEASE_EXPIRY (seconds) shortens the leases on object storage; FAKE_VALID sets the share of valid answers (0.6).
-Steps: begin, staged output|rejects|requeue, committed, published output|rejects|requeue (see storage.py).
+Steps: begin, staged output|rejects|requeue, committed, published output|rejects|requeue (see storage/folder.py).
 """
 
 import os

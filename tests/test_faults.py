@@ -17,11 +17,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from batchjson import location
 from batchjson.engine import VllmEngine
 from batchjson.errors import EngineError, InputError, OutputError, ResumeConflict
-from batchjson.storage import Storage
 from batchjson.job import run_job
+from batchjson.storage import Storage, location
 from batchjson.spec import load_spec
 from conftest import write_job, write_rows
 from test_run import assert_exactly_once, ids_of

@@ -128,9 +128,10 @@ def sibling_schemas(folder: Path) -> None:
 
 
 def test_a_schema_file_referring_to_a_sibling_file_is_bundled(tmp_path):
-    from batchjson.grammar import choose, grammar_accepts, local_refs
     from batchjson.records import Generation, Prompt
-    from batchjson.validate import Validator
+    from batchjson.schema.grammar import choose, grammar_accepts
+    from batchjson.schema.shape import local_refs
+    from batchjson.schema.validate import Validator
 
     sibling_schemas(tmp_path)
     schema = {"$schema": "http://json-schema.org/draft-07/schema#", "type": "object", "required": ["home"],
@@ -157,7 +158,7 @@ def test_a_schema_file_referring_to_a_sibling_file_is_bundled(tmp_path):
 
 
 def test_refs_relative_to_an_id_and_without_suffix_are_read_from_the_folder(tmp_path):
-    from batchjson.grammar import local_refs
+    from batchjson.schema.shape import local_refs
 
     write_json(tmp_path / "types.json", {"$id": "https://example.com/schemas/types.json",
                                           "$defs": {"n": {"type": "integer", "minimum": 1}}})
@@ -238,7 +239,7 @@ def test_an_inline_schema_reads_sibling_files_from_the_spec_folder(tmp_path):
 
 def test_a_file_of_another_draft_keeps_its_meaning_inside_the_schema(tmp_path):
     from batchjson.records import Generation, Prompt
-    from batchjson.validate import Validator
+    from batchjson.schema.validate import Validator
 
     # From 2019-09 on, keywords next to a $ref apply; before, they are ignored. And a boolean schema is a target too.
     write_json(tmp_path / "v.json", {"$schema": "https://json-schema.org/draft/2020-12/schema",
@@ -260,7 +261,7 @@ def pydantic_job(tmp_path, ref):
 
 def test_a_pydantic_model_is_the_schema(tmp_path):
     from batchjson.records import Generation, Prompt
-    from batchjson.validate import Validator
+    from batchjson.schema.validate import Validator
     from conftest import import_model, write_model
 
     ref = write_model(tmp_path)

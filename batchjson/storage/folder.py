@@ -1,6 +1,8 @@
-"""The run's files on disk: every path and file name, the locks, the run state and the unit commit protocol.
+"""The output folder: its layout and names, resume, input fingerprints and the unit commit protocol.
 
-Nothing else in batchjson builds or parses these names. The layout of an output folder OUT (rejects in
+Every path and file name of a run, and its run state, live here; the folder's locks are locks.py's. Nothing else in
+batchjson builds or parses these names. Over 250 lines: one class, `Storage`, whose methods share the folder's names
+and its cache of commit records; the protocol's steps read best next to each other. The layout of an output folder OUT (rejects in
 OUT/_rejects unless output.rejects says otherwise):
 
     OUT/p1-<unit>.parquet, OUT/p2-<unit>.parquet          valid rows of pass 1 and pass 2
@@ -26,41 +28,21 @@ has no rename: `publish` is a copy and a delete, so a kill between them leaves t
 same content; `recover` copies again and deletes the hidden one, as it renames locally. The commit point is still
 the record, which is one PUT (all or nothing). Nothing is listed or read back under its final name before its
 record exists, so a half-published unit is never taken for a stray or a finished one.
-
-Locks. A local folder is locked with flock (see `claim`); the kernel drops the locks of a dead process. Object
-storage has no locks: each run writes a lease object `lease-<I>of<N>-<owner>.json` (owner id, host, pid, expiry)
-and then lists the leases; another layout's lease, or another lease of the same shard, that has not expired makes
-it refuse (and delete its own). Because each run lists after its own write, and the store lists what was written
-before (S3 and GCS are strongly consistent), two racing runs may both refuse but never both proceed. A thread
-renews the lease every `Lease.RENEW_EVERY` seconds; a lease not renewed for `Lease.EXPIRY` seconds (judged by the
-store's timestamps, not the hosts' clocks) is taken over and deleted, so a killed run blocks the folder at most
-that long. What remains: a run that stalls (suspended, cut off from the store) for longer than the expiry loses
-its lease to the next run while it still believes it holds it. Before each commit record it checks that its
-lease object is still there and was renewed within the expiry, so it stops at its next commit; only a commit
-already between that check and its record's PUT can land after the takeover. Such a unit is redone by whichever
-run commits it last (each commit deletes the earlier attempt's files first), and `batchjson verify` says whether
-the folder still holds each row once.
 """
 
 from __future__ import annotations
 
-import fcntl
 import json
-import os
-import socket
-import threading
-import time
-import uuid
 from collections import Counter
 from collections.abc import Callable
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Literal
 
 import pyarrow as pa
 
-from batchjson.errors import BatchjsonError, InputError, OutputError, ResumeConflict
-from batchjson.location import Location, Unreadable, glob_match
+from batchjson.errors import InputError, OutputError, ResumeConflict
+from batchjson.storage.location import Location, Unreadable, glob_match
+from batchjson.storage.locks import Lease, lock_folder, release
 
 Stage = Literal["p1", "p2"]
 Kind = Literal["output", "rejects", "requeue"]
@@ -84,92 +66,6 @@ def hidden_below(inner: Location, outer: Location) -> bool | None:
     readers skip)."""
     parts = inner.parts_below(outer)
     return None if parts is None else any(p.startswith(("_", ".")) for p in parts)
-
-
-class Lease:
-    """A lease object on object storage: the folder lock of one shard of one layout, renewed by a thread.
-
-    Tests shorten RENEW_EVERY and EXPIRY."""
-
-    RENEW_EVERY = 20.0
-    EXPIRY = 90.0
-
-    def __init__(self, state: Location, shard: tuple[int, int]):
-        i, n = shard
-        self.state, self.slot, self.layout = state, f"{i}of{n}", n
-        self.owner = uuid.uuid4().hex[:12]
-        self.file = state / f"lease-{self.slot}-{self.owner}.json"
-        self.renewed = 0.0  # time.monotonic() of the last write that reached the store
-        self.lost = ""
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    def _write(self) -> None:
-        expires = datetime.fromtimestamp(time.time() + self.EXPIRY, timezone.utc).isoformat(timespec="seconds")
-        started = time.monotonic()
-        self.file.write_json({"owner": self.owner, "host": socket.gethostname(), "pid": os.getpid(),
-                              "shard": self.slot.replace("of", "/"), "expiry_s": self.EXPIRY, "expires": expires})
-        self.renewed = started
-
-    def acquire(self, busy: str) -> None:
-        """Write this lease, then refuse (deleting it) if an unexpired lease of another layout or of this shard
-        exists; expired ones are deleted (taken over)."""
-        self._write()
-        found = {i.base_name: i for i in self.state.files() if i.base_name.startswith("lease-")}
-
-        def stamp(info) -> float:
-            return info.mtime.timestamp() if info.mtime else time.time()
-
-        now = stamp(found[self.file.name]) if self.file.name in found else time.time()
-        for name, info in sorted(found.items()):
-            if name == self.file.name:
-                continue
-            slot = name[len("lease-"):].rsplit("-", 1)[0]
-            try:
-                other = (self.state / name).read_json()
-            except FileNotFoundError:
-                continue  # released meanwhile
-            left = stamp(info) + float(other.get("expiry_s", self.EXPIRY)) - now
-            if left <= 0:
-                (self.state / name).unlink(missing_ok=True)  # expired: its run died or stalled; take over
-                continue
-            if slot == self.slot or slot.split("of")[-1] != str(self.layout):
-                self.file.unlink(missing_ok=True)
-                what = f" (shard {slot.replace('of', '/')})" if self.layout > 1 or slot != self.slot else ""
-                raise OutputError(busy.replace("right now", f"right now{what}") + f" Its lease ({name}: host "
-                                  f"{other.get('host')}, pid {other.get('pid')}) expires in {left:.0f} s unless "
-                                  "renewed: a killed run stops blocking the folder then.")
-        self._thread = threading.Thread(target=self._renew, name="batchjson-lease", daemon=True)
-        self._thread.start()
-
-    def _renew(self) -> None:
-        while not self._stop.wait(self.RENEW_EVERY):
-            try:
-                if not self.file.exists():
-                    self.lost = f"its lease {self.file} was taken over by another run"
-                    return
-                self._write()
-            except BatchjsonError:
-                continue  # the store is unreachable for now: check() fails once the lease may have expired
-
-    def check(self) -> None:
-        """Refuse to commit without a lease that is certainly still ours."""
-        if not self.lost and time.monotonic() - self.renewed > self.EXPIRY:
-            self.lost = f"its lease was not renewed for {self.EXPIRY:.0f} s (the store could not be reached)"
-        if not self.lost and not self.file.exists():
-            self.lost = f"its lease {self.file} was taken over by another run"
-        if self.lost:
-            raise OutputError(f"this run stopped writing to {self.state.parent}: {self.lost}. Finished units are "
-                              "kept; run the same command again to resume (after the other run, if one is going).")
-
-    def release(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
-        try:
-            self.file.unlink(missing_ok=True)
-        except BatchjsonError:
-            pass  # unreachable store: the lease expires on its own
 
 
 class Storage:
@@ -276,15 +172,10 @@ class Storage:
         return existing and bool(self.committed())
 
     def claim(self) -> None:
-        """Lock the folder: shards of one job (same N) run together, anything else waits its turn.
-
-        Every run holds lock-of<N> shared and lock-<I>of<N> exclusively, then checks that no lock-of<M> of another
-        layout is held. Both runs of a race may refuse, never both proceed. The kernel drops the locks when the
-        process dies, so a killed run never leaves them stuck. On object storage, leases do the same (see the
-        module's docstring)."""
+        """Lock the folder: shards of one job (same N) run together, anything else waits its turn. A local folder
+        takes flock locks, object storage a lease (locks.py says how each is safe)."""
         if self._locks or self._lease:
             return
-        i, n = self.shard
         busy = (f"another batchjson run is writing to {self.output} right now. Wait for it to finish, or choose "
                 "another --output.")
         if not self.state.local:
@@ -293,33 +184,10 @@ class Storage:
             lease.acquire(busy)
             self._lease = lease
             return
-        state = Path(self.state.path)
-        state.mkdir(parents=True, exist_ok=True)
-        self._lock(f"lock-of{n}", fcntl.LOCK_SH, busy)
-        for other in state.glob("lock-of*"):
-            if other.name != f"lock-of{n}":
-                with open(other, "a") as fd:
-                    try:
-                        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    except BlockingIOError:
-                        self.close()
-                        raise OutputError(busy.replace("right now", f"right now (with --shard ?/{other.name[7:]})")) from None
-        self._lock(f"lock-{i}of{n}", fcntl.LOCK_EX, busy.replace("right now", f"right now (shard {i}/{n})"))
-
-    def _lock(self, name: str, mode: int, message: str) -> None:
-        fd = open(Path(self.state.path) / name, "a")
-        try:
-            fcntl.flock(fd, mode | fcntl.LOCK_NB)
-        except BlockingIOError:
-            fd.close()
-            self.close()
-            raise OutputError(message) from None
-        self._locks.append(fd)
+        self._locks = lock_folder(Path(self.state.path), self.shard, busy)
 
     def close(self) -> None:
-        for fd in self._locks:
-            fd.close()
-        self._locks = []
+        release(self._locks)
         if self._lease:
             self._lease.release()
             self._lease = None

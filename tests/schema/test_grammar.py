@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from batchjson import grammar
-from batchjson.grammar import choose, coverage, grammar_accepts, relax
+from batchjson.schema import grammar
+from batchjson.schema.grammar import choose, coverage, grammar_accepts, relax
 
 PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer", "multipleOf": 5},
                                            "tags": {"type": "array", "uniqueItems": True}},

@@ -7,9 +7,8 @@ from jsonschema import FormatChecker, validators
 from jsonschema.exceptions import best_match
 from jsonschema_specifications import REGISTRY as META_SCHEMAS
 
-from batchjson.grammar import subschemas
-
 from batchjson.records import Generation, Outcome
+from batchjson.schema.shape import subschemas
 
 
 # Every format checker jsonschema has (with its format extras installed), whatever the declared draft: a schema that

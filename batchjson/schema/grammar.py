@@ -7,20 +7,23 @@ backend can represent, and validation (jsonschema, the source of truth) checks w
 
 No vLLM import here: the backends' own libraries (xgrammar, llguidance) build the grammar on CPU, configured the way
 vLLM configures them for a batchjson job, so `batchjson check` answers in a second without an engine.
+
+Over 250 lines: relaxing a schema, choosing a backend and reporting coverage read the same per-backend tables (what
+each compiles, what each enforces while decoding), and are kept with them. What a schema is made of, whatever the
+backend (subschemas, drafts, refs, root types), is shape.py's.
 """
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 import re
 import threading
 import time
-from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from urllib.parse import urldefrag, urljoin
+
+from batchjson.schema.shape import KEYWORDS, declared_draft, local_refs, subschemas, types_of
 
 # Candidates of "auto", best first. On the tasks with ground truth (BENCHMARKS.md, "GPU-seconds per valid row"),
 # the same job gave 206 correct rows of 600 on xgrammar and 32 on llguidance: xgrammar's strict objects (no
@@ -33,20 +36,6 @@ BACKENDS = ("xgrammar", "guidance", "outlines")
 COMPILE_BUDGET_S = 10.0
 """A backend that takes longer than this to build a job's grammar on CPU is passed over by "auto"."""
 
-# JSON Schema keywords (2020-12 and the older drafts). Other keys are annotations or vendor extensions: they never
-# constrain a value, and are left out of the grammar schema.
-KEYWORDS = frozenset("""
-$schema $id id $ref $defs definitions $anchor $dynamicRef $dynamicAnchor $recursiveRef $recursiveAnchor $vocabulary
-type enum const multipleOf maximum exclusiveMaximum minimum exclusiveMinimum maxLength minLength pattern format
-maxItems minItems uniqueItems maxContains minContains maxProperties minProperties required dependentRequired
-properties patternProperties additionalProperties propertyNames items prefixItems additionalItems contains
-unevaluatedItems unevaluatedProperties allOf anyOf oneOf not if then else dependentSchemas dependencies
-contentEncoding contentMediaType contentSchema
-""".split())
-_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
-_ONE = ("additionalProperties", "unevaluatedProperties", "propertyNames", "contains", "additionalItems",
-        "unevaluatedItems", "not", "if", "then", "else", "contentSchema", "items")
-_LISTS = ("prefixItems", "allOf", "anyOf", "oneOf", "items")
 _LOOKAROUND = re.compile(r"\(\?<?[=!]|\\[1-9]|\\[pPkKZzGA]|\(\?[a-zA-Z]+\)|\(\?P[<=]")
 # Formats xgrammar turns into a grammar (vLLM refuses the others for xgrammar).
 XGRAMMAR_FORMATS = frozenset({"email", "date", "time", "date-time", "duration", "ipv4", "ipv6", "hostname", "uuid",
@@ -66,119 +55,6 @@ ENFORCED["outlines"] = ENFORCED["xgrammar"]
 _WHY_HOLE = {"oneOf": "oneOf is decoded as anyOf (no 'exactly one')", "format": "format not in the grammar",
              "uniqueItems": "unique items", "not": "not", "if": "if/then/else", "then": "if/then/else",
              "else": "if/then/else", "multipleOf": "multipleOf", "allOf": "allOf of several branches"}
-
-
-def esc(name: str) -> str:
-    return name.replace("~", "~0").replace("/", "~1")
-
-
-def subschemas(node, path: str = "") -> Iterator[tuple[str, dict]]:
-    """Every subschema (a dict) with its JSON pointer, depth first; boolean subschemas are skipped."""
-    if not isinstance(node, dict):
-        return
-    yield path, node
-    for key in _MAPS:
-        if isinstance(node.get(key), dict):
-            for name, sub in node[key].items():
-                yield from subschemas(sub, f"{path}/{key}/{esc(name)}")
-    for key in _ONE:
-        if isinstance(node.get(key), dict):
-            yield from subschemas(node[key], f"{path}/{key}")
-    for key in _LISTS:
-        if isinstance(node.get(key), list):
-            for i, sub in enumerate(node[key]):
-                yield from subschemas(sub, f"{path}/{key}/{i}")
-    if isinstance(node.get("dependencies"), dict):
-        for name, sub in node["dependencies"].items():
-            yield from subschemas(sub, f"{path}/dependencies/{esc(name)}")
-
-
-def _types(node: dict) -> set[str]:
-    t = node.get("type")
-    return {t} if isinstance(t, str) else {x for x in t if isinstance(x, str)} if isinstance(t, list) else set()
-
-
-def declared_draft(schema: dict) -> int:
-    """The declared draft as a year-ish number: 4, 6, 7, 2019, 2020 (2020 when none is declared)."""
-    declared = str(schema.get("$schema", ""))
-    for mark, n in (("draft-04", 4), ("draft-03", 4), ("draft-06", 6), ("draft-07", 7), ("2019-09", 2019)):
-        if mark in declared:
-            return n
-    return 2020
-
-
-def local_refs(schema: dict) -> tuple[dict, list[str]]:
-    """The schema with every `$ref` that points into the document itself written as '#/...', and the refs that
-    point elsewhere (another file or URL, which would have to be fetched).
-
-    A ref to the document's own `$id` (or to a subschema's `$id`) is local; refs to the JSON Schema meta-schemas
-    are left alone (jsonschema ships them)."""
-    from jsonschema_specifications import REGISTRY as META
-
-    doc = copy.deepcopy(schema)
-    id_key = "id" if declared_draft(schema) == 4 else "$id"
-    bases: dict[str, str] = {}  # absolute $id (no fragment) -> JSON pointer of the subschema that declares it
-    anchors: dict[str, str] = {}
-
-    def ids(node, path, base):
-        if not isinstance(node, dict):
-            return
-        if isinstance(node.get(id_key), str):
-            absolute, frag = urldefrag(urljoin(base, node[id_key]))
-            if absolute:
-                base = absolute
-                bases.setdefault(absolute, path)
-            if frag and not frag.startswith("/"):
-                anchors[urljoin(base, "#" + frag)] = path
-        if isinstance(node.get("$anchor"), str):
-            anchors[urljoin(base, "#" + node["$anchor"])] = path
-        for sub_path, sub in children(node, path):
-            ids(sub, sub_path, base)
-
-    root_base = urldefrag(doc.get(id_key, "")).url if isinstance(doc.get(id_key), str) else ""
-    bases[root_base] = ""
-    ids(doc, "", root_base)
-    remote: list[str] = []
-
-    def fix(node, base):
-        if not isinstance(node, dict):
-            return
-        if isinstance(node.get(id_key), str) and urldefrag(urljoin(base, node[id_key])).url:
-            base = urldefrag(urljoin(base, node[id_key])).url
-        ref = node.get("$ref")
-        if isinstance(ref, str):
-            target = urljoin(base, ref) if base else ref
-            absolute, frag = urldefrag(target)
-            if target in anchors:
-                node["$ref"] = "#" + anchors[target]
-            elif absolute in bases and (not frag or frag.startswith("/")):
-                node["$ref"] = "#" + bases[absolute] + frag
-            elif not absolute and (not frag or frag.startswith("/")):
-                node["$ref"] = "#" + frag
-            elif absolute.rstrip("#") not in META and absolute not in META:
-                remote.append(ref)
-        for _, sub in children(node, ""):
-            fix(sub, base)
-
-    fix(doc, root_base)
-    return doc, remote
-
-
-def children(node: dict, path: str = "") -> Iterator[tuple[str, dict]]:
-    """The immediate subschemas of a schema object (booleans skipped), with their JSON pointers under `path`."""
-    for key in _MAPS + ("dependencies",):
-        if isinstance(node.get(key), dict):
-            for name, sub in node[key].items():
-                if isinstance(sub, dict):
-                    yield f"{path}/{key}/{esc(name)}", sub
-    for key in _ONE:
-        if isinstance(node.get(key), dict):
-            yield f"{path}/{key}", node[key]
-    for key in _LISTS:
-        if isinstance(node.get(key), list):
-            for i, sub in enumerate(node[key]):
-                if isinstance(sub, dict):
-                    yield f"{path}/{key}/{i}", sub
 
 
 @dataclass(frozen=True)
@@ -234,7 +110,7 @@ def relax(schema: dict, backend: str, disable_any_whitespace: bool = True) -> Re
 
 def _relax_xgrammar(path: str, node: dict, drop) -> None:
     """What vLLM's request check refuses for xgrammar (has_xgrammar_unsupported_json_features), removed."""
-    if "array" in _types(node) and "items" not in node and "prefixItems" not in node:
+    if "array" in types_of(node) and "items" not in node and "prefixItems" not in node:
         node["items"] = {}  # strict mode would otherwise allow only the empty array
     drop(path, node, "multipleOf", "xgrammar has no multipleOf")
     for key in ("uniqueItems", "contains", "minContains", "maxContains"):
@@ -441,7 +317,7 @@ def coverage(schema: dict | None, choice: Choice) -> Coverage:
     over: list[tuple[str, str]] = []
     if backend == "xgrammar":
         for path, node in subschemas(choice.relaxed.schema):
-            if ("properties" in node or "object" in _types(node)) and "additionalProperties" not in node \
+            if ("properties" in node or "object" in types_of(node)) and "additionalProperties" not in node \
                     and "patternProperties" not in node:
                 over.append((path or "/", "undeclared properties (additionalProperties unset: xgrammar's strict "
                                            "mode forbids them; set it to true in the schema to allow them)"))

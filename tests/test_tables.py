@@ -6,7 +6,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from batchjson.records import Generation, Outcome, Prompt
-from batchjson.sink import PartSink
+from batchjson.tables import PartSink
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "n": {"type": "integer"},
                                            "score": {"type": "number"}, "tags": {"type": "array"}}}
@@ -43,7 +43,7 @@ def test_non_object_root_gets_a_typed_value_column():
     import pyarrow as pa
 
     from batchjson.records import Generation, Outcome, Prompt
-    from batchjson.sink import PartSink
+    from batchjson.tables import PartSink
 
     def outcome(value):
         import json as _json

@@ -1,5 +1,8 @@
-"""Where files live: a local path or an object-storage URI (s3://, gs://), turned into a pyarrow filesystem and a
-path on it, with the few file operations storage.py and source.py need.
+"""Where files live: a local path or an object-storage URI (s3://, gs://).
+
+Each is turned into a pyarrow filesystem and a path on it, with the few file operations storage/folder.py and
+source.py need. Over 250 lines: one class, `Location`, with a short method per file operation, each covering both
+local paths and object storage.
 
 Local paths keep their local meaning (a rename is atomic, a folder exists on its own). On object storage there are
 no folders and no renames: a folder is a key prefix, `move` is a copy and a delete, and a single PUT is the only

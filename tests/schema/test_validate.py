@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from batchjson.records import Generation, Prompt
-from batchjson.validate import Validator
+from batchjson.schema.validate import Validator
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 4},
                                            "tags": {"type": "array", "items": {"type": "integer", "maximum": 9}}},
@@ -76,7 +76,7 @@ def test_format_is_asserted_with_every_checker_unless_turned_off():
 
 
 def test_formats_nobody_checks_are_named():
-    from batchjson.validate import unchecked_formats
+    from batchjson.schema.validate import unchecked_formats
 
     assert unchecked_formats({"properties": {"v": {"format": "semver"}, "c": {"format": "color"}}}) == ["semver"]
 
@@ -104,7 +104,7 @@ def test_iri_is_checked_though_its_parser_is_built_only_when_first_needed():
     import sys
 
     # Building the iri parser took two thirds of `batchjson check`; the command line never needs it.
-    code = "import sys, batchjson.cli, batchjson.validate; print('lark' in sys.modules)"
+    code = "import sys, batchjson.cli, batchjson.schema.validate; print('lark' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "False"
     v = Validator({"type": "string", "format": "iri"})
     assert v.check(gen('"https://例え.jp/a"')).ok

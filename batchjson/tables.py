@@ -1,5 +1,7 @@
-"""Outcomes -> Arrow tables of the three kinds of part files (valid rows, re-queued rows, rejects), with one
-schema per kind for the whole run. Where they are written, and how atomically, is storage.py's business."""
+"""Outcomes -> Arrow tables of the three kinds of part files: valid rows, re-queued rows, rejects.
+
+One schema per kind for the whole run. Nothing here writes: where the tables go, and how atomically, is
+storage/folder.py's business."""
 
 from __future__ import annotations
 
@@ -8,9 +10,9 @@ from urllib.parse import unquote
 
 import pyarrow as pa
 
-from batchjson.grammar import local_refs
 from batchjson.records import Outcome
-from batchjson.spec import META_COLUMNS, is_object_root, root_types
+from batchjson.schema.shape import is_object_root, local_refs, root_types
+from batchjson.spec import META_COLUMNS
 
 # JSON Schema types that map cleanly onto one Arrow type; other properties stay in the `json` column only.
 ARROW_TYPES = {"string": pa.string(), "integer": pa.int64(), "number": pa.float64(), "boolean": pa.bool_()}

@@ -24,7 +24,7 @@ from referencing.exceptions import Unresolvable
 from referencing.jsonschema import DRAFT3, DRAFT4, DRAFT6, DRAFT7, DRAFT202012, specification_with
 
 from batchjson.errors import SpecError
-from batchjson.grammar import children, declared_draft, esc
+from batchjson.schema.shape import children, declared_draft, esc
 
 
 class _Remote(Exception):
