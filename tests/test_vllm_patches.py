@@ -42,6 +42,29 @@ def test_step_profiler_times_each_part_of_a_speculative_step(tiny_model, monkeyp
         assert got["parts"][part]["count"] > 0 and got["parts"][part]["seconds"] > 0, part
 
 
+@pytest.mark.engine
+def test_pass_2_requests_take_no_draft_on_a_speculative_engine(tiny_model):
+    """Both passes on one speculative engine: pass-2 requests (no draft) get no draft tokens, pass-1 ones do."""
+    from batchjson.engine import VllmEngine
+
+    model = ModelSpec(path=tiny_model, dtype="float32", max_model_len=512, max_in_flight=16)
+    engine = VllmEngine(model, DecodingSpec(max_tokens=40), TINY_SCHEMA,
+                        SpeculativeSpec(method="ngram", num_speculative_tokens=4, prompt_lookup_min=1))
+    try:
+        assert engine.no_draft and engine.accepts(DecodingSpec(max_tokens=30), None)
+        engine.use(DecodingSpec(max_tokens=40), "p2", draft=False)
+        second = list(engine.stream(Prompt(str(i), "u", text, stage="p2") for i, text in enumerate(PROMPTS)))
+        after_second = engine.stats()["draft_tokens"]
+        first = list(engine.stream(Prompt(str(i), "u", text) for i, text in enumerate(PROMPTS)))
+        after_first = engine.stats()["draft_tokens"]
+    finally:
+        engine.close()
+    assert len(second) == len(first) == len(PROMPTS)
+    assert sum(g.output_tokens for g in second) > len(PROMPTS)  # they decoded, many steps each
+    assert after_second == 0  # the target alone decoded pass 2
+    assert after_first > 0  # the same engine drafts for pass 1
+
+
 def test_plugin_runs_again_in_a_forked_engine_process():
     """On CUDA vLLM forks its engine process from the runner, whose vllm.plugins.plugins_loaded is already True:
     the runner's at-fork hook clears it in the child, so vLLM loads the plugin there. The runner is a fresh
