@@ -49,7 +49,7 @@ def run_job(job: JobSpec, output: str | None = None, *, input_path: str | None =
     `shard="I/N"` processes every N-th row group from the I-th; `replicas` sets the engine replicas (default: one
     per GPU); `ray` runs them as Ray actors ("auto" or a cluster address); `progress` shows a progress bar (default:
     on a terminal only). `engine_factory(spec, decoding, speculative)` makes the engines (default: vLLM), each an
-    `engine.Engine`, for tests that share engines or fake one (`batchjson.fake_engine.FakeEngines()` answers
+    `engine.Engine`, for tests that share engines or fake one (`batchjson.engine.fake.FakeEngines()` answers
     without a model)."""
     from batchjson import job as run
 

@@ -25,7 +25,7 @@ class PassStats:
     replicas: int = 1
     """Engine replicas the pass ran on at once: its engine-seconds are seconds x replicas."""
     auto: list = field(default_factory=list)
-    """speculative.method = "auto": what each engine (replica) chose and why (see speculation.py)."""
+    """speculative.method = "auto": what each engine (replica) chose and why (see engine/speculation.py)."""
     engine_starts: int = 0
     """Engines this pass started (all replicas): 0 when it ran on the previous pass's engine."""
     engine_start_s: float = 0.0

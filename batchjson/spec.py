@@ -136,8 +136,8 @@ class ModelSpec:
 @dataclass(frozen=True)
 class SpeculativeSpec:
     method: str = "auto"
-    """auto (measure on the job's rows and keep speculation only where it pays: see speculation.py), none, ngram,
-    suffix, draft_model, or another vLLM speculative method; the draft never carries the JSON constraint."""
+    """auto (measure on the job's rows and keep speculation only where it pays: see engine/speculation.py), none,
+    ngram, suffix, draft_model, or another vLLM speculative method; the draft never carries the JSON constraint."""
     num_speculative_tokens: int = 4
     draft_model: str | None = None
     """Draft model folder for method = "draft_model"; it must share the target's tokenizer."""

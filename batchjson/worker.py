@@ -2,7 +2,7 @@
 commit each one; recover from engine deaths; run auto's engine switches. Every executor runs this body.
 
 Both passes share the worker's engine where it can take both (sampling is per request; pass 2's requests go
-without a draft on a speculative engine, see vllm_patches.py), so a unit's pass 2 decodes beside other units'
+without a draft on a speculative engine, see engine/internals.py), so a unit's pass 2 decodes beside other units'
 pass 1. An engine that cannot take a pass (a vLLM without the per-request draft switch, another grammar backend)
 makes the worker ask only for what it can take; when nothing else is left it changes engines.
 """
@@ -31,7 +31,7 @@ from batchjson.report import PassStats
 from batchjson.tables import PartSink
 from batchjson.source import ParquetSource, UnitRef
 from batchjson.spec import DecodingSpec, JobSpec, SpeculativeSpec
-from batchjson.speculation import Auto
+from batchjson.engine.speculation import Auto
 from batchjson.storage import Stage, Storage
 from batchjson.schema.validate import Validator
 
@@ -281,15 +281,15 @@ class Worker:
         """Whether this run's engines can decode a request without a draft on a speculative engine."""
         probe = getattr(self.make_engine, "no_draft", None)
         if probe is None:
-            from batchjson import vllm_patches
+            from batchjson.engine import internals
 
-            return vllm_patches.no_draft_ready()
+            return internals.no_draft_ready()
         return bool(probe)
 
     @functools.cached_property
     def platform(self) -> str:
         """"gpu" or "cpu", asked once (nvidia-smi) when speculation's auto policy first needs it."""
-        from batchjson.devices import visible_gpus
+        from batchjson.engine.devices import visible_gpus
 
         return "gpu" if visible_gpus() else "cpu"
 

@@ -469,7 +469,7 @@ def w_batchjson(sc: dict) -> dict:
 
     import batchjson.api as api
     import batchjson.cli as cli
-    import batchjson.engine as engine
+    import batchjson.engine.vllm_engine as engine
     import batchjson.job as run
     import batchjson.source as source
     import batchjson.spec as spec

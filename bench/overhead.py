@@ -1,6 +1,6 @@
 """batchjson's own cost per row, outside the engine: run_job against an in-process fake engine (no vLLM).
 
-The engine is batchjson's fake one (batchjson/fake_engine.py): it keeps max_in_flight prompts buffered as the real
+The engine is batchjson's fake one (batchjson/engine/fake.py): it keeps max_in_flight prompts buffered as the real
 engine does, and answers with canned outputs: a fixed share of pass-1 rows fail (loops, schema errors and
 truncations, as SmolLM2 does on the sample task) so pass 2's re-queue paths run too.
 """
@@ -17,7 +17,7 @@ import time
 from common import MB, Clock, build_spec
 
 from batchjson.engine import EngineWrapper
-from batchjson.fake_engine import Answer, FakeEngine
+from batchjson.engine.fake import Answer, FakeEngine
 
 VALID = [
     '{"vendor":"PixelPro Devices","currency":"USD","category":"hardware","total":16160.27,"items":[{"description":'
@@ -84,7 +84,7 @@ STAGES = {
     "source.check (footers)": [("batchjson/source.py", "check")],
     "load the tokenizer (prompts.chat_frame)": [("batchjson/prompts.py", "chat_frame")],
     "progress bar (tqdm.update)": [("tqdm/std.py", "update")],
-    "fake engine (own time)": [("batchjson/fake_engine.py", "stream"), ("batchjson/fake_engine.py", "answer"),
+    "fake engine (own time)": [("batchjson/engine/fake.py", "stream"), ("batchjson/engine/fake.py", "answer"),
                                ("bench/overhead.py", "stream")],
 }
 

@@ -25,7 +25,7 @@ import pyarrow.parquet as pq
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from tasks import write_task  # noqa: E402
 
-from batchjson.devices import visible_gpus  # noqa: E402
+from batchjson.engine.devices import visible_gpus  # noqa: E402
 
 
 def gpu_sample() -> list[dict]:

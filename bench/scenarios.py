@@ -19,7 +19,7 @@ SPEC_METRICS = {"vllm:spec_decode_num_drafts": "drafts", "vllm:spec_decode_num_d
 
 
 def _env() -> None:
-    # The same defaults batchjson.engine._vllm() sets, before vLLM is imported, so both sides start alike.
+    # The same defaults batchjson.engine.vllm_engine._vllm() sets, before vLLM is imported, so both sides start alike.
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")

@@ -12,7 +12,7 @@ engine steps and the per-part profile (count, total s, ms per step).
 
 --shape llama-8b replaces the model by a random-weight model of Llama-3-8B's shape (vLLM's load_format="dummy" fills
 the weights; the tokenizer is --model's): it measures cost per step, not quality or acceptance. Profiling waits for
-the GPU around each model-runner part (see vllm_patches._cuda_sync): compare profiled runs with profiled runs.
+the GPU around each model-runner part (see engine/profiler.py, _cuda_sync): compare profiled runs with profiled runs.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from pathlib import Path
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
 
 import tasks  # noqa: E402
-from batchjson.vllm_patches import DUMP_EVERY_S, ENV_PROFILE, ENV_PROFILE_SYNC, read_profile  # noqa: E402
+from batchjson.engine.profiler import DUMP_EVERY_S, ENV_PROFILE, ENV_PROFILE_SYNC, read_profile  # noqa: E402
 
 LLAMA_8B = {"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
             "num_key_value_heads": 8, "head_dim": 128, "rope_theta": 500000.0}

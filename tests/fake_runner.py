@@ -10,7 +10,7 @@ import signal
 import sys
 
 from batchjson import storage
-from batchjson.fake_engine import FakeEngines
+from batchjson.engine.fake import FakeEngines
 from batchjson.job import run_job
 from batchjson.spec import load_spec, parse_shard
 

@@ -17,7 +17,7 @@ from click.testing import CliRunner
 from pyarrow import fs
 
 from conftest import SCRATCH, write_job, write_rows
-from batchjson.fake_engine import FakeEngines
+from batchjson.engine.fake import FakeEngines
 
 # Airflow reads its configuration once, on import: point it at a throwaway home first, as dlt's Airflow tests do.
 # dag.test() runs only DAGs that its dags folder holds, so the example DAG file is copied there.
@@ -170,7 +170,7 @@ def test_mapped_shards_write_exactly_the_rows_of_one_run(env):
 
 @pytest.fixture
 def fake_engine(monkeypatch):
-    """The operator's runs decode with the fake engine (tests/fake_engine.py); all else is batchjson's own."""
+    """The operator's runs decode with the fake engine (batchjson/engine/fake.py); all else is batchjson's own."""
     from batchjson import job as runs
 
     real = runs.run_job

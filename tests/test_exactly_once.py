@@ -23,7 +23,7 @@ from click.testing import CliRunner
 from batchjson.cli import main
 from batchjson.engine import EngineWrapper
 from batchjson.errors import EngineError, OutputError, SpecError
-from batchjson.fake_engine import FakeEngine, FakeEngines
+from batchjson.engine.fake import FakeEngine, FakeEngines
 from batchjson.job import run_job
 from batchjson.spec import load_spec
 from batchjson.storage import Storage

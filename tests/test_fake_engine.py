@@ -1,4 +1,4 @@
-"""The Engine contract (engine.py) and the fake engine that implements it without a model (fake_engine.py)."""
+"""The Engine contract (engine/base.py) and the fake engine that implements it without a model (engine/fake.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 
 from batchjson.engine import Engine, EngineWrapper
 from batchjson.errors import EngineDied
-from batchjson.fake_engine import FakeEngine
+from batchjson.engine.fake import FakeEngine
 from batchjson.records import WAIT, Prompt
 
 

@@ -1,12 +1,11 @@
 """Several engine replicas on one queue (local processes): every unit once, whoever dies.
 
-The engine is the fake one (batchjson/fake_engine.py) except where marked `engine`."""
+The engine is the fake one (batchjson/engine/fake.py) except where marked `engine`."""
 
 from __future__ import annotations
 
 import collections
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -16,14 +15,12 @@ from pathlib import Path
 import psutil
 import pytest
 
-from batchjson.fake_engine import FakeEngines
+from batchjson.engine.fake import FakeEngines
 from batchjson.job import run_job
 from batchjson.spec import load_spec
 from conftest import write_job, write_rows
+from test_exactly_once import ENV, HERE
 from test_run import assert_exactly_once, ids_of
-
-HERE = Path(__file__).parent
-ENV = os.environ | {"PYTHONPATH": f"{HERE.parent}:{HERE}"}
 
 
 def records(out: Path) -> list[dict]:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from batchjson import speculation
-from batchjson.fake_engine import FakeEngines
+from batchjson.engine import speculation
+from batchjson.engine.fake import FakeEngines
 from batchjson.job import run_job
 from batchjson.spec import SpeculativeSpec, load_spec
 from conftest import write_job, write_rows  # noqa: E402

@@ -1,5 +1,5 @@
-"""What the plugin installs in vLLM's engine processes (vllm_plugin.py, vllm_patches.py): the step profiler, and
-the plugin itself in a forked engine process."""
+"""What the plugin installs in vLLM's engine processes (engine/plugin.py, internals.py, profiler.py): the step
+profiler, and the plugin itself in a forked engine process."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 
 from batchjson.records import Prompt
 from batchjson.spec import DecodingSpec, ModelSpec, SpeculativeSpec
-from batchjson.vllm_patches import read_profile
+from batchjson.engine.profiler import read_profile
 from conftest import TINY_SCHEMA
 
 # The answer's JSON is in the prompt, so that n-gram lookup finds drafts even for a random model.
@@ -72,11 +72,11 @@ def test_plugin_runs_again_in_a_forked_engine_process():
     runner = textwrap.dedent("""
         import os
         import vllm.plugins
-        from batchjson import vllm_plugin
+        from batchjson.engine import plugin
 
         os.environ["BATCHJSON_RUNNER_PID"] = str(os.getpid())
         vllm.plugins.plugins_loaded = True
-        vllm_plugin.register()  # the runner: nothing but the hook
+        plugin.register()  # the runner: nothing but the hook
         assert vllm.plugins.plugins_loaded
         r, w = os.pipe()
         pid = os.fork()
@@ -94,12 +94,12 @@ def test_plugin_runs_again_in_a_forked_engine_process():
 def test_profiler_records_skips_and_errors(monkeypatch, tmp_path):
     """A part this vLLM lacks is skipped and recorded; an error during install is written to the file and never
     raised."""
-    from batchjson import vllm_patches
+    from batchjson.engine import profiler
 
     profile = tmp_path / "p.json"
-    monkeypatch.setattr(vllm_patches, "TIMED", vllm_patches.TIMED + (
+    monkeypatch.setattr(profiler, "TIMED", profiler.TIMED + (
         ("vllm.v1.no_such_module", "X", "y", "y", False), ("vllm.v1.engine.core", "EngineCore", "no_such", "z", False)))
-    vllm_patches.install_profiler(profile, sync=False)
+    profiler.install_profiler(profile, sync=False)
     got = read_profile(profile)
     assert got["patches"]["v1.no_such_module.X.y"].startswith("skipped: import")
     assert got["patches"]["v1.engine.core.EngineCore.no_such"] == "skipped: EngineCore.no_such not found"
@@ -108,9 +108,9 @@ def test_profiler_records_skips_and_errors(monkeypatch, tmp_path):
     def boom(*a, **k):
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(vllm_patches, "install_profiler", boom)
-    monkeypatch.setattr(vllm_patches, "INSTALLED", False)
-    monkeypatch.setenv(vllm_patches.ENV_PROFILE, str(tmp_path / "q.json"))
-    vllm_patches.install()
+    monkeypatch.setattr(profiler, "install_profiler", boom)
+    monkeypatch.setattr(profiler, "INSTALLED", False)
+    monkeypatch.setenv(profiler.ENV_PROFILE, str(tmp_path / "q.json"))
+    profiler.install()
     data = json.loads((tmp_path / "q.json").read_text())
     assert "boom" in data["error"] and read_profile(tmp_path / "q.json")["errors"]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 
-from batchjson.devices import gpus_per_replica, replica_count, visible_gpus
+from batchjson.engine.devices import gpus_per_replica, replica_count, visible_gpus
 from batchjson.executors.base import Pool
 
 # torch's thread pool per GPU replica, unless OMP_NUM_THREADS says otherwise (BENCHMARKS.md, "Scaling over the GPUs
@@ -64,7 +64,7 @@ def _local(target: Callable, devices: str | None, *args) -> None:
     if devices is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = devices
         os.environ.setdefault("OMP_NUM_THREADS", str(THREADS_PER_REPLICA))
-    from batchjson.vllm_plugin import register
+    from batchjson.engine.plugin import register
 
-    register()  # BATCHJSON_RUNNER_PID is the runner's here (see vllm_plugin.py)
+    register()  # BATCHJSON_RUNNER_PID is the runner's here (see engine/plugin.py)
     target(*args)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 
-from batchjson.devices import gpus_per_replica, replica_count
+from batchjson.engine.devices import gpus_per_replica, replica_count
 from batchjson.errors import SpecError
 from batchjson.executors.base import Pool
 

@@ -7,5 +7,5 @@ site=${1:-/tmp/site}
 info="$site/batchjson_plugin-0.0.0.dist-info"
 mkdir -p "$info"
 printf 'Metadata-Version: 2.1\nName: batchjson-plugin\nVersion: 0.0.0\n' > "$info/METADATA"
-printf '[vllm.general_plugins]\nbatchjson_runner = batchjson.vllm_plugin:register\n' > "$info/entry_points.txt"
+printf '[vllm.general_plugins]\nbatchjson_runner = batchjson.engine.plugin:register\n' > "$info/entry_points.txt"
 python3 -c "from importlib.metadata import entry_points as e; print([p.value for p in e(group='vllm.general_plugins')])"

@@ -20,7 +20,7 @@ from pyarrow import fs
 
 from batchjson.cli import main
 from batchjson.errors import OutputError
-from batchjson.fake_engine import FakeEngines
+from batchjson.engine.fake import FakeEngines
 from batchjson.job import run_job
 from batchjson.spec import load_spec, with_input
 from batchjson.storage import Lease

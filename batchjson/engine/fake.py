@@ -1,5 +1,7 @@
-"""An engine without a model, for tests and benchmarks of everything around decoding: routing, commits, resume,
-kills, replicas and the runner's own cost per row. It implements the Engine contract as VllmEngine does.
+"""FakeEngine (and FakeEngines, its factory): an engine without a model, under the Engine contract as VllmEngine.
+
+For tests and benchmarks of everything around decoding: routing, commits, resume, kills, replicas and the runner's
+own cost per row.
 
 Pass `engine_factory=FakeEngines(...)` to run_job. Each prompt gets a valid answer (a share `valid` of them) or
 a failure, by a random roll (seeded or not: a unit redone after a kill usually comes out differently, as it does
@@ -17,7 +19,7 @@ from collections import Counter, deque
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
-from batchjson.engine import Engine
+from batchjson.engine.base import Engine
 from batchjson.errors import EngineDied
 from batchjson.records import WAIT, Generation, Prompt
 from batchjson.spec import DecodingSpec, SpeculativeSpec

@@ -1,9 +1,11 @@
-"""A vLLM general plugin (entry point `vllm.general_plugins`), which vLLM loads in each process it starts: the
-engine processes of a batchjson run die with the runner, whatever kills it.
+"""The vLLM general plugin (entry point `vllm.general_plugins`): what batchjson runs in each process vLLM starts.
+
+The engine processes of a batchjson run die with the runner, whatever kills it.
 
 Without it, a runner killed by SIGKILL or the OOM killer leaves vLLM's engine process alive, holding gigabytes
-of memory (GPU memory on a GPU) until someone finds it. It also installs, in those processes, the step profiler
-of vllm_patches.py when the run asks for it by environment (BATCHJSON_PROFILE_STEPS). Does nothing outside a batchjson run, nor in the runner process itself.
+of memory (GPU memory on a GPU) until someone finds it. It also installs, in those processes, the no-draft patch
+(internals.py) and, when the run asks for it by environment (BATCHJSON_PROFILE_STEPS), the step profiler
+(profiler.py). Does nothing outside a batchjson run, nor in the runner process itself.
 
 Forked engine processes. vLLM loads general plugins once per process (vllm/plugins/__init__.py, 0.26.0: the
 `plugins_loaded` flag, lines 33 and 82-85): the runner loads them first (EngineArgs.__post_init__,
@@ -60,6 +62,7 @@ def register() -> None:
         os._exit(1)
     except (PermissionError, ValueError):
         pass
-    from batchjson import vllm_patches
+    from batchjson.engine import internals, profiler
 
-    vllm_patches.install()
+    internals.install_no_draft()
+    profiler.install()

