@@ -22,8 +22,8 @@ run: install
 	$(VENV)/bin/batchjson run jobs/sample.toml
 
 test: install  # the Ray test first, in a process of its own: after the rest of the suite its runner exits at start (under investigation)
-	$(PY) -m pytest tests/test_ray.py
-	$(PY) -m pytest tests --ignore=tests/test_ray.py
+	$(PY) -m pytest tests/executors/test_ray.py
+	$(PY) -m pytest tests --ignore=tests/executors/test_ray.py
 
 test-fast: install  # everything that starts no engine
 	$(PY) -m pytest tests -m "not engine"

@@ -18,7 +18,7 @@ from conftest import write_job, write_rows
 from test_run import assert_exactly_once
 
 pytest.importorskip("ray", reason="Ray mode needs the ray extra: pip install 'batchjson[ray]'")
-HERE = Path(__file__).parent
+HERE = Path(__file__).parents[1]  # tests/
 
 
 def committed(out: Path) -> int:
