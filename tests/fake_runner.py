@@ -1,6 +1,7 @@
 """Runs a job with the fake engine and SIGKILLs itself at the N-th time the commit protocol reaches STEP.
 
     python tests/fake_runner.py JOB OUTPUT STEP N [SHARD [REPLICAS]]     (N = 0 never kills)
+STEP "p2:<step>" counts that step in pass 2 only.
 FAKE_LEASE_EXPIRY (seconds) shortens the leases on object storage; FAKE_VALID sets the share of valid answers (0.6).
 Steps: begin, staged output|rejects|requeue, committed, published output|rejects|requeue (see storage/folder.py).
 """
@@ -21,8 +22,8 @@ def main():
     replicas = int(sys.argv[6]) if len(sys.argv) > 6 else None
     seen = []
 
-    def after(name):
-        if name == step:
+    def after(name, stage):
+        if step in (name, f"{stage}:{name}"):
             seen.append(name)
             if len(seen) == n:
                 os.kill(os.getpid(), signal.SIGKILL)

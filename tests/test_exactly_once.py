@@ -74,6 +74,31 @@ def test_kill_at_every_step_of_the_commit_protocol(tmp_path, tiny_model):
     assert result.exit_code == 0 and "exactly-once check ok: " in result.output, result.output
 
 
+def test_kill_at_every_step_of_a_pass_2_commit_while_pass_1_is_in_flight(tmp_path, tiny_model):
+    """The passes run as a pipeline: a unit's pass 2 commits while other units are still in pass 1. A kill at any
+    step of such a commit loses nothing and doubles nothing; the rerun resumes each unit where it stood."""
+    write_rows(tmp_path / "in.parquet", 60)
+    job = write_job(tmp_path, tiny_model, tmp_path / "in.parquet", batch_size=4)  # 15 units
+    out = tmp_path / "out"
+    env = ENV | {"FAKE_DELAY": "0.002", "FAKE_VALID": "0.5"}
+    for step in STEPS:
+        if step == "staged requeue" or step == "published requeue":
+            continue  # pass 2 re-queues nothing
+        p = subprocess.run([sys.executable, str(HERE / "fake_runner.py"), str(job), str(out), f"p2:{step}", "1"],
+                           env=env, capture_output=True, text=True, timeout=300)
+        assert p.returncode in (0, -signal.SIGKILL), p.stderr[-2000:]
+        committed = ids_of(out) + ids_of(out / "_rejects")
+        assert not [k for k, v in collections.Counter(committed).items() if v > 1], f"doubled after p2:{step}"
+        if step == "begin":  # the first pass-2 commit came while pass 1 had units left
+            assert p.returncode == -signal.SIGKILL
+            assert len(list((out / "_batchjson" / "units").glob("p1-*.json"))) < 15
+    final = subprocess.run([sys.executable, str(HERE / "fake_runner.py"), str(job), str(out), "none", "0"],
+                           env=env, capture_output=True, text=True, timeout=300)
+    assert final.returncode == 0, final.stderr[-2000:]
+    assert_exactly_once([f"r{i:05d}" for i in range(60)], out, out / "_rejects")
+    assert len(list((out / "_batchjson" / "units").glob("p2-*.json"))) > 0
+
+
 def test_float_and_bool_ids_are_one_identity(tmp_path, tiny_model):
     rows(tmp_path / "in.parquet", [1.0, 2.0, 1.0])
     job = write_job(tmp_path, tiny_model, tmp_path / "in.parquet")

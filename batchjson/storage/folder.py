@@ -84,8 +84,8 @@ class Storage:
         self._lease: Lease | None = None
         self._committed: set[str] | None = None
         self._read: dict[str, dict] = {}  # commit records read so far: a record never changes, only goes (drop)
-        self.after: Callable[[str], None] = lambda step: None
-        """Called after each step of the commit protocol; tests use it to kill the process there."""
+        self.after: Callable[[str, str], None] = lambda step, stage: None
+        """Called after each step of the commit protocol, with the pass; tests use it to kill the process there."""
 
     # ----- where things go -------------------------------------------------------------------------------------
     def check_paths(self, input_path: str | None = None) -> None:
@@ -302,7 +302,7 @@ class Storage:
             path = self.part(stage, key, kind)
             self._hidden(path).unlink(missing_ok=True)
             path.unlink(missing_ok=True)
-        self.after("begin")
+        self.after("begin", stage)
 
     def commit(self, stage: Stage, key: str, tables: dict[Kind, pa.Table], meta: dict) -> None:
         """Commit one unit of one pass: stage its files, write its record, publish the files."""
@@ -314,14 +314,14 @@ class Storage:
             path = self.part(stage, key, kind)
             self._write(table, self._hidden(path))
             files[kind], rows[kind] = path.name, table.num_rows
-            self.after(f"staged {kind}")
+            self.after(f"staged {kind}", stage)
         record = {"stage": stage, "key": key, "files": files, "rows": rows} | meta
         if self._lease:
             self._lease.check()
         self._record(stage, key).write_json(record)
         self._read[self._record(stage, key).name] = record
         self.committed().add(f"{stage}-{key}")
-        self.after("committed")
+        self.after("committed", stage)
         self._publish(record)
 
     def _publish(self, record: dict) -> None:
@@ -331,7 +331,7 @@ class Storage:
                 self._hidden(path).move(path)
             except FileNotFoundError:
                 pass  # published already (by an earlier try, or by another shard's recovery)
-            self.after(f"published {kind}")
+            self.after(f"published {kind}", record["stage"])
 
     def recover(self) -> None:
         """Roll forward units committed by a run that was killed before it published their files."""
