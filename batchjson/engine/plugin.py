@@ -62,7 +62,8 @@ def register() -> None:
         os._exit(1)
     except (PermissionError, ValueError):
         pass
-    from batchjson.engine import internals, profiler
+    from batchjson.engine import internals, profiler, quiet
 
+    quiet.quiet_floods()
     internals.install_no_draft()
     profiler.install()

@@ -15,12 +15,10 @@ A short pass keeps the predicted choice: a trial would cost more than it could s
 costs two engine starts, at most 2 / TRIAL_PAYS = 5% of the rest of the pass, so auto stays within 0.95x of the
 better choice either way. The report says what was chosen and why.
 
-Auto judges the whole run, not the pass alone: the rows a pass fails go to the fallback pass, which decodes without a
-draft. After a pass without speculation that pass runs on the same engine; after a speculative one it must start an
-engine of its own. So when a fallback pass follows, auto starts without speculation and tries it only on a pass long
-enough for a trial (step 3), and keeps it only when what it saves over the rest of the pass pays for that extra start
-too (BENCHMARKS.md, "The whole run: speculation against pass 2's engine start": on the H200 a minimal 6,000-row job
-took 77.7-91.5 s with suffix decoding, 63.4-72.7 s without).
+Auto judges the pass, and the pass is the whole run's cost of speculation: the rows pass 1 fails go to pass 2, which
+decodes them without a draft on the same engine (worker.py; engine/internals.py's per-request draft switch). Where
+that switch is missing, pass 2 would need an engine of its own after a speculative pass 1, and the worker runs pass
+1 without speculation instead of asking auto (BENCHMARKS.md, "One engine start for both passes").
 """
 
 from __future__ import annotations
@@ -93,8 +91,6 @@ class Auto:
     in_flight: int
     platform: str
     total_rows: int
-    next_pass_starts: bool = False
-    """A next pass follows that cannot run on a speculative engine: speculating here costs it an engine start."""
     trials: list[Trial] = field(default_factory=list)
     decided: str = ""
     """Why the current choice is final; empty while measuring."""
@@ -104,8 +100,7 @@ class Auto:
         self.candidate = dataclasses.replace(self.spec, method=method, num_speculative_tokens=DRAFT_TOKENS[method])
         self.prior = predicted_speedup(self.platform, method, self.in_flight)
         self.sample = max(2 * self.in_flight, 64)  # rows measured per choice
-        self.held_back = self.next_pass_starts and self.prior >= BETTER_BY  # speculation waits for a trial
-        self.trials.append(Trial(method if self.prior >= BETTER_BY and not self.held_back else "none"))
+        self.trials.append(Trial(method if self.prior >= BETTER_BY else "none"))
 
     def config(self, method: str) -> SpeculativeSpec | None:
         return None if method == "none" else self.candidate
@@ -141,26 +136,16 @@ class Auto:
             start_s = max(trial.start_s, 1.0)
             if rest_s < TRIAL_PAYS * start_s:
                 self.decided = (f"kept {trial.method}: the rest of the pass (~{rest_s:.0f} s) is too short to pay for "
-                                f"trying the other choice ({start_s:.0f} s per engine start)"
-                                + ("; without speculation the fallback pass runs on this engine" * self.held_back))
+                                f"trying the other choice ({start_s:.0f} s per engine start)")
                 return "stay"
             other = "none" if trial.method != "none" else self.candidate.method
             self.trials.append(Trial(other))
             return self.config(other)
         first, second = self.trials
-        speculative = first if first.method != "none" else second
-        # Seconds the faster choice saves over the rest of the pass, against the next pass's engine start that a
-        # speculative choice costs.
-        rest = max(self.total_rows - done, 0)
-        saved = rest * abs(first.seconds / max(first.rows, 1) - second.seconds / max(second.rows, 1))
-        extra = max(speculative.start_s, 1.0) if self.next_pass_starts else 0.0
-        if second.rate > BETTER_BY * first.rate and (second is not speculative or saved > extra):
+        if second.rate > BETTER_BY * first.rate:
             self.decided = f"{second.method}: {second.rate / first.rate:.2f}x the output tokens/s of {first.method}"
             return "stay"
         self.decided = f"{first.method}: {second.method} made {second.rate / first.rate:.2f}x its output tokens/s"
-        if second.rate > BETTER_BY * first.rate:
-            self.decided += (f", but would save ~{saved:.0f} s over the rest of the pass, less than the fallback pass's "
-                             f"own engine start ({extra:.0f} s)")
         self.trials.append(dataclasses.replace(first, rows=0, tokens=0, seconds=0.0, steps=0))
         return self.config(first.method)
 
@@ -177,10 +162,6 @@ class Auto:
         why = self.decided or (f"{chosen}: the faster at {self.in_flight} in flight on a {self.platform} in our "
                                f"measurements ({self.candidate.method} {self.prior:.2f}x none); the pass was too short "
                                "to try the other")
-        if self.held_back and not self.decided:
-            why = (f"none: {self.candidate.method} ({self.prior:.2f}x none at {self.in_flight} in flight in our "
-                   "measurements) would make the fallback pass start an engine of its own; the pass was too short "
-                   "to try it")
         return {"method": "auto", "chosen": chosen, "why": why,
                 "predicted_speedup": round(self.prior, 2), "in_flight": self.in_flight, "platform": self.platform,
                 "trials": [t.to_dict() for t in self.trials if t.rows]}

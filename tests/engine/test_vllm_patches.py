@@ -4,6 +4,7 @@ profiler, and the plugin itself in a forked engine process."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -114,3 +115,30 @@ def test_profiler_records_skips_and_errors(monkeypatch, tmp_path):
     profiler.install()
     data = json.loads((tmp_path / "q.json").read_text())
     assert "boom" in data["error"] and read_profile(tmp_path / "q.json")["errors"]
+
+
+def test_the_grammar_warning_flood_of_an_engine_process_is_counted_not_printed():
+    """What xgrammar's C++ writes to fd 2 under speculation: thousands of one line. The rest passes unchanged."""
+    flood = "[12:00:01] grammar_matcher.cc:42: Warning: The matcher has terminated after accepting the stop token, " \
+            "but is trying to accept new token with id 7"
+    code = textwrap.dedent(f"""
+        import os, sys
+        from batchjson.engine.quiet import quiet_floods
+        quiet_floods()
+        os.write(2, b"engine started\\n")
+        for _ in range(3000):
+            os.write(2, {flood!r}.encode() + b"\\n")
+        print("a Python traceback line", file=sys.stderr, flush=True)
+        os.write(2, b"no newline at the end")
+    """)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = done.stderr.splitlines()
+    assert "engine started" in lines and "a Python traceback line" in lines
+    assert not any("matcher has terminated" in line and "hid" not in line for line in lines), lines[:5]
+    assert any(line.startswith("batchjson: hid 3000 repeated grammar warning line(s)") for line in lines), lines
+    assert "no newline at the end" in done.stderr
+    raw = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         env=os.environ | {"BATCHJSON_ENGINE_STDERR": "raw"})
+    assert raw.stderr.count("matcher has terminated") == 3000
+
