@@ -3,6 +3,9 @@
 The input may be local or on object storage (see storage/location.py). Units are planned from the files' footers alone (no row is read to know what work there is), and keyed by the
 file's path below the input root, its row group and the batch's position: a key does not depend on which other
 files exist, and does not grow with the file's name.
+
+Over 250 lines because the checks a user's input needs before any row is decoded (footers, column types across
+files, null and repeated ids, fingerprints) read the same footers as the plan.
 """
 
 from __future__ import annotations

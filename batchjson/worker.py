@@ -5,6 +5,9 @@ Both passes share the worker's engine where it can take both (sampling is per re
 without a draft on a speculative engine, see engine/internals.py), so a unit's pass 2 decodes beside other units'
 pass 1. An engine that cannot take a pass (a vLLM without the per-request draft switch, another grammar backend)
 makes the worker ask only for what it can take; when nothing else is left it changes engines.
+
+Over 250 lines because the decode loop, engine deaths, auto's switches and the choice of work share one engine's
+state; Pass and Tracker, the values it moves, stay beside it.
 """
 
 from __future__ import annotations
