@@ -73,12 +73,14 @@ def test_rerun_resumes_without_redoing_or_duplicating(tmp_path, tiny_model, engi
     assert_exactly_once([f"r{i:05d}" for i in range(20)], tmp_path / "out", tmp_path / "out" / "_rejects")
 
 
-def test_pass_two_reuses_the_engine_when_its_settings_allow(tmp_path, tiny_model):
-    """No speculation in pass 1: the fallback's sampling is per request, so no second engine start."""
+@pytest.mark.parametrize("speculative", ["none", "ngram"])
+def test_pass_two_reuses_the_engine_when_its_settings_allow(tmp_path, tiny_model, speculative):
+    """The fallback's sampling is per request, and on a speculative engine its requests skip the draft: one engine
+    start for both passes, with or without speculation in pass 1."""
     from batchjson.job import vllm_engine
 
     write_rows(tmp_path / "in.parquet", 12)
-    spec = load_spec(write_job(tmp_path, tiny_model, tmp_path / "in.parquet", max_tokens=3, speculative="none"))
+    spec = load_spec(write_job(tmp_path, tiny_model, tmp_path / "in.parquet", max_tokens=3, speculative=speculative))
     starts = []
 
     def counting(spec_, decoding, speculative):
@@ -87,7 +89,7 @@ def test_pass_two_reuses_the_engine_when_its_settings_allow(tmp_path, tiny_model
 
     report = run_job(spec, engine_factory=counting, progress=False)
     assert len(starts) == 1
-    assert report.passes["pass2"].rows == 12 and "previous pass's engine" in report.passes["pass2"].note
+    assert report.passes["pass2"].rows == 12 and "beside pass 1" in report.passes["pass2"].note
     assert report.valid_by_pass.get("pass2", 0) > 0  # the fallback's own budget and sampling were used
     d = report.to_dict()
     assert d["passes"]["pass1"]["failed_output_token_share"] == 1.0

@@ -36,7 +36,7 @@ def test_sample_job_end_to_end(tmp_path):
     # and the fallback runs on pass 1's engine.
     (choice,) = report["passes"]["pass1"]["auto"]
     assert choice["chosen"] == "none" and choice["why"] and choice["trials"][0]["output_tokens_per_s"] > 0
-    assert "previous pass's engine" in report["passes"]["pass2"]["note"]
+    assert "beside pass 1" in report["passes"]["pass2"]["note"]
     # SmolLM2 loops inside the items array under greedy decoding; repetition detection stops those rows early
     # and the sampled fallback rescues most of them.
     assert report["passes"]["pass1"]["reasons"].get("repetition", 0) > 0

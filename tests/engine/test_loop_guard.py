@@ -13,7 +13,8 @@ pytestmark = pytest.mark.engine
 
 
 class _Spy:
-    """Records the sampling parameters of each stream (a pass), whether or not the passes share an engine."""
+    """Records the sampling parameters per pass ("p1", "p2") that each stream decodes with: both passes share the
+    engine and its stream, each request with its own pass's parameters."""
 
     def __init__(self, engine, seen):
         self._engine, self._seen = engine, seen
@@ -22,7 +23,7 @@ class _Spy:
         return getattr(self._engine, name)
 
     def stream(self, *args, **kwargs):
-        self._seen.append(self._engine.params)
+        self._seen.append(dict(self._engine.params))
         return self._engine.stream(*args, **kwargs)
 
 
@@ -48,7 +49,8 @@ def test_default_loop_guard_reaches_both_passes(tmp_path, tiny_model, engines):
     report = run_job(load_spec(job), engine_factory=spying(engines, seen), progress=False)
     assert report.passes["pass2"].rows == 12
     # The tests' schema bounds its strings: the light guard. A schema without bounds gets LOOP_GUARD.
-    assert [guard_of(p) for p in seen] == [LOOP_GUARD_BOUNDED, LOOP_GUARD_BOUNDED]
+    assert len(seen) == 1  # one stream: pass 2 ran beside pass 1
+    assert [guard_of(seen[0][stage]) for stage in ("p1", "p2")] == [LOOP_GUARD_BOUNDED, LOOP_GUARD_BOUNDED]
     unbounded = write_job(tmp_path, tiny_model, tmp_path / "in.parquet", max_tokens=3, fallback_max_tokens=64,
                           schema={"type": "object", "properties": {"name": {"type": "string"}}})
     assert load_spec(unbounded).sampling.repetition_detection == LOOP_GUARD
@@ -60,7 +62,8 @@ def test_fallback_keeps_the_first_valid_of_n_candidates(tmp_path, tiny_model, en
     job.write_text(job.read_text().replace("[fallback]\n", "[fallback]\nn = 3\nrepetition_detection = false\n"))
     seen = []
     report = run_job(load_spec(job), engine_factory=spying(engines, seen), progress=False)
-    assert [p.n for p in seen] == [1, 3] and guard_of(seen[1]) is None
+    params = seen[-1]
+    assert [params[stage].n for stage in ("p1", "p2")] == [1, 3] and guard_of(params["p2"]) is None
     p2 = report.passes["pass2"]
     assert p2.rows == 12 and p2.valid > 0
     valid = ds.dataset(str(tmp_path / "out"), format="parquet").to_table().to_pylist()
