@@ -31,10 +31,13 @@ def engine_kwargs(spec, decoding, speculative) -> dict:
     from vllm.platforms import current_platform
 
     from batchjson.engine import resolve_model
+    from batchjson.schema.grammar import choose
 
+    # The backend batchjson decodes with ("auto" is batchjson's choice; vLLM refuses its own "auto" with whitespace off).
+    backend = choose(spec.schema_doc, decoding.structured_output_backend or spec.model.structured_output_backend,
+                     spec.model.disable_any_whitespace).backend
     kw = dict(model=resolve_model(spec.model.path), dtype=spec.model.dtype, disable_log_stats=False,
-              structured_outputs_config={"backend": decoding.structured_output_backend or spec.model.structured_output_backend,
-                                         "disable_any_whitespace": spec.model.disable_any_whitespace})
+              structured_outputs_config={"backend": backend, "disable_any_whitespace": spec.model.disable_any_whitespace})
     if spec.model.max_model_len:
         kw["max_model_len"] = spec.model.max_model_len
     if current_platform.is_cpu():
@@ -194,7 +197,7 @@ class _TimedEngine:
         rec["engine_starts"] = rec.get("engine_starts", 0) + 1
         rec["engine_start_s"] = round(rec.get("engine_start_s", 0) + start_s, 2)
         self.timer = StepTimer(engine.llm.llm_engine)
-        rec["params"] = _params_summary(engine.params)
+        rec["params"] = _params_summary(engine.params["p1"])
 
     def __getattr__(self, name):
         return getattr(self.engine, name)

@@ -54,9 +54,10 @@ def _flushed(profile: Path, engine) -> dict:
     from batchjson.records import Prompt
 
     time.sleep(DUMP_EVERY_S + 0.2)
-    params, engine.params = engine.params, engine._sampling(max_tokens=1, temperature=0.0)
+    params = engine.params["p1"]
+    engine.params["p1"] = engine._sampling(max_tokens=1, temperature=0.0)
     list(engine.stream([Prompt("flush", "flush", "{")]))
-    engine.params = params
+    engine.params["p1"] = params
     return read_profile(profile)
 
 
