@@ -93,16 +93,28 @@ class Channel:
     for the driver while it has work in flight.
 
     `ask(stages)` sends a want and returns the queue's reply; `send(kind, *payload)` reports to the driver.
+    `prefetch=False` (the queue is in this process, and answers at once): ask when the engine wants work.
     """
 
-    def __init__(self, slot: int, replicas: int, ask: Callable[[tuple], tuple], send: Callable[..., None]):
-        self.slot, self.replicas, self.ask, self.send = slot, replicas, ask, send
+    def __init__(self, slot: int, replicas: int, ask: Callable[[tuple], tuple], send: Callable[..., None],
+                 prefetch: bool = True):
+        self.slot, self.replicas, self.ask, self.send, self.prefetch = slot, replicas, ask, send, prefetch
         self.ended = ""  # how the last `work` ended: "end" (the run is over) or "idle" (other stages have work)
 
     def work(self, stages: Callable[[], tuple], hold: Callable[[], bool] = lambda: False) -> Iterator[Work]:
         """(stage, key) pairs of the stages `stages()` names (asked anew each time); WAIT while none is ready. Ends
         when the run is over, or when nothing fits but other stages have work, or `hold()` (the worker holds work
         its engine cannot take): then the worker changes engines."""
+        if not self.prefetch:
+            while True:
+                reply = self.ask(stages())
+                if reply[0] == "unit":
+                    yield reply[1], reply[2]
+                elif reply[0] == "idle" and not reply[1] and not hold():
+                    yield WAIT  # the engine steps what it holds; its commits may bring work
+                else:
+                    self.ended = reply[0]
+                    return
         ready: queue.Queue = queue.Queue(maxsize=1)
 
         def fetch():
