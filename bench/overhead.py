@@ -223,6 +223,8 @@ def run_overhead(sc: dict) -> dict:
         return SampledEngine(fake_engine(spec_.model.max_in_flight, 0.0 if second else fail_rate, kinds), log,
                              "pass2" if second else "pass1")
 
+    factory.no_draft = True  # the fake engine decodes a request without a draft: auto need not ask vLLM (an import)
+
     # Where the end of a run spends memory: RSS around the report's tally (over the commit records).
     from batchjson.report import RunReport
 
