@@ -99,9 +99,9 @@ class JobRun:
     def _run_passes(self, report: RunReport, layout: list) -> None:
         """Both passes through one queue, on this process's engine or on replicas: the same worker body."""
         todo = self._todo()
-        work = Queue(todo, {"p1": "p2"} if len(self.passes) > 1 else {})
         if not any(todo.values()):
             return
+        work = Queue(todo, {"p1": "p2"} if len(self.passes) > 1 else {})
         names = {p.stage: p.name for p in self.passes}
         stats = {p.stage: PassStats() for p in self.passes}
         bars: dict[str, tqdm] = {}
@@ -168,7 +168,7 @@ def serve_replica(spec: JobSpec, output: str, shard: tuple[int, int], engine_fac
                   slot: int, count: int, inbox, outbox) -> None:
     """The body of replica `slot` of `count` (a local process or a Ray actor): a worker on the driver's queue. The
     driver holds the folder; a replica never claims it."""
-    channel = queue_channel(slot, count, inbox, outbox)
+    channel = queue_channel(slot, inbox, outbox)
     os.environ["BATCHJSON_REPLICA"] = str(slot)
     try:
         source = ParquetSource(spec.input, spec.prompt.columns)

@@ -163,6 +163,7 @@ class Worker:
         self.validator = Validator(spec.schema_doc, spec.schema.check_format)
         self.sink = PartSink(spec.input.id_column, source.passthrough_schema(), spec.schema_doc)
         self.engine: Engine | None = None
+        self.takes: tuple[str, ...] = ()  # the stages self.engine takes, asked of it once when it starts
         self.held: deque[Work] = deque()  # handed to this worker, not takeable by its engine yet
         self.stats = {p.stage: PassStats() for p in self.passes}
         self.speculative: SpeculativeSpec | None = self.passes[0].speculative  # pass 1's draft, now
@@ -206,15 +207,18 @@ class Worker:
     # -- which work this worker's engine takes ----------------------------------------------------------------
 
     def _takes(self, stage: str) -> bool:
-        if self.engine is None:
-            return True  # the first unit picks the engine
-        p = self.by_stage[stage]
-        if p is self.passes[0]:
-            return self.engine.accepts(p.decoding, self.speculative) or self.engine.accepts(p.decoding, None)
-        return self.engine.accepts(p.decoding, None)
+        return self.engine is None or stage in self.takes  # no engine yet: the first unit picks it
 
     def _stages(self) -> tuple[str, ...]:
-        return tuple(p.stage for p in self.passes if self._takes(p.stage))
+        return self.takes if self.engine is not None else tuple(self.by_stage)
+
+    def _taken_by(self, engine: Engine) -> tuple[str, ...]:
+        """The stages `engine` can decode: pass 1 with its draft or without one, pass 2 without (engine-wide
+        settings only change with the engine: auto's switches and deaths start a new one)."""
+        first = self.passes[0]
+        return tuple(p.stage for p in self.passes
+                     if (p is first and engine.accepts(p.decoding, self.speculative))
+                     or engine.accepts(p.decoding, None))
 
     def _takeable(self, work: Iterator[Work]) -> Iterator[Work]:
         """Held pairs the engine now takes first, then the channel's; a pair it cannot take is held back."""
@@ -307,13 +311,14 @@ class Worker:
         # other pass's seed holds when it runs on this engine.
         seed = next((q.decoding.seed for q in self.passes if q.decoding.seed is not None), None)
         decoding = p.decoding if p.decoding.seed is not None else dataclasses.replace(p.decoding, seed=seed)
-        self.engine = self.make_engine(self.spec, decoding, speculative)
-        return self.engine, False
+        engine = self.make_engine(self.spec, decoding, speculative)
+        self.engine, self.takes = engine, self._taken_by(engine)
+        return engine, False
 
     def _use(self, engine: Engine) -> None:
         """Give the engine each pass's sampling settings that it takes: pass 1 with drafts, pass 2 without."""
         for p in self.passes:
-            if self._takes(p.stage):
+            if p.stage in self.takes:
                 engine.use(p.decoding, p.stage, draft=p is self.passes[0])
 
     def _close_engine(self) -> None:

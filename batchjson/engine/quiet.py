@@ -35,20 +35,18 @@ def quiet_floods(floods: tuple[bytes, ...] = FLOODS) -> None:
 
     def pump() -> None:
         pending = b""
-        try:
-            while True:
+        while True:
+            try:
                 chunk = os.read(r, 1 << 16)
-                if not chunk:
-                    break
-                *lines, pending = (pending + chunk).split(b"\n")
-                kept = [line for line in lines if not any(f in line for f in floods)]
-                hidden[0] += len(lines) - len(kept)
-                if kept:
-                    os.write(real, b"\n".join(kept) + b"\n")
-            if pending:
-                os.write(real, pending + b"\n")
-        except OSError:
-            pass
+            except OSError:
+                return
+            if not chunk:
+                break
+            *lines, pending = (pending + chunk).split(b"\n")
+            kept = [line for line in lines if not any(f in line for f in floods)]
+            hidden[0] += len(lines) - len(kept)
+            _write(real, b"\n".join(kept) + b"\n" if kept else b"")
+        _write(real, pending + b"\n" if pending else b"")
 
     thread = threading.Thread(target=pump, name="batchjson-stderr", daemon=True)
     thread.start()
@@ -67,3 +65,13 @@ def quiet_floods(floods: tuple[bytes, ...] = FLOODS) -> None:
 
 
 _INSTALLED = False
+
+
+def _write(fd: int, data: bytes) -> None:
+    """Write to the real stderr; if it is gone, drop the data but keep draining the pipe, so that no writer to fd 2
+    ever blocks on a full pipe."""
+    if data:
+        try:
+            os.write(fd, data)
+        except OSError:
+            pass

@@ -96,9 +96,8 @@ class Channel:
     `prefetch=False` (the queue is in this process, and answers at once): ask when the engine wants work.
     """
 
-    def __init__(self, slot: int, replicas: int, ask: Callable[[tuple], tuple], send: Callable[..., None],
-                 prefetch: bool = True):
-        self.slot, self.replicas, self.ask, self.send, self.prefetch = slot, replicas, ask, send, prefetch
+    def __init__(self, ask: Callable[[tuple], tuple], send: Callable[..., None], prefetch: bool = True):
+        self.ask, self.send, self.prefetch = ask, send, prefetch
         self.ended = ""  # how the last `work` ended: "end" (the run is over) or "idle" (other stages have work)
 
     def work(self, stages: Callable[[], tuple], hold: Callable[[], bool] = lambda: False) -> Iterator[Work]:
@@ -221,11 +220,11 @@ class Pool:
                 on_stats(payload[0])
 
 
-def queue_channel(slot: int, replicas: int, inbox, outbox) -> Channel:
+def queue_channel(slot: int, inbox, outbox) -> Channel:
     """A worker's channel over two queues (a local process's or a Ray actor's)."""
 
     def ask(stages: tuple) -> tuple:
         outbox.put(("want", slot, stages))
         return inbox.get()
 
-    return Channel(slot, replicas, ask, lambda kind, *payload: outbox.put((kind, slot, *payload)))
+    return Channel(ask, lambda kind, *payload: outbox.put((kind, slot, *payload)))

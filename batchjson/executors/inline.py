@@ -19,4 +19,4 @@ def run_inline(body: Callable[[Channel], None], work: Queue, on_done: Callable, 
         elif kind == "stats":
             on_stats(payload[0])
 
-    body(Channel(0, 1, lambda stages: work.want(0, stages), send, prefetch=False))
+    body(Channel(lambda stages: work.want(0, stages), send, prefetch=False))
