@@ -13,9 +13,11 @@ The Python API (batchjson/api.py), next to the command line::
 import importlib
 import importlib.util
 import sys
+import time
 import types
 
 __version__ = "0.1.0"
+STARTED = time.monotonic()  # the process's start, near enough: the report's first_request_s counts from here
 
 # Imported on first use: vLLM's engine processes import this package (for batchjson's vLLM plugin) and need none of
 # the API's modules.

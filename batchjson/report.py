@@ -30,6 +30,9 @@ class PassStats:
     """Engines this pass started (all replicas): 0 when it ran on the previous pass's engine."""
     engine_start_s: float = 0.0
     """Their start seconds, added up."""
+    first_request_s: float | None = None
+    """Seconds from the start of the process (batchjson's import) to this pass's first request to an engine (the
+    earliest replica's)."""
 
     def add(self, ok: bool, reason: str | None, prompt_tokens: int, output_tokens: int) -> None:
         self.rows += 1
@@ -47,6 +50,8 @@ class PassStats:
                      "engine_start_s"):
             setattr(self, name, getattr(self, name) + other[name])
         self.reasons.update(other["reasons"])
+        firsts = [t for t in (self.first_request_s, other.get("first_request_s")) if t is not None]
+        self.first_request_s = min(firsts) if firsts else None
         for name, value in other["speculative"].items():
             self.speculative[name] = self.speculative.get(name, 0) + value
         self.grammar = self.grammar or other["grammar"]
@@ -58,6 +63,8 @@ class PassStats:
         d = asdict(self)
         d["reasons"] = dict(self.reasons)
         d["engine_start_s"] = round(self.engine_start_s, 1)
+        if self.first_request_s is not None:
+            d["first_request_s"] = round(self.first_request_s, 1)
         d["rows_per_s"] = round(self.rows / self.seconds, 3) if self.seconds else 0.0
         d["output_tokens_per_s"] = round(self.output_tokens / self.seconds, 1) if self.seconds else 0.0
         # The pass's wall time, engine start included: on a GPU that is what the pass costs.
@@ -159,7 +166,10 @@ class RunReport:
         starts = sum(p.engine_starts for p in self.passes.values())
         if starts:
             seconds = sum(p.engine_start_s for p in self.passes.values())
-            lines.append(f"  engine starts: {starts} ({seconds / starts:.1f} s each)")
+            first = min((p.first_request_s for p in self.passes.values() if p.first_request_s is not None),
+                        default=None)
+            to_first = f"; first request {first:.1f} s after start" if first is not None else ""
+            lines.append(f"  engine starts: {starts} ({seconds / starts:.1f} s each{to_first})")
         if "pass2" in self.valid_by_pass:
             lines.append(f"  fallback rescued {self.valid_by_pass['pass2']} rows")
         if self.rejects_by_reason:

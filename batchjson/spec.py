@@ -121,8 +121,10 @@ class ModelSpec:
     first backend of a measured order that builds the schema's grammar in time (`batchjson check` says which)."""
     disable_any_whitespace: bool = True
     """Forbid whitespace between JSON tokens. Small models otherwise pad with spaces until max_tokens."""
-    max_in_flight: int = 256
-    """Requests kept inside the engine at once; the engine is refilled as each one finishes."""
+    max_in_flight: int | None = None
+    """Requests kept inside the engine at once; the engine is refilled as each one finishes. Unset: twice the
+    engine's batch (vLLM's max_num_seqs: 1024 on an H100/H200, 256 on most others), so that its scheduler always has
+    the next requests waiting while batchjson checks and commits finished ones."""
     engine: dict = field(default_factory=dict)
     """Any other vllm.LLM keyword argument, passed through unchanged (e.g. gpu_memory_utilization)."""
     replicas: int | None = None
@@ -132,7 +134,7 @@ class ModelSpec:
         _require(self.structured_output_backend in BACKEND_NAMES,
                  f"model.structured_output_backend must be one of {list(BACKEND_NAMES)}, "
                  f"got {self.structured_output_backend!r}.")
-        _require(self.max_in_flight > 0, "model.max_in_flight must be > 0.")
+        _require(self.max_in_flight is None or self.max_in_flight > 0, "model.max_in_flight must be > 0.")
         _require(self.replicas is None or self.replicas > 0, "model.replicas must be > 0.")
         _require(self.max_model_len is None or self.max_model_len > 0, "model.max_model_len must be > 0.")
 

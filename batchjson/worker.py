@@ -25,6 +25,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from itertools import chain
 
+import batchjson
 from batchjson.engine import Engine
 from batchjson.errors import EngineDied, EngineError
 from batchjson.executors.base import Channel, Work
@@ -120,6 +121,8 @@ class Tracker:
                 if isinstance(item, Generation):
                     self.finish(item)
                 else:
+                    if self.stats[stage].first_request_s is None:
+                        self.stats[stage].first_request_s = time.monotonic() - batchjson.STARTED
                     yield item
 
     def finish(self, gen: Generation) -> None:

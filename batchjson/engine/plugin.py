@@ -3,8 +3,8 @@
 The engine processes of a batchjson run die with the runner, whatever kills it.
 
 Without it, a runner killed by SIGKILL or the OOM killer leaves vLLM's engine process alive, holding gigabytes
-of memory (GPU memory on a GPU) until someone finds it. It also installs, in those processes, the no-draft patch
-(internals.py) and, when the run asks for it by environment (BATCHJSON_PROFILE_STEPS), the step profiler
+of memory (GPU memory on a GPU) until someone finds it. It also installs, in those processes, the scheduler patches
+(internals.py: no drafts for pass 2, a fast loop guard) and, when the run asks for it by environment (BATCHJSON_PROFILE_STEPS), the step profiler
 (profiler.py). Does nothing outside a batchjson run, nor in the runner process itself.
 
 Forked engine processes. vLLM loads general plugins once per process (vllm/plugins/__init__.py, 0.26.0: the
@@ -65,5 +65,5 @@ def register() -> None:
     from batchjson.engine import internals, profiler, quiet
 
     quiet.quiet_floods()
-    internals.install_no_draft()
+    internals.install()
     profiler.install()

@@ -50,9 +50,10 @@ def draft_method() -> str:
     return "suffix" if importlib.util.find_spec("arctic_inference") else "ngram"
 
 
-def predicted_speedup(platform: str, method: str, in_flight: int) -> float:
+def predicted_speedup(platform: str, method: str, in_flight: int | None) -> float:
+    """The measured gain at the nearest size; None (the engine's own batch, 1024 on an H200) takes the largest."""
     table = MEASURED_SPEEDUP[platform][method]
-    return table[min(table, key=lambda size: abs(size - in_flight))]
+    return table[max(table) if in_flight is None else min(table, key=lambda size: abs(size - in_flight))]
 
 
 @dataclass
@@ -88,7 +89,8 @@ class Auto:
     switch. The caller reports each finished row (`add`) and asks `wanted()` after each."""
 
     spec: SpeculativeSpec
-    in_flight: int
+    in_flight: int | None
+    """model.max_in_flight; None: the engine's batch."""
     platform: str
     total_rows: int
     trials: list[Trial] = field(default_factory=list)
@@ -99,7 +101,8 @@ class Auto:
         method = draft_method()
         self.candidate = dataclasses.replace(self.spec, method=method, num_speculative_tokens=DRAFT_TOKENS[method])
         self.prior = predicted_speedup(self.platform, method, self.in_flight)
-        self.sample = max(2 * self.in_flight, 64)  # rows measured per choice
+        largest = max(MEASURED_SPEEDUP[self.platform][method])
+        self.sample = max(2 * (self.in_flight or largest), 64)  # rows measured per choice
         self.trials.append(Trial(method if self.prior >= BETTER_BY else "none"))
 
     def config(self, method: str) -> SpeculativeSpec | None:
@@ -159,7 +162,8 @@ class Auto:
 
     def report(self) -> dict:
         chosen = self.trials[-1].method
-        why = self.decided or (f"{chosen}: the faster at {self.in_flight} in flight on a {self.platform} in our "
+        size = f"{self.in_flight} in flight" if self.in_flight else "a full engine batch"
+        why = self.decided or (f"{chosen}: the faster at {size} on a {self.platform} in our "
                                f"measurements ({self.candidate.method} {self.prior:.2f}x none); the pass was too short "
                                "to try the other")
         return {"method": "auto", "chosen": chosen, "why": why,

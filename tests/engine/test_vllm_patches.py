@@ -142,3 +142,53 @@ def test_the_grammar_warning_flood_of_an_engine_process_is_counted_not_printed()
                          env=os.environ | {"BATCHJSON_ENGINE_STDERR": "raw"})
     assert raw.stderr.count("matcher has terminated") == 3000
 
+
+
+def test_the_fast_loop_guard_answers_as_vllms_own_check():
+    """internals.repeats replaces vLLM's per-token repetition check in the engine core: same answer on every
+    sequence (random ones, many of them ending in repeats), on the token lists vLLM passes (ConstantList)."""
+    import random
+
+    from vllm.sampling_params import RepetitionDetectionParams
+    from vllm.v1.core.sched import utils
+    from vllm.v1.utils import ConstantList
+
+    from batchjson.engine import internals
+
+    assert internals.install_fast_loop_guard() == "ok"
+    assert utils.check_sequence_repetition is internals.repeats
+    vllms = internals.VLLM_CHECK
+    assert vllms is not internals.repeats and vllms.__module__ == "vllm.v1.core.sched.utils"
+    rng, hits = random.Random(7), 0
+    for _ in range(20_000):
+        size = rng.randrange(0, 70)
+        guard = RepetitionDetectionParams(size, rng.randrange(0, size + 1), rng.randrange(2, 6) if size else 0)
+        seq = [rng.randrange(rng.choice((2, 3, 50))) for _ in range(rng.randrange(1, 80))]
+        if rng.random() < 0.7:
+            seq += rng.randrange(1, 6) * seq[-rng.randrange(1, 20):]
+        if rng.random() < 0.3:
+            seq.append(rng.randrange(3))
+        expected = vllms(ConstantList(seq), guard)
+        assert internals.repeats(ConstantList(seq), guard) == expected, (seq, guard)
+        hits += expected
+    assert 2_000 < hits < 18_000  # both answers were tested often
+
+
+def test_the_plugin_installs_both_scheduler_patches_in_an_engine_process():
+    """In a process vLLM starts for a batchjson run (not the runner), the plugin replaces the loop check and wraps
+    the scheduler."""
+    code = textwrap.dedent("""
+        import os
+        os.environ["BATCHJSON_RUNNER_PID"] = str(os.getppid())
+        from batchjson.engine import plugin
+        plugin.register()
+        from vllm.v1.core.sched import utils
+        from vllm.v1.core.sched.scheduler import Scheduler
+        print("guard:", utils.check_sequence_repetition.__module__)
+        print("schedule wrapped:", hasattr(Scheduler.schedule, "__wrapped__"))
+    """)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          env=os.environ | {"BATCHJSON_ENGINE_STDERR": "raw"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "guard: batchjson.engine.internals" in done.stdout
+    assert "schedule wrapped: True" in done.stdout

@@ -1,0 +1,203 @@
+"""Whole runs of a new user's minimal job next to bare vLLM: each run in its own process, all in one call.
+
+    python bench/whole_runs.py --task C --rows 6000 --runs warm-none,warm-suffix,bare-none,bare-suffix,auto,none,suffix \
+        --model /tmp/models/smollm2 --out OUT --budget 560
+
+Runs, in the order given (compare only runs of one call: machines differ by +-30% between calls):
+  bare-none, bare-suffix  bare vLLM as its documentation shows it: `LLM(model, structured_outputs_config)` and one
+                          `llm.generate` over every prompt (the chat frame batchjson renders, the same schema, greedy,
+                          the same max_tokens); bare-suffix adds speculative_config {"method": "suffix", k 8}.
+                          vLLM's defaults otherwise: its own batch size (max_num_seqs), no loop guard. Validated and
+                          scored afterwards, outside the clock.
+  auto, none, suffix, ngram  `batchjson run` of the minimal job (bench/tasks.py: input, template, schema, model,
+                          max_tokens, output); "auto" has no [speculative] table (the default), the others set
+                          [speculative] method.
+  <run>@N                 the same with [model] max_in_flight = N (auto@256: the previous default).
+  <run>-noguard           the same with the loop guard off in both passes (repetition_detection = false).
+  warm-none, warm-suffix  a bare run on 64 rows that fills the compile cache for that engine configuration (a first
+                          start on a machine compiles for ~20 s more); not in the table.
+
+Wall seconds count from the run's process launch to its exit. `first_request_s` is the time to the engine's first
+request: bare vLLM's after `import vllm` + `LLM()` + rendering, batchjson's from the report (from batchjson's import).
+Results go to OUT/whole-<task>-<rows>.json after each run, so a call cut short keeps what finished.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
+
+from tasks import TASKS, schema, score, write_task  # noqa: E402
+
+SUFFIX = {"method": "suffix", "num_speculative_tokens": 8}
+
+
+# ---------------------------------------------------------------- bare vLLM, in its own process
+
+def bare(task: str, rows: int, model: str, max_tokens: int, speculative: bool, t_launch: float) -> dict:
+    from tasks import rows as task_rows
+
+    stamp = lambda: round(time.time() - t_launch, 2)  # noqa: E731
+    import vllm
+    from vllm.sampling_params import StructuredOutputsParams
+
+    imported = stamp()
+    kwargs = dict(model=model, structured_outputs_config={"backend": "xgrammar", "disable_any_whitespace": True})
+    if speculative:
+        kwargs["speculative_config"] = SUFFIX
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        kwargs["enforce_eager"] = True
+    llm = vllm.LLM(**kwargs)
+    started = stamp()
+    t = TASKS[task]
+    from batchjson.prompts import MARK
+
+    text = llm.get_tokenizer().apply_chat_template(
+        [{"role": "system", "content": t["system"]}, {"role": "user", "content": MARK}], tokenize=False,
+        add_generation_prompt=True)
+    prefix, _, suffix = text.partition(MARK)
+    data = task_rows(task, rows)
+    prompts = [prefix + t["template"].format(text=r[1]) + suffix for r in data]
+    params = vllm.SamplingParams(temperature=0.0, max_tokens=max_tokens,
+                                 structured_outputs=StructuredOutputsParams(json=schema(task)))
+    first = stamp()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    done = stamp()
+    seqs = llm.llm_engine.vllm_config.scheduler_config.max_num_seqs
+    llm.llm_engine.engine_core.shutdown()
+    answers = [(r[0], o.outputs[0].text, o.outputs[0].finish_reason or "", r[2]) for r, o in zip(data, outs)]
+    return {"import_s": imported, "engine_ready_s": started, "first_request_s": first, "decode_s": round(done - first, 2),
+            "done_s": done, "max_num_seqs": seqs, "engine_starts": 1,
+            "output_tokens": sum(len(o.outputs[0].token_ids) for o in outs), **_score(task, answers)}
+
+
+def _score(task: str, answers) -> dict:
+    """Valid (batchjson's validator: parse, schema, finish reason) and exactly right (the ground truth)."""
+    from batchjson.records import Generation, Prompt
+    from batchjson.schema.validate import Validator
+
+    validator = Validator(schema(task))
+    valid = correct = 0
+    for row_id, text, finish, truth in answers:
+        o = validator.check(Generation(Prompt(row_id, "u", ""), text, finish, 0, 0))
+        valid += o.ok
+        correct += o.ok and score(task, o.value, json.loads(truth))[0]
+    return {"valid": valid, "correct": correct}
+
+
+# ---------------------------------------------------------------- batchjson, by its command line
+
+def batchjson_run(name: str, args, work: Path, t_launch: float, timeout: float) -> dict:
+    base, _, size = name.partition("@")
+    guard = not base.endswith("-noguard")
+    method = base.removesuffix("-noguard")
+    folder = work / name.replace("@", "-at-")
+    data, job = write_task(args.task, args.rows, folder, args.model, max_tokens=args.max_tokens)
+    text = job.read_text()
+    if method != "auto":
+        text += f'\n[speculative]\nmethod = "{method}"\n'
+    if not guard:  # write_task writes a [sampling] table and no [fallback] one
+        text = text.replace("[sampling]\n", "[sampling]\nrepetition_detection = false\n", 1)
+        text += "\n[fallback]\nrepetition_detection = false\n"
+    if size:
+        text = text.replace("[model]\n", f"[model]\nmax_in_flight = {int(size)}\n", 1)
+    job.write_text(text)
+    out = folder / "out"
+    proc = subprocess.run([sys.executable, "-m", "batchjson", "run", str(job), "--output", str(out), "--fresh"],
+                          capture_output=True, text=True, timeout=timeout, env=os.environ | {"PYTHONUNBUFFERED": "1"})
+    done = round(time.time() - t_launch, 2)
+    report_file = out / "_report.json"
+    if proc.returncode != 0 or not report_file.exists():
+        return {"error": f"rc {proc.returncode}: {(proc.stderr or proc.stdout)[-1500:]}"}
+    report = json.loads(report_file.read_text())
+    p1, p2 = report["passes"]["pass1"], report["passes"].get("pass2", {})
+    import pyarrow.dataset as ds
+    import pyarrow.parquet as pq
+
+    truth = dict(zip(*pq.read_table(data, columns=["id", "truth"]).to_pydict().values()))
+    got = ds.dataset(str(out), format="parquet").to_table(columns=["id", "json"]).to_pydict()
+    correct = sum(score(args.task, json.loads(j), json.loads(truth[i]))[0] for i, j in zip(got["id"], got["json"]))
+    auto = (p1.get("auto") or [{}])[0]
+    return {"first_request_s": p1.get("first_request_s"), "done_s": done, "run_s": report["seconds"],
+            "engine_starts": report["engine_starts"], "engine_start_s": report["engine_start_s"],
+            "pass1_s": p1["seconds"], "pass2_rows": p2.get("rows", 0), "pass2_valid": p2.get("valid", 0),
+            "output_tokens": p1["output_tokens"] + p2.get("output_tokens", 0),
+            "valid": report["valid"], "correct": correct, "rejected": report["rejected"],
+            "chosen": auto.get("chosen", method), "why": auto.get("why", ""), "summary": proc.stdout[-2500:]}
+
+
+# ---------------------------------------------------------------- the call
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--task", default="C")
+    ap.add_argument("--rows", type=int, default=6000)
+    ap.add_argument("--runs", default="warm-none,warm-suffix,bare-none,bare-suffix,auto,none,suffix")
+    ap.add_argument("--model", default="/tmp/models/smollm2")
+    ap.add_argument("--max-tokens", type=int, default=384)
+    ap.add_argument("--timeout", type=float, default=240, help="seconds per run")
+    ap.add_argument("--budget", type=float, default=560, help="seconds for the whole call; later runs are skipped")
+    ap.add_argument("--out", default="whole-runs")
+    ap.add_argument("--work", default="/tmp/whole-runs")
+    ap.add_argument("--_bare", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args._bare:  # the child side of a bare run
+        sc = json.loads(args._bare)
+        print("RESULT " + json.dumps(bare(args.task, sc["rows"], args.model, args.max_tokens, sc["suffix"],
+                                          sc["t_launch"])), flush=True)
+        return 0
+    out, work = Path(args.out), Path(args.work)
+    out.mkdir(parents=True, exist_ok=True)
+    began, results = time.time(), []
+    result_file = out / f"whole-{args.task}-{args.rows}.json"
+    for name in args.runs.split(","):
+        left = args.budget - (time.time() - began)
+        if left < 30:
+            results.append({"run": name, "error": "skipped: the call's budget is spent"})
+            continue
+        timeout = min(args.timeout, left)
+        t_launch = time.time()
+        print(f"[whole] {name}: start ({timeout:.0f} s at most)", flush=True)
+        try:
+            if name.startswith(("bare-", "warm-")):
+                rows = 64 if name.startswith("warm-") else args.rows
+                sc = json.dumps({"rows": rows, "suffix": name.endswith("suffix"), "t_launch": t_launch})
+                proc = subprocess.run([sys.executable, __file__, "--task", args.task, "--model", args.model,
+                                       "--max-tokens", str(args.max_tokens), "--_bare", sc],
+                                      capture_output=True, text=True, timeout=timeout)
+                line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
+                r = json.loads(line[7:]) if line else {"error": f"rc {proc.returncode}: {proc.stderr[-1500:]}"}
+            else:
+                r = batchjson_run(name, args, work, t_launch, timeout)
+        except subprocess.TimeoutExpired:
+            r = {"error": f"timed out after {timeout:.0f} s"}
+        r = {"run": name, "rows": 64 if name.startswith("warm-") else args.rows,
+             "wall_s": round(time.time() - t_launch, 1)} | r
+        if "valid" in r:
+            r["valid_per_s"] = round(r["valid"] / r["wall_s"], 1)
+        results.append(r)
+        print(f"[whole] {name}: {json.dumps({k: v for k, v in r.items() if k != 'summary'})}", flush=True)
+        result_file.write_text(json.dumps({"task": args.task, "rows": args.rows, "max_tokens": args.max_tokens,
+                                           "runs": results}, indent=1))
+    print(f"\n| run | wall s | first request s | engine starts | valid | correct | valid/s | chosen |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for r in results:
+        if r["run"].startswith("warm-"):
+            continue
+        print(f"| {r['run']} | {r.get('wall_s')} | {r.get('first_request_s')} | {r.get('engine_starts')} | "
+              f"{r.get('valid')} | {r.get('correct')} | {r.get('valid_per_s')} | {r.get('chosen', '')} "
+              f"{r.get('error', '')[:120]} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
