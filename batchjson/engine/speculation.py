@@ -5,7 +5,8 @@ scheduling) and saves steps in proportion to how many drafted tokens the target 
 the job's own outputs (acceptance), the in-flight size and the platform. So `auto`:
 
 1. starts with the choice that was faster at this in-flight size in our measurements (MEASURED_SPEEDUP: suffix
-   decoding at every size from 1 to 512 requests in flight on a GPU, ngram only near 32, none on a CPU);
+   decoding from 1 to 512 requests in flight on a GPU, ngram only near 32, none at a full engine batch (the default
+   max_in_flight) and on a CPU);
 2. measures that choice on the job's first rows: output tokens per second of decoding, ms per step, tokens per step
    and, with speculation, the acceptance;
 3. when the rest of the pass is long enough (TRIAL_PAYS engine starts), decodes the next rows with the other
@@ -35,9 +36,13 @@ from batchjson.spec import SpeculativeSpec
 # 1.84 1.86; C: 1.09 1.75 2.09 1.70 1.46); ngram: task A. Acceptance there: ngram k=4 0.70-0.77, suffix k=8
 # 0.57-0.90. Between two sizes the nearer counts. On CPU, verification costs what it saves (VLLM_NOTES): no prior
 # gain there.
+# 1024 (vLLM's batch on an H100/H200, where an unset max_in_flight fills it) is whole runs of a new user's job
+# (bench/whole_runs.py, task C, 6,000 rows, one call): after the first request, suffix decoding took 49.5 s and no
+# speculation 43.5 s (bare vLLM 42.3 s and 40.3-41.6 s); a full batch keeps the GPU busy without drafts, and each
+# draft position costs a grammar mask in the engine core (BENCHMARKS.md, "Whole runs against bare vLLM").
 MEASURED_SPEEDUP = {
     "gpu": {"ngram": {1: 0.97, 8: 0.64, 32: 1.15, 128: 0.83, 512: 0.86},
-            "suffix": {1: 1.34, 8: 1.65, 32: 2.29, 128: 1.57, 512: 1.38}},
+            "suffix": {1: 1.34, 8: 1.65, 32: 2.29, 128: 1.57, 512: 1.38, 1024: 0.88}},
     "cpu": {"ngram": {1: 1.0}, "suffix": {1: 1.0}},
 }
 DRAFT_TOKENS = {"ngram": 4, "suffix": 8}  # k as measured above

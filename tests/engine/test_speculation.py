@@ -28,6 +28,10 @@ def test_prior_follows_the_measured_speedups(monkeypatch):
         chosen = speculation.Auto(AUTO, in_flight, "gpu", 10_000).current()
         assert chosen.method == "suffix" and chosen.num_speculative_tokens == 8
     assert speculation.Auto(AUTO, 16, "cpu", 10_000).current() is None
+    # The default max_in_flight (None) fills the engine's batch: there no speculation was faster (0.88x)
+    full = speculation.Auto(AUTO, None, "gpu", 10_000)
+    assert full.current() is None and full.sample == 2048
+    assert "a full engine batch" in full.report()["why"]
     monkeypatch.setattr(speculation, "draft_method", lambda: "ngram")
     assert speculation.Auto(AUTO, 1, "gpu", 10_000).current() is None  # ngram 0.97x at 1 in flight
 
