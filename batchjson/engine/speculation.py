@@ -47,6 +47,7 @@ MEASURED_SPEEDUP = {
 }
 DRAFT_TOKENS = {"ngram": 4, "suffix": 8}  # k as measured above
 TRIAL_PAYS = 40.0  # try the other choice only if the rest of the pass takes this many engine starts or more
+FULL_BATCH = 1024  # vLLM's largest default batch (max_num_seqs on an H100/H200): an unset max_in_flight fills it
 BETTER_BY = 1.05  # a choice must be this much faster to be taken (runs differ by a few % on one engine)
 
 
@@ -106,8 +107,7 @@ class Auto:
         method = draft_method()
         self.candidate = dataclasses.replace(self.spec, method=method, num_speculative_tokens=DRAFT_TOKENS[method])
         self.prior = predicted_speedup(self.platform, method, self.in_flight)
-        largest = max(MEASURED_SPEEDUP[self.platform][method])
-        self.sample = max(2 * (self.in_flight or largest), 64)  # rows measured per choice
+        self.sample = max(2 * (self.in_flight or FULL_BATCH), 64)  # rows measured per choice
         self.trials.append(Trial(method if self.prior >= BETTER_BY else "none"))
 
     def config(self, method: str) -> SpeculativeSpec | None:
