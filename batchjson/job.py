@@ -13,6 +13,7 @@ import time
 
 from tqdm import tqdm
 
+import batchjson
 from batchjson.errors import BatchjsonError, SpecError
 from batchjson.executors.base import Queue, queue_channel
 from batchjson.executors.inline import run_inline
@@ -53,7 +54,7 @@ class JobRun:
         self.passes = plan_passes(spec)
 
     def run(self) -> RunReport:
-        started = time.monotonic()
+        started = batchjson.STARTED = time.monotonic()  # the report's first_request_s counts from here
         input_rows = self.source.check()
         everything = self.source.plan()
         mine = self.source.plan(self.shard) if self.shard[1] > 1 else everything

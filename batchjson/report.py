@@ -31,8 +31,8 @@ class PassStats:
     engine_start_s: float = 0.0
     """Their start seconds, added up."""
     first_request_s: float | None = None
-    """Seconds from the start of the process (batchjson's import) to this pass's first request to an engine (the
-    earliest replica's)."""
+    """Seconds from the run's start to this pass's first request to an engine (the earliest replica's; a replica in
+    a process of its own counts from that process's start)."""
 
     def add(self, ok: bool, reason: str | None, prompt_tokens: int, output_tokens: int) -> None:
         self.rows += 1

@@ -179,8 +179,8 @@ def test_both_passes_share_one_engine_start_and_pass_2_never_drafts(tmp_path, ti
     assert report["engine_starts"] == starts, report
     assert [report["passes"][p]["engine_starts"] for p in ("pass1", "pass2")] == [1, starts - 1]
     assert report["engine_start_s"] >= 0
-    # Seconds from batchjson's import to each pass's first request: pass 2's comes after pass 1's first commit
-    assert 0 < report["passes"]["pass1"]["first_request_s"] <= report["passes"]["pass2"]["first_request_s"]
+    # Seconds from the run's start to each pass's first request: pass 2's comes after pass 1's first commit
+    assert 0 <= report["passes"]["pass1"]["first_request_s"] <= report["passes"]["pass2"]["first_request_s"]
     assert sum(e.stages["p2"] for e in engines.engines) == report["passes"]["pass2"]["rows"]
     assert sum(e.drafted["p2"] for e in engines.engines) == 0  # the target alone decoded every pass-2 row
     if method == "ngram":
