@@ -13,11 +13,9 @@ The Python API (batchjson/api.py), next to the command line::
 import importlib
 import importlib.util
 import sys
-import time
 import types
 
 __version__ = "0.1.0"
-STARTED = time.monotonic()  # the run's start (job.py sets it), or this process's: the report's first_request_s counts from here
 
 # Imported on first use: vLLM's engine processes import this package (for batchjson's vLLM plugin) and need none of
 # the API's modules.

@@ -13,7 +13,6 @@ import time
 
 from tqdm import tqdm
 
-import batchjson
 from batchjson.errors import BatchjsonError, SpecError
 from batchjson.executors.base import Queue, queue_channel
 from batchjson.executors.inline import run_inline
@@ -54,7 +53,7 @@ class JobRun:
         self.passes = plan_passes(spec)
 
     def run(self) -> RunReport:
-        started = batchjson.STARTED = time.monotonic()  # the report's first_request_s counts from here
+        started = self.started = time.monotonic()
         input_rows = self.source.check()
         everything = self.source.plan()
         mine = self.source.plan(self.shard) if self.shard[1] > 1 else everything
@@ -134,7 +133,7 @@ class JobRun:
                 report.replicas = self._on_replicas(work, layout, on_done, on_stats, on_note)
             else:
                 worker = Worker(self.spec, self.storage, self.source, self.refs, self.owners, self.make_engine,
-                                self.stop)
+                                self.stop, started=self.started)
                 run_inline(worker.serve, work, on_done, on_stats)
         finally:
             for b in bars.values():

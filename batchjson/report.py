@@ -32,7 +32,7 @@ class PassStats:
     """Their start seconds, added up."""
     first_request_s: float | None = None
     """Seconds from the run's start to this pass's first request to an engine (the earliest replica's; a replica in
-    a process of its own counts from that process's start)."""
+    a process of its own counts from its worker's start)."""
 
     def add(self, ok: bool, reason: str | None, prompt_tokens: int, output_tokens: int) -> None:
         self.rows += 1

@@ -25,7 +25,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from itertools import chain
 
-import batchjson
 from batchjson.engine import Engine
 from batchjson.errors import EngineDied, EngineError
 from batchjson.executors.base import Channel, Work
@@ -99,8 +98,9 @@ class Tracker:
     """Tracks the rows of each open unit and commits a unit when its last row is checked."""
 
     def __init__(self, validator: Validator, stats: dict[str, PassStats],
-                 commit: Callable[[str, str, list[Outcome]], None], stop: threading.Event):
+                 commit: Callable[[str, str, list[Outcome]], None], stop: threading.Event, started: float):
         self.validator, self.stats, self.commit, self.stop = validator, stats, commit, stop
+        self.started = started  # time.monotonic() at the run's start: first_request_s counts from it
         self.remaining: dict[Work, int] = {}
         self.outcomes: dict[Work, list[Outcome]] = {}
         self.deaths_seen: Counter = Counter()
@@ -122,7 +122,7 @@ class Tracker:
                     self.finish(item)
                 else:
                     if self.stats[stage].first_request_s is None:
-                        self.stats[stage].first_request_s = time.monotonic() - batchjson.STARTED
+                        self.stats[stage].first_request_s = time.monotonic() - self.started
                     yield item
 
     def finish(self, gen: Generation) -> None:
@@ -158,9 +158,11 @@ class Worker:
 
     def __init__(self, spec: JobSpec, storage: Storage, source: ParquetSource, refs: dict[str, UnitRef],
                  owners: dict, make_engine: EngineFactory, stop: threading.Event, *, slot: int | None = None,
-                 share: int = 1):
+                 share: int = 1, started: float | None = None):
         self.spec, self.storage, self.source, self.refs, self.owners = spec, storage, source, refs, owners
         self.make_engine, self.stop, self.slot, self.share = make_engine, stop, slot, share
+        # The run's start (a replica's: its own), for first_request_s.
+        self.started = time.monotonic() if started is None else started
         self.passes = plan_passes(spec)
         self.by_stage = {p.stage: p for p in self.passes}
         self.validator = Validator(spec.schema_doc, spec.schema.check_format)
@@ -184,7 +186,7 @@ class Worker:
         """Work until the queue says the run is over (or a stop); then report this worker's counts per pass."""
         self.channel = channel
         self._plan_auto()
-        tracker = Tracker(self.validator, self.stats, self._commit, self.stop)
+        tracker = Tracker(self.validator, self.stats, self._commit, self.stop, self.started)
         try:
             while not self.stop.is_set():
                 pairs = self._takeable(channel.work(self._stages, hold=lambda: bool(self.held)))

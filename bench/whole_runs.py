@@ -42,31 +42,24 @@ SUFFIX = {"method": "suffix", "num_speculative_tokens": 8}
 # ---------------------------------------------------------------- bare vLLM, in its own process
 
 def bare(task: str, rows: int, model: str, max_tokens: int, speculative: bool, t_launch: float) -> dict:
-    from tasks import rows as task_rows
+    from gpu_seconds import _check, _frame, _prompts
 
     stamp = lambda: round(time.time() - t_launch, 2)  # noqa: E731
     import vllm
+    from vllm.platforms import current_platform
     from vllm.sampling_params import StructuredOutputsParams
+
+    from batchjson.schema.validate import Validator
 
     imported = stamp()
     kwargs = dict(model=model, structured_outputs_config={"backend": "xgrammar", "disable_any_whitespace": True})
     if speculative:
         kwargs["speculative_config"] = SUFFIX
-    from vllm.platforms import current_platform
-
     if current_platform.is_cpu():
         kwargs["enforce_eager"] = True
     llm = vllm.LLM(**kwargs)
     started = stamp()
-    t = TASKS[task]
-    from batchjson.prompts import MARK
-
-    text = llm.get_tokenizer().apply_chat_template(
-        [{"role": "system", "content": t["system"]}, {"role": "user", "content": MARK}], tokenize=False,
-        add_generation_prompt=True)
-    prefix, _, suffix = text.partition(MARK)
-    data = task_rows(task, rows)
-    prompts = [prefix + t["template"].format(text=r[1]) + suffix for r in data]
+    _, prompts, truths = _prompts(task, rows, _frame(llm, TASKS[task]["system"]))
     params = vllm.SamplingParams(temperature=0.0, max_tokens=max_tokens,
                                  structured_outputs=StructuredOutputsParams(json=schema(task)))
     first = stamp()
@@ -74,24 +67,13 @@ def bare(task: str, rows: int, model: str, max_tokens: int, speculative: bool, t
     done = stamp()
     seqs = llm.llm_engine.vllm_config.scheduler_config.max_num_seqs
     llm.llm_engine.engine_core.shutdown()
-    answers = [(r[0], o.outputs[0].text, o.outputs[0].finish_reason or "", r[2]) for r, o in zip(data, outs)]
+    validator = Validator(schema(task))  # batchjson's: parse, schema, finish reason; then the ground truth
+    checked = [_check(task, validator, o.outputs[0].text, o.outputs[0].finish_reason or "", truth)
+               for o, truth in zip(outs, truths)]
     return {"import_s": imported, "engine_ready_s": started, "first_request_s": first, "decode_s": round(done - first, 2),
             "done_s": done, "max_num_seqs": seqs, "engine_starts": 1,
-            "output_tokens": sum(len(o.outputs[0].token_ids) for o in outs), **_score(task, answers)}
-
-
-def _score(task: str, answers) -> dict:
-    """Valid (batchjson's validator: parse, schema, finish reason) and exactly right (the ground truth)."""
-    from batchjson.records import Generation, Prompt
-    from batchjson.schema.validate import Validator
-
-    validator = Validator(schema(task))
-    valid = correct = 0
-    for row_id, text, finish, truth in answers:
-        o = validator.check(Generation(Prompt(row_id, "u", ""), text, finish, 0, 0))
-        valid += o.ok
-        correct += o.ok and score(task, o.value, json.loads(truth))[0]
-    return {"valid": valid, "correct": correct}
+            "output_tokens": sum(len(o.outputs[0].token_ids) for o in outs),
+            "valid": sum(c[0] for c in checked), "correct": sum(c[1] for c in checked)}
 
 
 # ---------------------------------------------------------------- batchjson, by its command line

@@ -56,10 +56,9 @@ def draft_method() -> str:
     return "suffix" if importlib.util.find_spec("arctic_inference") else "ngram"
 
 
-def predicted_speedup(platform: str, method: str, in_flight: int | None) -> float:
-    """The measured gain at the nearest size; None (the engine's own batch, 1024 on an H200) takes the largest."""
+def predicted_speedup(platform: str, method: str, in_flight: int) -> float:
     table = MEASURED_SPEEDUP[platform][method]
-    return table[max(table) if in_flight is None else min(table, key=lambda size: abs(size - in_flight))]
+    return table[min(table, key=lambda size: abs(size - in_flight))]
 
 
 @dataclass
@@ -106,8 +105,9 @@ class Auto:
     def __post_init__(self):
         method = draft_method()
         self.candidate = dataclasses.replace(self.spec, method=method, num_speculative_tokens=DRAFT_TOKENS[method])
-        self.prior = predicted_speedup(self.platform, method, self.in_flight)
-        self.sample = max(2 * (self.in_flight or FULL_BATCH), 64)  # rows measured per choice
+        size = self.in_flight or FULL_BATCH
+        self.prior = predicted_speedup(self.platform, method, size)
+        self.sample = max(2 * size, 64)  # rows measured per choice
         self.trials.append(Trial(method if self.prior >= BETTER_BY else "none"))
 
     def config(self, method: str) -> SpeculativeSpec | None:

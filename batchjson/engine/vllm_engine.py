@@ -132,8 +132,8 @@ class VllmEngine(Engine):
         self._sampling = vllm.SamplingParams
         self.params: dict[str, Any] = {}  # stage -> SamplingParams
         # Requests without a draft on a speculative engine (pass 2): through batchjson's scheduler patch.
+        internals.install()  # for an engine core in this process; the plugin installs both in vLLM's processes
         self.no_draft = self.speculative is not None and internals.no_draft_ready()
-        internals.install_fast_loop_guard()  # for an engine core in this process; the plugin installs it in vLLM's
         self.use(decoding)
         # Engine processes started from here die with this process, however it dies (see plugin.py).
         os.environ["BATCHJSON_RUNNER_PID"] = str(os.getpid())
