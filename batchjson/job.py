@@ -22,7 +22,8 @@ from batchjson.source import ParquetSource
 from batchjson.spec import DecodingSpec, JobSpec, SpeculativeSpec
 from batchjson.storage import Storage
 from batchjson.verify import verify
-from batchjson.worker import EngineFactory, Worker, plan_passes, signals
+from batchjson.passes import plan_passes
+from batchjson.worker import EngineFactory, Worker, signals
 
 
 def vllm_engine(spec: JobSpec, decoding: DecodingSpec, speculative: SpeculativeSpec | None):

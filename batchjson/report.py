@@ -26,6 +26,9 @@ class PassStats:
     """Engine replicas the pass ran on at once: its engine-seconds are seconds x replicas."""
     auto: list = field(default_factory=list)
     """speculative.method = "auto": what each engine (replica) chose and why (see engine/speculation.py)."""
+    recipe: list = field(default_factory=list)
+    """Pass 1 only: per engine (replica) that judged its first rows, the sampling settings it decoded the rest with
+    and why (see passes.py)."""
     engine_starts: int = 0
     """Engines this pass started (all replicas): 0 when it ran on the previous pass's engine."""
     engine_start_s: float = 0.0
@@ -56,6 +59,7 @@ class PassStats:
             self.speculative[name] = self.speculative.get(name, 0) + value
         self.grammar = self.grammar or other["grammar"]
         self.auto += other.get("auto", [])
+        self.recipe += other.get("recipe", [])
         if other["note"] and other["note"] not in self.note:
             self.note = "; ".join(filter(None, (self.note, other["note"])))
 
@@ -163,6 +167,8 @@ class RunReport:
                     + (f", acceptance {t['acceptance']:.2f}" if "acceptance" in t else "") for t in choice["trials"])
                 lines.append(f"    speculation: auto chose {choice['chosen']} ({choice['why']})"
                              + (f"; measured {measured}" if measured else ""))
+            for judged in p.recipe:
+                lines.append(f"    sampling: {judged['why']}")
         starts = sum(p.engine_starts for p in self.passes.values())
         if starts:
             seconds = sum(p.engine_start_s for p in self.passes.values())

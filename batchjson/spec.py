@@ -188,6 +188,10 @@ class DecodingSpec:
     """Fallback only: another grammar backend for pass 2 (default: the model's, "auto" unless set)."""
     enabled: bool = True
     """Fallback only: false sends pass-1 failures straight to rejects."""
+    adapt: bool = True
+    """Sampling only: when fewer than half of pass 1's first 100 rows are valid, pass 1 decodes the rest with the
+    fallback's sampling settings (kept if they do better on the next 100; see passes.py). False keeps pass 1 on
+    these settings whatever its rows show."""
 
     def __post_init__(self):
         # vLLM's own ranges, checked at load so that a typo fails before an engine starts.
@@ -255,6 +259,8 @@ class JobSpec:
             d.pop(k)
         d["model"].pop("max_in_flight")
         d["model"].pop("replicas")  # where decoding runs does not change what a run writes
+        for name in ("sampling", "fallback"):  # added later: folders written before resume under the same hash
+            d[name].pop("adapt")
         # The model's schema counts (schema_doc), not where the class lives: a model moved out of a notebook into
         # a module keeps its job's hash.
         d["schema"].pop("pydantic")
@@ -430,6 +436,8 @@ def parse_spec(doc: dict, base: Path, source: str = "") -> JobSpec:
     _require(spec.sampling.structured_output_backend is None,
              "sampling.structured_output_backend is not allowed: pass 1 uses model.structured_output_backend.")
     _require(spec.sampling.enabled, "sampling.enabled is not allowed: pass 1 always runs.")
+    _require("adapt" not in (doc.get("fallback") or {}), "fallback.adapt is not allowed: it is pass 1's switch to the "
+             "fallback's settings; set sampling.adapt.")
     taken = [c for c in spec.input.passthrough if c in WRITTEN_COLUMNS or c == spec.input.id_column]
     if taken:
         raise SpecError(f"input.passthrough: {taken[0]!r} is also the name of a column batchjson writes (or the id "

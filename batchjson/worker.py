@@ -22,12 +22,12 @@ import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from itertools import chain
 
 from batchjson.engine import Engine
 from batchjson.errors import EngineDied, EngineError
 from batchjson.executors.base import Channel, Work
+from batchjson.passes import Recipe, plan_passes
 from batchjson.prompts import Renderer, chat_frame
 from batchjson.records import WAIT, Generation, Outcome, Prompt
 from batchjson.report import PassStats
@@ -50,25 +50,6 @@ DEATHS_PER_ROW = 2
 EngineFactory = Callable[[JobSpec, DecodingSpec, "SpeculativeSpec | None"], Engine]
 # A unit on its way into the engine: its stage, its key and its rows (prompts, or rows that already failed).
 Loaded = tuple[str, str, list[Prompt | Generation]]
-
-
-@dataclass(frozen=True)
-class Pass:
-    """One pass as a value: where it commits, how it decodes, and where its failures go."""
-
-    stage: Stage
-    name: str
-    number: int
-    decoding: DecodingSpec
-    speculative: SpeculativeSpec | None
-    last: bool
-    """Failures of the last pass go to rejects; those of an earlier one to the re-queue of the next."""
-
-
-def plan_passes(spec: JobSpec) -> list[Pass]:
-    speculative = spec.speculative if spec.speculative.enabled else None
-    first = Pass("p1", "pass1", 1, spec.sampling, speculative, last=not spec.fallback.enabled)
-    return [first, Pass("p2", "pass2", 2, spec.fallback, None, last=True)] if spec.fallback.enabled else [first]
 
 
 @contextmanager
@@ -125,7 +106,7 @@ class Tracker:
                         self.stats[stage].first_request_s = time.monotonic() - self.started
                     yield item
 
-    def finish(self, gen: Generation) -> None:
+    def finish(self, gen: Generation) -> Outcome:
         outcome = self.validator.check(gen)
         stage = gen.prompt.stage
         self.stats[stage].add(outcome.ok, outcome.reason, gen.prompt_tokens, gen.output_tokens)
@@ -134,6 +115,7 @@ class Tracker:
         self.remaining[pair] -= 1
         if self.remaining[pair] == 0:
             self._close(pair)
+        return outcome
 
     def _close(self, pair: Work) -> None:
         self.commit(*pair, self.outcomes.pop(pair))
@@ -173,6 +155,7 @@ class Worker:
         self.stats = {p.stage: PassStats() for p in self.passes}
         self.speculative: SpeculativeSpec | None = self.passes[0].speculative  # pass 1's draft, now
         self.auto: Auto | None = None
+        self.recipe = Recipe.for_job(spec)  # pass 1's sampling settings now (None: always its own)
 
     @functools.cached_property
     def renderer(self) -> Renderer:
@@ -324,7 +307,8 @@ class Worker:
         """Give the engine each pass's sampling settings that it takes: pass 1 with drafts, pass 2 without."""
         for p in self.passes:
             if p.stage in self.takes:
-                engine.use(p.decoding, p.stage, draft=p is self.passes[0])
+                first = p is self.passes[0]
+                engine.use(self.recipe.decoding if first and self.recipe else p.decoding, p.stage, draft=first)
 
     def _close_engine(self) -> None:
         if self.engine is not None:
@@ -341,7 +325,8 @@ class Worker:
         engine processes too (Ctrl-C in a terminal) kills them, and that is not a death to recover from.
         """
         stats, auto = self.stats[stage], self.auto if stage == "p1" else None
-        feed, retry, deaths = tracker.feed(self._load(pairs)), [], 0
+        recipe = self.recipe if "p1" in self._stages() else None
+        feed, retry, deaths, since = tracker.feed(self._load(pairs)), [], 0, None
         while not self.stop.is_set():
             t0 = time.monotonic()
             try:
@@ -358,19 +343,28 @@ class Worker:
                 start_s = time.monotonic() - t0
                 stats.engine_starts += 1
                 stats.engine_start_s += start_s
+                since = None
                 if auto:
                     auto.started(start_s)
+            since = since or (time.monotonic(), engine.steps)  # this engine's decoding, for auto
             switch = threading.Event()
             try:
-                # itertools.chain, not a generator: a dead engine's stream must not close `feed` as it goes.
-                t0, steps0, wanted = time.monotonic(), engine.steps, "stay"
+                wanted, resample = "stay", False
+                decoded_with = recipe.current if recipe else ""  # pass 1's settings for this stream's requests
 
                 def measure() -> None:  # this engine's decoding so far, as auto's measurement of its choice
-                    auto.measure(time.monotonic() - t0, engine.steps - steps0,
+                    auto.measure(time.monotonic() - since[0], engine.steps - since[1],
                                  engine.stats() if self.speculative else None)
 
-                for gen in engine.stream(chain(retry, feed), _Either(self.stop, switch) if auto else self.stop):
-                    tracker.finish(gen)
+                # itertools.chain, not a generator: a dead engine's stream must not close `feed` as it goes.
+                watch = _Either(self.stop, switch) if auto or recipe else self.stop
+                for gen in engine.stream(chain(retry, feed), watch):
+                    outcome = tracker.finish(gen)
+                    if recipe and gen.prompt.stage == "p1" and (change := recipe.add(outcome, decoded_with)):
+                        self._use(engine)  # the requests from now on
+                        if change == "fallback":  # and those in flight again: most of them were failing
+                            resample = True
+                            switch.set()
                     if auto and auto.add(gen.output_tokens):
                         measure()
                         wanted = auto.wanted()
@@ -378,13 +372,20 @@ class Worker:
                             switch.set()
                 if self.speculative:
                     stats.speculative = engine.stats()
+                if recipe and recipe.report():
+                    self.stats["p1"].recipe = [recipe.report()]
                 if auto:
                     if wanted == "stay":  # the stream ended: its numbers so far are the choice's measurement
                         measure()
                     stats.auto = [auto.report()]
-                if wanted != "stay" and not self.stop.is_set():  # auto tries (or goes back to) the other choice
+                if self.stop.is_set():
+                    return
+                if wanted != "stay":  # auto tries (or goes back to) the other choice
                     self.speculative, retry = wanted, list(engine.unfinished)
                     self._close_engine()
+                    continue
+                if resample:  # the same engine takes the rows in flight again with pass 1's new settings
+                    retry = list(engine.unfinished)
                     continue
                 return
             except EngineDied as died:

@@ -310,7 +310,7 @@ def test_a_stop_never_starts_an_engine(tmp_path, tiny_model):
 
     class SignalledEngine(EngineWrapper):
         def stream(self, prompts, stop=None):
-            stop.set()  # the signal arrived...
+            runner.stop.set()  # the signal arrived...
             yield from self.inner.stream(prompts)  # ...and the engine dies of it
 
     def factory(*args):

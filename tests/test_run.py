@@ -63,6 +63,25 @@ def test_truncated_rows_are_rescued_by_a_larger_fallback_budget(tmp_path, tiny_m
     assert_exactly_once([f"r{i:05d}" for i in range(12)], tmp_path / "out", tmp_path / "out" / "_rejects")
 
 
+def test_pass_one_takes_the_fallbacks_settings_when_its_own_fail(tmp_path, tiny_model, engines, monkeypatch):
+    """Pass 1's budget cuts every row; once its first rows show it, the rest decode with the fallback's settings on
+    the same engine, and pass 2 has only what still failed."""
+    from batchjson import passes
+
+    monkeypatch.setattr(passes, "JUDGE_ROWS", 8)
+    write_rows(tmp_path / "in.parquet", 40)
+    spec = load_spec(write_job(tmp_path, tiny_model, tmp_path / "in.parquet", max_tokens=3, fallback_max_tokens=64))
+    report = run_job(spec, engine_factory=engines, progress=False)
+    p1 = report.passes["pass1"]
+    (judged,) = p1.recipe
+    assert judged["judged"]["sampling"] == {"rows": 8, "valid": 0}
+    assert judged["recipe"] == "fallback"
+    assert p1.valid > 0 and report.valid_by_pass.get("pass1", 0) == p1.valid
+    assert report.passes.get("pass2") is None or report.passes["pass2"].rows == 40 - p1.valid
+    assert report.to_dict()["engine_starts"] <= 1
+    assert_exactly_once([f"r{i:05d}" for i in range(40)], tmp_path / "out", tmp_path / "out" / "_rejects")
+
+
 def test_rerun_resumes_without_redoing_or_duplicating(tmp_path, tiny_model, engines):
     write_rows(tmp_path / "in.parquet", 20)
     spec = load_spec(write_job(tmp_path, tiny_model, tmp_path / "in.parquet"))

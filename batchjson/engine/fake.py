@@ -47,14 +47,16 @@ class FakeEngine(Engine):
     each prompt as it arrives). After `die_after` prompts the engine dies (EngineDied with the prompts in flight).
     `speculative`: the engine runs with speculation (it accepts only passes that ask for it, and, with `no_draft`,
     passes without it, whose prompts it then answers without a draft: `drafted` counts prompts per stage that got
-    drafts).
+    drafts). `sampled_valid`: the valid share of prompts whose pass samples (temperature > 0), where greedy
+    decoding gets `valid` (a task where greedy decoding loops).
     """
 
     def __init__(self, valid: float = 0.6, *, seed: int | None = None, delay: float = 0.0,
                  die_after: int | None = None, speculative: bool = False, max_in_flight: int = 1,
                  cycle: bool = False, answers: Sequence[Answer] = ANSWERS, failures: Sequence[Answer] = FAILURES,
-                 prompt_tokens: int = 10, no_draft: bool = True):
+                 prompt_tokens: int = 10, no_draft: bool = True, sampled_valid: float | None = None):
         self.rng = random.Random(seed)
+        self.sampled_valid = sampled_valid
         self.valid, self.delay, self.die_after, self.speculative = valid, delay, die_after, speculative
         self.max_in_flight, self.cycle, self.prompt_tokens = max(1, max_in_flight), cycle, prompt_tokens
         self.answers, self.failures = tuple(answers), tuple(failures)
@@ -109,14 +111,17 @@ class FakeEngine(Engine):
         self.stages[prompt.stage] += 1
         if self.draft.get(prompt.stage):
             self.drafted[prompt.stage] += 1
+        decoding = self.decoding.get(prompt.stage)
+        sampled = self.sampled_valid is not None and decoding is not None and decoding.temperature > 0
+        valid = self.sampled_valid if sampled else self.valid
         if self.cycle:
             slot = n % 100
-            failed = slot < round((1 - self.valid) * 100)
+            failed = slot < round((1 - valid) * 100)
             pick = self.failures[slot % len(self.failures)] if failed else None
         else:
             roll = self.rng.random()
-            failed = roll >= self.valid
-            pick = self.failures[min(int((roll - self.valid) / (1 - self.valid) * len(self.failures)),
+            failed = roll >= valid
+            pick = self.failures[min(int((roll - valid) / (1 - valid) * len(self.failures)),
                                      len(self.failures) - 1)] if failed else None
         a = pick or self.answers[n % len(self.answers)]
         return Generation(prompt, a.text, a.finish_reason, self.prompt_tokens, a.output_tokens)
