@@ -14,6 +14,8 @@ Runs, in the order given (compare only runs of one call: machines differ by +-30
                           [speculative] method.
   <run>@N                 the same with [model] max_in_flight = N (auto@256: the previous default).
   <run>-noguard           the same with the loop guard off in both passes (repetition_detection = false).
+  <run>-noadapt           the same with [sampling] adapt = false (pass 1 keeps its own settings however its rows do).
+  before:<run>            the same job run by an earlier batchjson tree (--before DIR, its package folder's parent).
   warm-none, warm-suffix  a bare run on 64 rows that fills the compile cache for that engine configuration (a first
                           start on a machine compiles for ~20 s more); not in the table.
 
@@ -79,23 +81,28 @@ def bare(task: str, rows: int, model: str, max_tokens: int, speculative: bool, t
 # ---------------------------------------------------------------- batchjson, by its command line
 
 def batchjson_run(name: str, args, work: Path, t_launch: float, timeout: float) -> dict:
-    base, _, size = name.partition("@")
-    guard = not base.endswith("-noguard")
-    method = base.removesuffix("-noguard")
-    folder = work / name.replace("@", "-at-")
+    tree, _, run = name.rpartition(":")
+    base, _, size = run.partition("@")
+    method, *flags = base.split("-no")
+    folder = work / name.replace("@", "-at-").replace(":", "-")
     data, job = write_task(args.task, args.rows, folder, args.model, max_tokens=args.max_tokens)
     text = job.read_text()
     if method != "auto":
         text += f'\n[speculative]\nmethod = "{method}"\n'
-    if not guard:  # write_task writes a [sampling] table and no [fallback] one
+    if "adapt" in flags:
+        text = text.replace("[sampling]\n", "[sampling]\nadapt = false\n", 1)
+    if "guard" in flags:  # write_task writes a [sampling] table and no [fallback] one
         text = text.replace("[sampling]\n", "[sampling]\nrepetition_detection = false\n", 1)
         text += "\n[fallback]\nrepetition_detection = false\n"
     if size:
         text = text.replace("[model]\n", f"[model]\nmax_in_flight = {int(size)}\n", 1)
     job.write_text(text)
     out = folder / "out"
+    env = os.environ | {"PYTHONUNBUFFERED": "1"}
+    if tree:  # the earlier tree first on the path, and not this one's from the working folder
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, (args.before, env.get("PYTHONPATH"))))
     proc = subprocess.run([sys.executable, "-m", "batchjson", "run", str(job), "--output", str(out), "--fresh"],
-                          capture_output=True, text=True, timeout=timeout, env=os.environ | {"PYTHONUNBUFFERED": "1"})
+                          capture_output=True, text=True, timeout=timeout, env=env, cwd=folder)
     done = round(time.time() - t_launch, 2)
     report_file = out / "_report.json"
     if proc.returncode != 0 or not report_file.exists():
@@ -108,9 +115,10 @@ def batchjson_run(name: str, args, work: Path, t_launch: float, timeout: float) 
     truth = dict(zip(*pq.read_table(data, columns=["id", "truth"]).to_pydict().values()))
     got = ds.dataset(str(out), format="parquet").to_table(columns=["id", "json"]).to_pydict()
     correct = sum(score(args.task, json.loads(j), json.loads(truth[i]))[0] for i, j in zip(got["id"], got["json"]))
-    auto = (p1.get("auto") or [{}])[0]
+    auto, recipe = (p1.get("auto") or [{}])[0], (p1.get("recipe") or [{}])[0]
     return {"first_request_s": p1.get("first_request_s"), "done_s": done, "run_s": report["seconds"],
-            "engine_starts": report["engine_starts"], "engine_start_s": report["engine_start_s"],
+            "engine_starts": report.get("engine_starts"), "engine_start_s": report.get("engine_start_s"),
+            "pass1_valid": p1["valid"], "recipe": recipe.get("recipe", ""), "recipe_why": recipe.get("why", ""),
             "pass1_s": p1["seconds"], "pass2_rows": p2.get("rows", 0), "pass2_valid": p2.get("valid", 0),
             "output_tokens": p1["output_tokens"] + p2.get("output_tokens", 0),
             "valid": report["valid"], "correct": correct, "rejected": report["rejected"],
@@ -130,6 +138,7 @@ def main() -> int:
     ap.add_argument("--budget", type=float, default=560, help="seconds for the whole call; later runs are skipped")
     ap.add_argument("--out", default="whole-runs")
     ap.add_argument("--work", default="/tmp/whole-runs")
+    ap.add_argument("--before", help="an earlier batchjson tree (the folder holding its batchjson/), for before:<run>")
     ap.add_argument("--_bare", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args._bare:  # the child side of a bare run
