@@ -6,6 +6,7 @@ tokens), pass 1 spends its decoding on rows that pass 2 must decode again. `Reci
 first JUDGE_ROWS rows: when fewer than FAILING of them are valid, pass 1 decodes the rest with the fallback's sampling
 settings (still with its draft and under the grammar; its failures still go to pass 2), judges those on as many
 rows, and goes back to its own settings if they did no better. `sampling.adapt = false` keeps pass 1 on its own.
+Each engine (replica) judges its own rows; a resumed run judges again on the rows it decodes.
 """
 
 from __future__ import annotations
@@ -77,20 +78,20 @@ class Recipe:
         counts[1] += outcome.ok
         if counts[0] < JUDGE_ROWS:
             return None
-        own, theirs = (f"{v} valid of {r} rows" for r, v in self.judged.values())
+        (own_rows, own_valid), (rows, valid) = self.judged.values()
+        own = f"{own_valid} of its first {own_rows} rows valid"
         if recipe == "sampling":
             if self._share("sampling") >= FAILING:
-                self.done, self.why = True, f"kept its own sampling settings: {own} of its first rows"
+                self.done, self.why = True, f"kept its own sampling settings: {own}"
                 return None
             self.current = "fallback"
             return "fallback"
         self.done = True
         if self._share("fallback") > self._share("sampling"):
-            self.why = (f"the fallback's sampling settings for the rest: its own made {own} of its first rows, the "
-                        f"fallback's {theirs} of the next")
+            self.why = (f"the fallback's sampling settings for the rest: its own made {own}, the fallback's "
+                        f"{valid} of the next {rows}")
             return None
-        self.why = (f"back to its own sampling settings: they made {own} of its first rows, the fallback's only "
-                    f"{theirs} of the next")
+        self.why = f"back to its own sampling settings: {own}, the fallback's only {valid} of the next {rows}"
         self.current = "sampling"
         return "sampling"
 
@@ -103,7 +104,7 @@ class Recipe:
         if not self.judged["sampling"][0] or (not self.done and self.current == "sampling"):
             return {}
         why = self.why or (f"the fallback's sampling settings for the rest: its own made {self.judged['sampling'][1]} "
-                           f"valid of its first {JUDGE_ROWS} rows (the fallback's were still being judged)")
+                           f"of its first {JUDGE_ROWS} rows valid (the fallback's still being judged)")
         return {"recipe": self.current, "why": why,
                 "judged": {k: {"rows": r, "valid": v} for k, (r, v) in self.judged.items() if r}}
 

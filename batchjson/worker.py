@@ -35,7 +35,7 @@ from batchjson.tables import PartSink
 from batchjson.source import ParquetSource, UnitRef
 from batchjson.spec import DecodingSpec, JobSpec, SpeculativeSpec
 from batchjson.engine.speculation import Auto
-from batchjson.storage import Stage, Storage
+from batchjson.storage import Storage
 from batchjson.schema.validate import Validator
 
 # Failures that another pass with the same model cannot fix: they go straight to rejects.
@@ -356,9 +356,10 @@ class Worker:
                     auto.measure(time.monotonic() - since[0], engine.steps - since[1],
                                  engine.stats() if self.speculative else None)
 
-                # itertools.chain, not a generator: a dead engine's stream must not close `feed` as it goes.
-                watch = _Either(self.stop, switch) if auto or recipe else self.stop
-                for gen in engine.stream(chain(retry, feed), watch):
+                # itertools.chain, not a generator: a dead engine's stream must not close `feed` as it goes. What
+                # it has not taken of `retry` when it ends stays in `again`.
+                watch, again = (_Either(self.stop, switch) if auto or recipe else self.stop), iter(retry)
+                for gen in engine.stream(chain(again, feed), watch):
                     outcome = tracker.finish(gen)
                     if recipe and gen.prompt.stage == "p1" and (change := recipe.add(outcome, decoded_with)):
                         self._use(engine)  # the requests from now on
@@ -381,11 +382,11 @@ class Worker:
                 if self.stop.is_set():
                     return
                 if wanted != "stay":  # auto tries (or goes back to) the other choice
-                    self.speculative, retry = wanted, list(engine.unfinished)
+                    self.speculative, retry = wanted, [*engine.unfinished, *again]
                     self._close_engine()
                     continue
                 if resample:  # the same engine takes the rows in flight again with pass 1's new settings
-                    retry = list(engine.unfinished)
+                    retry = [*engine.unfinished, *again]
                     continue
                 return
             except EngineDied as died:
@@ -393,7 +394,7 @@ class Worker:
                 if self.stop.is_set():
                     return
                 deaths += 1
-                retry = tracker.survivors(died.in_flight)
+                retry = tracker.survivors(died.in_flight) + list(again)
                 if self.speculative and deaths >= DEATHS_BEFORE_NO_SPECULATION:
                     self.speculative, deaths = None, 0
                     stats.note = f"speculation switched off after {DEATHS_BEFORE_NO_SPECULATION} engine deaths"

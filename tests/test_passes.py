@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from batchjson import passes
+from batchjson.engine import EngineWrapper
 from batchjson.engine.fake import FakeEngines
 from batchjson.errors import SpecError
 from batchjson.job import run_job
@@ -79,3 +80,26 @@ def test_adapt_is_a_pass_one_key_and_leaves_the_hash_alone(tmp_path, tiny_model)
     job.write_text(job.read_text().replace("[fallback]\n", "[fallback]\nadapt = true\n"))
     with pytest.raises(SpecError, match="fallback.adapt is not allowed.*sampling.adapt"):
         load_spec(job)
+
+
+def test_an_engine_death_right_after_the_switch_loses_no_row(tmp_path, tiny_model):
+    """The rows sent again with the new settings are in flight when the engine dies: the next engine takes them
+    with pass 1's new settings, and every row still lands once."""
+    spec = job_with(tmp_path, tiny_model)
+    engines = FakeEngines(seed=1, max_in_flight=64, valid=0.1, sampled_valid=0.9)
+
+    class DiesAfterTheSwitch(EngineWrapper):
+        streams = 0
+
+        def stream(self, prompts, stop=None):
+            DiesAfterTheSwitch.streams += 1
+            if DiesAfterTheSwitch.streams == 2:  # the first stream ended at the switch
+                self.inner.die_after = 30
+            return self.inner.stream(prompts, stop)
+
+    report = run_job(spec, engine_factory=lambda *a: DiesAfterTheSwitch(engines(*a)), progress=False)
+    out = Path(spec.output.path)
+    assert_exactly_once([f"r{i:05d}" for i in range(ROWS)], out, out / "_rejects")
+    assert len(engines.started) == 2 and "restarted" in report.passes["pass1"].note
+    assert engines.engines[1].decoding["p1"].temperature == 0.7  # the new engine decodes with the new settings
+    assert report.passes["pass1"].recipe[0]["recipe"] == "fallback" and report.passes["pass1"].valid > 0.7 * ROWS
