@@ -1,5 +1,6 @@
 """One engine's share of a job: take units of either pass from the queue, load and render them, decode, check and
-commit each one; recover from engine deaths; run auto's engine switches. Every executor runs this body.
+commit each one; recover from engine deaths; run auto's engine switches and pass 1's change of sampling
+settings (passes.py). Every executor runs this body.
 
 Both passes share the worker's engine where it can take both (sampling is per request; pass 2's requests go
 without a draft on a speculative engine, see engine/internals.py), so a unit's pass 2 decodes beside other units'
@@ -325,7 +326,7 @@ class Worker:
         engine processes too (Ctrl-C in a terminal) kills them, and that is not a death to recover from.
         """
         stats, auto = self.stats[stage], self.auto if stage == "p1" else None
-        recipe = self.recipe if "p1" in self._stages() else None
+        recipe = self.recipe
         feed, retry, deaths, since = tracker.feed(self._load(pairs)), [], 0, None
         while not self.stop.is_set():
             t0 = time.monotonic()
@@ -343,10 +344,10 @@ class Worker:
                 start_s = time.monotonic() - t0
                 stats.engine_starts += 1
                 stats.engine_start_s += start_s
-                since = None
                 if auto:
                     auto.started(start_s)
-            since = since or (time.monotonic(), engine.steps)  # this engine's decoding, for auto
+            if not reused or since is None:
+                since = (time.monotonic(), engine.steps)  # this engine's decoding, for auto
             switch = threading.Event()
             try:
                 wanted, resample = "stay", False
@@ -358,8 +359,8 @@ class Worker:
 
                 # itertools.chain, not a generator: a dead engine's stream must not close `feed` as it goes. What
                 # it has not taken of `retry` when it ends stays in `again`.
-                watch, again = (_Either(self.stop, switch) if auto or recipe else self.stop), iter(retry)
-                for gen in engine.stream(chain(again, feed), watch):
+                again = iter(retry)
+                for gen in engine.stream(chain(again, feed), _Either(self.stop, switch)):
                     outcome = tracker.finish(gen)
                     if recipe and gen.prompt.stage == "p1" and (change := recipe.add(outcome, decoded_with)):
                         self._use(engine)  # the requests from now on
@@ -373,8 +374,8 @@ class Worker:
                             switch.set()
                 if self.speculative:
                     stats.speculative = engine.stats()
-                if recipe and recipe.report():
-                    self.stats["p1"].recipe = [recipe.report()]
+                if recipe and (judged := recipe.report()):
+                    self.stats["p1"].recipe = [judged]
                 if auto:
                     if wanted == "stay":  # the stream ended: its numbers so far are the choice's measurement
                         measure()
