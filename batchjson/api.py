@@ -112,6 +112,11 @@ def check_job(job: JobSpec, output: str | None = None, *, input_path: str | None
         if (storage.state / "spec.json").exists():
             new = storage.check_inputs(scan.fingerprints, write=False)
             lines.append(f"resumes {out}: {len(new)} new input file(s)")
+    if spec.speculative.draft_model:
+        from batchjson.engine import check_draft
+
+        check_draft(spec.model.path, spec.speculative.draft_model)
+        lines.append(f"draft model {spec.speculative.draft_model}: the target's tokenizer and vocabulary")
     lines.append(f"ok: {len(source.files)} file(s), {rows} rows, columns {source.columns}, spec {spec.hash()}")
     typed, grammar, schema_lines = _schema(spec)
     if scan.repeated:

@@ -60,6 +60,10 @@ class JobRun:
         mine = self.source.plan(self.shard) if self.shard[1] > 1 else everything
         self.refs = {r.key: r for r in mine}
         self.storage.check_paths(self.spec.input.path)
+        if self.spec.speculative.draft_model:
+            from batchjson.engine import check_draft
+
+            check_draft(self.spec.model.path, self.spec.speculative.draft_model)
         scan = self.source.scan()  # a null id fails here, before the output folder is claimed
         layout = [] if self.ray else local_layout(self.replicas, self.spec.model.engine)
         storage = self.storage

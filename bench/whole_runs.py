@@ -4,14 +4,17 @@
         --model /tmp/models/smollm2 --out OUT --budget 560
 
 Runs, in the order given (compare only runs of one call: machines differ by +-30% between calls):
-  bare-none, bare-suffix  bare vLLM as its documentation shows it: `LLM(model, structured_outputs_config)` and one
+  bare-none, bare-suffix, bare-ngram, bare-draft
+                          bare vLLM as its documentation shows it: `LLM(model, structured_outputs_config)` and one
                           `llm.generate` over every prompt (the chat frame batchjson renders, the same schema, greedy,
-                          the same max_tokens); bare-suffix adds speculative_config {"method": "suffix", k 8}.
+                          the same max_tokens); the others add the speculative_config batchjson's run of that method
+                          uses (SPECULATIVE: suffix k 8, ngram k 4, draft_model k 4 with --draft).
                           vLLM's defaults otherwise: its own batch size (max_num_seqs), no loop guard. Validated and
-                          scored afterwards, outside the clock.
-  auto, none, suffix, ngram  `batchjson run` of the minimal job (bench/tasks.py: input, template, schema, model,
-                          max_tokens, output); "auto" has no [speculative] table (the default), the others set
-                          [speculative] method.
+                          scored afterwards, outside the clock. bare-<method>@N: max_num_seqs = N.
+  auto, none, suffix, ngram, draft  `batchjson run` of the minimal job (bench/tasks.py: input, template, schema,
+                          model, max_tokens, output); "auto" has no [speculative] table (the default), the others set
+                          [speculative] method (draft: method "draft_model", draft_model = --draft).
+  autodraft               the default with [speculative] draft_model = --draft (auto judges the draft model).
   <run>@N                 the same with [model] max_in_flight = N (auto@256: the previous default).
   <run>-noguard           the same with the loop guard off in both passes (repetition_detection = false).
   <run>-noadapt           the same with [sampling] adapt = false (pass 1 keeps its own settings however its rows do).
@@ -38,12 +41,15 @@ sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve
 
 from tasks import TASKS, schema, score, write_task  # noqa: E402
 
-SUFFIX = {"method": "suffix", "num_speculative_tokens": 8}
+SPECULATIVE = {"suffix": {"method": "suffix", "num_speculative_tokens": 8},
+               "ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4},
+               "draft": {"method": "draft_model", "num_speculative_tokens": 4}}
 
 
 # ---------------------------------------------------------------- bare vLLM, in its own process
 
-def bare(task: str, rows: int, model: str, max_tokens: int, speculative: bool, t_launch: float) -> dict:
+def bare(task: str, rows: int, model: str, max_tokens: int, method: str, seqs: int | None, draft: str | None,
+         t_launch: float) -> dict:
     from gpu_seconds import _check, _frame, _prompts
 
     stamp = lambda: round(time.time() - t_launch, 2)  # noqa: E731
@@ -55,8 +61,10 @@ def bare(task: str, rows: int, model: str, max_tokens: int, speculative: bool, t
 
     imported = stamp()
     kwargs = dict(model=model, structured_outputs_config={"backend": "xgrammar", "disable_any_whitespace": True})
-    if speculative:
-        kwargs["speculative_config"] = SUFFIX
+    if method != "none":
+        kwargs["speculative_config"] = SPECULATIVE[method] | ({"model": draft} if method == "draft" else {})
+    if seqs:
+        kwargs["max_num_seqs"] = seqs
     if current_platform.is_cpu():
         kwargs["enforce_eager"] = True
     llm = vllm.LLM(**kwargs)
@@ -75,7 +83,8 @@ def bare(task: str, rows: int, model: str, max_tokens: int, speculative: bool, t
     return {"import_s": imported, "engine_ready_s": started, "first_request_s": first, "decode_s": round(done - first, 2),
             "done_s": done, "max_num_seqs": seqs, "engine_starts": 1,
             "output_tokens": sum(len(o.outputs[0].token_ids) for o in outs),
-            "valid": sum(c[0] for c in checked), "correct": sum(c[1] for c in checked)}
+            "valid": sum(c[0] for c in checked), "correct": sum(c[1] for c in checked),
+            "fields": round(sum(c[2] for c in checked) / max(len(checked), 1), 4)}
 
 
 # ---------------------------------------------------------------- batchjson, by its command line
@@ -87,8 +96,13 @@ def batchjson_run(name: str, args, work: Path, t_launch: float, timeout: float) 
     folder = work / name.replace("@", "-at-").replace(":", "-")
     data, job = write_task(args.task, args.rows, folder, args.model, max_tokens=args.max_tokens)
     text = job.read_text()
-    if method != "auto":
-        text += f'\n[speculative]\nmethod = "{method}"\n'
+    if method == "autodraft":
+        text += f'\n[speculative]\ndraft_model = {json.dumps(args.draft)}\n'
+    elif method == "draft":
+        text += f'\n[speculative]\nmethod = "draft_model"\ndraft_model = {json.dumps(args.draft)}\n'
+    elif method != "auto":
+        k = SPECULATIVE.get(method, {}).get("num_speculative_tokens", 4)
+        text += f'\n[speculative]\nmethod = "{method}"\nnum_speculative_tokens = {k}\n'
     if "adapt" in flags:
         text = text.replace("[sampling]\n", "[sampling]\nadapt = false\n", 1)
     if "guard" in flags:  # write_task writes a [sampling] table and no [fallback] one
@@ -114,14 +128,16 @@ def batchjson_run(name: str, args, work: Path, t_launch: float, timeout: float) 
 
     truth = dict(zip(*pq.read_table(data, columns=["id", "truth"]).to_pydict().values()))
     got = ds.dataset(str(out), format="parquet").to_table(columns=["id", "json"]).to_pydict()
-    correct = sum(score(args.task, json.loads(j), json.loads(truth[i]))[0] for i, j in zip(got["id"], got["json"]))
+    scores = [score(args.task, json.loads(j), json.loads(truth[i])) for i, j in zip(got["id"], got["json"])]
+    correct, fields = sum(s[0] for s in scores), round(sum(s[1] for s in scores) / max(len(truth), 1), 4)
     auto, recipe = (p1.get("auto") or [{}])[0], (p1.get("recipe") or [{}])[0]
     return {"first_request_s": p1.get("first_request_s"), "done_s": done, "run_s": report["seconds"],
             "engine_starts": report.get("engine_starts"), "engine_start_s": report.get("engine_start_s"),
             "pass1_valid": p1["valid"], "recipe": recipe.get("recipe", ""), "recipe_why": recipe.get("why", ""),
             "pass1_s": p1["seconds"], "pass2_rows": p2.get("rows", 0), "pass2_valid": p2.get("valid", 0),
             "output_tokens": p1["output_tokens"] + p2.get("output_tokens", 0),
-            "valid": report["valid"], "correct": correct, "rejected": report["rejected"],
+            "valid": report["valid"], "correct": correct, "fields": fields, "rejected": report["rejected"],
+            "acceptance": p1.get("acceptance"),
             "chosen": auto.get("chosen", method), "why": auto.get("why", ""), "summary": proc.stdout[-2500:]}
 
 
@@ -138,13 +154,14 @@ def main() -> int:
     ap.add_argument("--budget", type=float, default=560, help="seconds for the whole call; later runs are skipped")
     ap.add_argument("--out", default="whole-runs")
     ap.add_argument("--work", default="/tmp/whole-runs")
+    ap.add_argument("--draft", help="the draft model folder for draft, autodraft and bare-draft runs")
     ap.add_argument("--before", help="an earlier batchjson tree (the folder holding its batchjson/), for before:<run>")
     ap.add_argument("--_bare", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args._bare:  # the child side of a bare run
         sc = json.loads(args._bare)
-        print("RESULT " + json.dumps(bare(args.task, sc["rows"], args.model, args.max_tokens, sc["suffix"],
-                                          sc["t_launch"])), flush=True)
+        print("RESULT " + json.dumps(bare(args.task, sc["rows"], args.model, args.max_tokens, sc["method"],
+                                          sc["seqs"], args.draft, sc["t_launch"])), flush=True)
         return 0
     out, work = Path(args.out), Path(args.work)
     out.mkdir(parents=True, exist_ok=True)
@@ -161,9 +178,12 @@ def main() -> int:
         try:
             if name.startswith(("bare-", "warm-")):
                 rows = 64 if name.startswith("warm-") else args.rows
-                sc = json.dumps({"rows": rows, "suffix": name.endswith("suffix"), "t_launch": t_launch})
+                kind, _, seqs = name.split("-", 1)[1].partition("@")
+                sc = json.dumps({"rows": rows, "method": kind, "seqs": int(seqs) if seqs else None,
+                                 "t_launch": t_launch})
                 proc = subprocess.run([sys.executable, __file__, "--task", args.task, "--model", args.model,
-                                       "--max-tokens", str(args.max_tokens), "--_bare", sc],
+                                       "--max-tokens", str(args.max_tokens), "--_bare", sc]
+                                      + (["--draft", args.draft] if args.draft else []),
                                       capture_output=True, text=True, timeout=timeout)
                 line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
                 r = json.loads(line[7:]) if line else {"error": f"rc {proc.returncode}: {proc.stderr[-1500:]}"}
@@ -179,13 +199,13 @@ def main() -> int:
         print(f"[whole] {name}: {json.dumps({k: v for k, v in r.items() if k != 'summary'})}", flush=True)
         result_file.write_text(json.dumps({"task": args.task, "rows": args.rows, "max_tokens": args.max_tokens,
                                            "runs": results}, indent=1))
-    print(f"\n| run | wall s | first request s | engine starts | valid | correct | valid/s | chosen |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    print(f"\n| run | wall s | first request s | engine starts | valid | correct | fields | valid/s | chosen |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in results:
         if r["run"].startswith("warm-"):
             continue
         print(f"| {r['run']} | {r.get('wall_s')} | {r.get('first_request_s')} | {r.get('engine_starts')} | "
-              f"{r.get('valid')} | {r.get('correct')} | {r.get('valid_per_s')} | {r.get('chosen', '')} "
+              f"{r.get('valid')} | {r.get('correct')} | {r.get('fields')} | {r.get('valid_per_s')} | {r.get('chosen', '')} "
               f"{r.get('error', '')[:120]} |")
     return 0
 

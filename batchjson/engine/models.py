@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
+import json
 import os
 import shutil
 import tempfile
@@ -60,3 +62,40 @@ def resolve_model(path: str) -> str:
         shutil.rmtree(tmp, ignore_errors=True)  # another process converted it first
     return str(out)
 
+
+
+def vocabulary(folder: str) -> tuple[int | None, str | None]:
+    """A model folder's vocabulary: config.json's vocab_size and a digest of its tokenizer's token -> id map (with
+    the added tokens); None where the folder does not say."""
+    root = Path(folder)
+    try:
+        size = json.loads((root / "config.json").read_text()).get("vocab_size")
+    except (OSError, ValueError):
+        size = None
+    digest = None
+    if (root / "tokenizer.json").exists():
+        doc = json.loads((root / "tokenizer.json").read_text())
+        vocab = (doc.get("model") or {}).get("vocab")
+        added = sorted((t["id"], t["content"]) for t in doc.get("added_tokens") or ())
+        digest = hashlib.sha256(json.dumps([vocab, added], sort_keys=True).encode()).hexdigest()[:16]
+    elif (root / "vocab.json").exists():
+        digest = hashlib.sha256((root / "vocab.json").read_bytes()).hexdigest()[:16]
+    return size, digest
+
+
+def check_draft(target: str, draft: str) -> None:
+    """Refuse a draft model that cannot propose tokens for this target: the target verifies the draft's token ids
+    as its own, so both must share one tokenizer and one vocabulary size. Raises SpecError naming the key."""
+    from batchjson.errors import SpecError
+
+    if not (Path(draft) / "config.json").exists():
+        raise SpecError(f"speculative.draft_model: no Hugging Face model folder at {draft} (no config.json).")
+    (size, words), (draft_size, draft_words) = vocabulary(resolve_model(target)), vocabulary(draft)
+    if size and draft_size and size != draft_size:
+        raise SpecError(f"speculative.draft_model: {draft} has a vocabulary of {draft_size} tokens, the target "
+                        f"{target} one of {size}; a draft must share the target's tokenizer and vocabulary. Use a "
+                        "smaller model of the target's family, or method = \"suffix\" / \"ngram\".")
+    if words and draft_words and words != draft_words:
+        raise SpecError(f"speculative.draft_model: {draft}'s tokenizer differs from the target's ({target}): the "
+                        "target would read the draft's token ids as other tokens. Use a smaller model of the "
+                        "target's family (the same tokenizer), or method = \"suffix\" / \"ngram\".")

