@@ -26,10 +26,18 @@ import functools
 
 
 NO_DRAFT = "batchjson_no_draft"  # the SamplingParams.extra_args key
-# Read on: vllm/v1/core/sched/scheduler.py of these versions (Scheduler.schedule(self, throttle_prefills=False),
-# Scheduler.add_request(self, request), Request.spec_token_ids, SamplingParams.extra_args; the async scheduler sets
-# its draft placeholders after schedule() and counts only the drafts that schedule() scheduled).
-READ_ON = ("0.26.", "0.32.")  # the vLLM versions both patches were read on
+# Read on: vllm/v1/core/sched/ and vllm/v1/engine/core.py of these versions. Scheduler.schedule(self,
+# throttle_prefills=False) schedules a running request's drafts from Request.spec_token_ids alone (and empties them);
+# Scheduler.add_request(self, request); SamplingParams.extra_args. Drafts reach spec_token_ids after a step
+# (update_draft_token_ids), or under async scheduling as placeholders that AsyncScheduler._update_after_schedule sets
+# after schedule(), sized by the drafts schedule() scheduled; update_draft_token_ids_in_output fills only requests
+# that were scheduled placeholders, and the GPU model runners (V1, and V2 in 0.33) verify per request the drafts in
+# scheduled_spec_decode_tokens. In 0.33 the skip_drafts step flag (Scheduler._drafts_unused) is new and changes
+# none of this. Not reached by the patch, in every version read: schedule() pads a request it admits with one token
+# left to compute (a resumed one, a fully cached prompt) with placeholder drafts (-1, not the drafter's) for one step,
+# to keep a uniform CUDA graph. check_sequence_repetition(token_ids, params) in
+# vllm/v1/core/sched/utils.py, called by check_stop through the module's name (the same file in 0.32 and 0.33).
+READ_ON = ("0.26.", "0.32.", "0.33.")  # the vLLM versions both patches were read on
 _NO_DRAFT: str | None = None  # "ok", or why the patch is not installed in this process
 
 
@@ -59,7 +67,7 @@ def install_no_draft() -> str:
         from vllm.v1.core.sched.scheduler import Scheduler
 
         if not vllm.__version__.startswith(READ_ON):
-            _NO_DRAFT = f"vLLM {vllm.__version__} is not a version this patch was read on ({', '.join(READ_ON)}x)"
+            _NO_DRAFT = f"vLLM {vllm.__version__} is not a version this patch was read on ({'x, '.join(READ_ON)}x)"
             return _NO_DRAFT
         if "extra_args" not in inspect.signature(SamplingParams).parameters or \
                 list(inspect.signature(Scheduler.add_request).parameters) != ["self", "request"] or \
