@@ -1,6 +1,8 @@
-"""The two scheduler patches: the only module that changes vLLM's engine-core internals, with their version check.
+"""Everything that touches vLLM's internals: two scheduler patches, the engine-process watcher and the plugin
+flag of a forked engine process, each with its check.
 
-Installed by the plugin (plugin.py) in each vLLM process of a run, and in the runner by VllmEngine (no_draft_ready).
+The scheduler patches are installed by the plugin (plugin.py) in each vLLM process of a run, and in the runner by
+VllmEngine (no_draft_ready).
 
 **No draft for a request that asks for none.** A speculative engine drafts for every request; batchjson's pass 2
 (rows that failed under speculation + grammar) must be decoded by the target alone, and should not need an engine of
@@ -17,12 +19,19 @@ token by token, one Python call per token compared, for each pattern size (57 si
 pattern sizes where the last token recurs, and compares whole slices in C): 16.75 -> 2.42 us per output token
 (`bench/guard_cost.py`). Checked against the versions it was read on (READ_ON); the tests compare both answers.
 
+**Read, not changed: the engine processes and the plugin flag.** `watch_engine_processes` reads the sync client's
+processes and output queue, and `let_forked_child_load_plugins` resets vLLM's once-per-process plugin flag. They
+change nothing in vLLM's behaviour, and without them a killed engine hangs the runner, or a forked engine process
+outlives it: so they check the names they use instead of READ_ON, and step aside where a name is missing.
+
 The step profiler (profiler.py) patches vLLM's internals too, only when a run asks for it, for measurement.
 """
 
 from __future__ import annotations
 
 import functools
+import sys
+import threading
 
 
 NO_DRAFT = "batchjson_no_draft"  # the SamplingParams.extra_args key
@@ -158,3 +167,44 @@ def install_fast_loop_guard() -> str:
     except Exception as e:  # noqa: BLE001 - never break the engine: vLLM's own check stays
         _FAST_GUARD = f"{type(e).__name__}: {e}"
     return _FAST_GUARD
+
+
+def watch_engine_processes(llm, closed: threading.Event, dead_exc: type[Exception]) -> bool:
+    """Turn a killed engine process of `llm` (a vllm.LLM) into `dead_exc` for whoever waits on its outputs; False
+    where there is nothing to watch (the engine runs in this process, or the client lacks the names used here).
+
+    vLLM's sync client (SyncMPClient) notices the death but only shuts its output thread down, so a caller waiting in
+    LLMEngine.step() waits forever. A watcher thread checks the engine processes (BackgroundResources.engine_manager,
+    CoreEngineProcManager.processes, and BackgroundResources.engine_dead) every half second until `closed` is set,
+    and puts `dead_exc()` on the client's outputs_queue, which step() raises.
+    """
+    client = llm.llm_engine.engine_core
+    resources, outputs = getattr(client, "resources", None), getattr(client, "outputs_queue", None)
+    processes = list(getattr(getattr(resources, "engine_manager", None), "processes", None) or ())
+    if outputs is None or not processes:
+        return False
+
+    def watch():
+        while not closed.wait(0.5):
+            if resources.engine_dead or not all(p.is_alive() for p in processes):
+                if not closed.is_set():
+                    outputs.put_nowait(dead_exc())
+                return
+
+    threading.Thread(target=watch, name="batchjson-engine-watch", daemon=True).start()
+    return True
+
+
+def let_forked_child_load_plugins() -> None:
+    """In a process just forked from one where vLLM has loaded its general plugins: let vLLM load them again.
+
+    vLLM loads general plugins once per process (vllm.plugins.load_general_plugins, behind the module's
+    `plugins_loaded` flag). On CUDA it starts the engine-core process by fork (VLLM_WORKER_MULTIPROC_METHOD defaults
+    to "fork" in vllm.envs; vllm.utils.system_utils._maybe_force_spawn turns it into spawn only when CUDA is already
+    initialized; the CPU platform always spawns): the child inherits `plugins_loaded = True` from the runner (set in
+    EngineArgs.__post_init__), so EngineCore.__init__'s load_general_plugins() returns at once and batchjson's plugin
+    never runs in the engine process. Read in 0.26, 0.32 and 0.33; a vLLM without the flag is left alone.
+    """
+    plugins = sys.modules.get("vllm.plugins")
+    if plugins is not None and hasattr(plugins, "plugins_loaded"):
+        plugins.plugins_loaded = False

@@ -2,7 +2,8 @@
 
 Over 250 lines because it is one adapter: vLLM is imported here only (in `_vllm`, on first use), and a change in
 vLLM's API (as guided decoding becoming StructuredOutputsParams) should touch this file alone; split, the class's
-start, stream and shutdown would each see part of vLLM. What touches vLLM's internals is in internals.py.
+start, stream and shutdown would each see part of vLLM. What touches vLLM's internals (the scheduler patches, the
+engine-process watcher) is in internals.py.
 """
 
 from __future__ import annotations
@@ -147,7 +148,8 @@ class VllmEngine(Engine):
             scheduler = getattr(getattr(self.llm.llm_engine, "vllm_config", None), "scheduler_config", None)
             self.max_in_flight = 2 * (getattr(scheduler, "max_num_seqs", None) or 256)
         self._probe(kwargs["structured_outputs_config"]["backend"])
-        self._watch()
+        # A killed engine process becomes EngineDeadError in step(), which stream() handles (else step() hangs).
+        internals.watch_engine_processes(self.llm, self._closed, self._dead)
 
     def accepts(self, decoding: DecodingSpec, speculative: SpeculativeSpec | None) -> bool:
         """Whether a pass with these settings can run on this engine: sampling is per request, but the grammar
@@ -173,27 +175,6 @@ class VllmEngine(Engine):
                 **self._repetition(decoding.repetition_detection))
         except (TypeError, *self._refused) as e:
             raise EngineError(f"vLLM refuses these sampling settings: {e}. Fix [sampling] or [fallback].") from None
-
-    def _watch(self) -> None:
-        """Turn a killed engine process into EngineDeadError.
-
-        vLLM's sync client notices the death but only shuts its output thread down, so a caller waiting in
-        step() waits forever. A watcher thread wakes it with EngineDeadError, which stream() handles.
-        """
-        client = self.llm.llm_engine.engine_core
-        resources, outputs = getattr(client, "resources", None), getattr(client, "outputs_queue", None)
-        processes = list(getattr(getattr(resources, "engine_manager", None), "processes", None) or ())
-        if outputs is None or not processes:
-            return  # the engine runs in this process: nothing to watch
-
-        def watch():
-            while not self._closed.wait(0.5):
-                if resources.engine_dead or not all(p.is_alive() for p in processes):
-                    if not self._closed.is_set():
-                        outputs.put_nowait(self._dead())
-                    return
-
-        threading.Thread(target=watch, name="batchjson-engine-watch", daemon=True).start()
 
     def _probe(self, backend: str) -> None:
         """Fail at start, not on every row, when the grammar backend cannot take the schema."""
