@@ -24,12 +24,14 @@ processes and output queue, and `let_forked_child_load_plugins` resets vLLM's on
 change nothing in vLLM's behaviour, and without them a killed engine hangs the runner, or a forked engine process
 outlives it: so they check the names they use instead of READ_ON, and step aside where a name is missing.
 
+`notice()` is the line the run's report gives when a patch is off in this vLLM (a version not in READ_ON).
 The step profiler (profiler.py) patches vLLM's internals too, only when a run asks for it, for measurement.
 """
 
 from __future__ import annotations
 
 import functools
+import re
 import sys
 import threading
 
@@ -167,6 +169,34 @@ def install_fast_loop_guard() -> str:
     except Exception as e:  # noqa: BLE001 - never break the engine: vLLM's own check stays
         _FAST_GUARD = f"{type(e).__name__}: {e}"
     return _FAST_GUARD
+
+
+def notice() -> str:
+    """The line the run's report gives about this vLLM: "" when both scheduler patches are on; else which are off and
+    why, as `unread` words it for a version not in READ_ON."""
+    no_draft, guard = install_no_draft(), install_fast_loop_guard()
+    if no_draft == guard == "ok":
+        return ""
+    import vllm
+
+    return unread(vllm.__version__) or (f"batchjson's engine patches are off in vLLM {vllm.__version__} ("
+                                        + "; ".join(why for why in (no_draft, guard) if why != "ok") + ")")
+
+
+def unread(version: str) -> str:
+    """The report's line for a vLLM version that READ_ON does not cover ("" for one it does)."""
+    if version.startswith(READ_ON):
+        return ""
+
+    def minor(v: str) -> tuple[int, int] | None:
+        found = re.match(r"(\d+)\.(\d+)", v)
+        return (int(found[1]), int(found[2])) if found else None
+
+    mine, newest = minor(version), max(minor(v) for v in READ_ON)
+    how = "newer than" if mine is not None and mine > newest else "not one of"
+    return (f"vLLM {version} is {how} the versions batchjson's engine patches were read on "
+            f"({', '.join(v.rstrip('.') for v in READ_ON)}): both are off (pass 2 cannot share a speculative engine, "
+            "and vLLM's own loop guard runs)")
 
 
 def watch_engine_processes(llm, closed: threading.Event, dead_exc: type[Exception]) -> bool:
