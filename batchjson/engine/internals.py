@@ -11,6 +11,8 @@ its own. vLLM has no per-request switch, so `install_no_draft` wraps `Scheduler.
 scheduled: the scheduler then schedules one token for them, as for a request whose draft the grammar cut to
 nothing). Checked against the vLLM versions it was read on (READ_ON); on another version, or if the check
 fails, `no_draft_ready()` is False and batchjson gives pass 2 an engine without speculation, as before.
+The drafter still proposes for these requests (it drafts for the whole batch in one pass, and vLLM gives it no
+per-request mask): their drafts are computed and dropped; README.md, "What a request without a draft still costs".
 
 **A loop guard at the cost of a few list operations.** vLLM checks `repetition_detection` after every output token,
 in the engine-core process that also schedules every step: `check_sequence_repetition` compares the output's tail
