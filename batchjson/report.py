@@ -22,6 +22,8 @@ class PassStats:
     note: str = ""
     grammar: str = ""
     """The grammar backend this pass decoded with, and why it was chosen."""
+    notice: str = ""
+    """What this pass's engine said about itself (an unread vLLM: engine/internals.py); the summary says it once."""
     replicas: int = 1
     """Engine replicas the pass ran on at once: its engine-seconds are seconds x replicas."""
     auto: list = field(default_factory=list)
@@ -58,6 +60,7 @@ class PassStats:
         for name, value in other["speculative"].items():
             self.speculative[name] = self.speculative.get(name, 0) + value
         self.grammar = self.grammar or other["grammar"]
+        self.notice = self.notice or other.get("notice", "")
         self.auto += other.get("auto", [])
         self.recipe += other.get("recipe", [])
         if other["note"] and other["note"] not in self.note:
@@ -180,6 +183,7 @@ class RunReport:
             lines.append(f"  fallback rescued {self.valid_by_pass['pass2']} rows")
         if self.rejects_by_reason:
             lines.append("  rejects: " + ", ".join(f"{k} {v}" for k, v in self.rejects_by_reason.items()))
+        lines += [f"  note: {n}" for n in dict.fromkeys(p.notice for p in self.passes.values() if p.notice)]
         lines += [f"  note: {n}" for n in self.notes]
         if self.verified_summary:
             lines.append("  " + self.verified_summary.replace("\n", "\n  "))

@@ -340,6 +340,7 @@ class Worker:
                 continue
             self._use(engine)
             stats.grammar = stats.grammar or (engine.choice.summary if engine.choice else "")
+            stats.notice = stats.notice or engine.notice
             if not reused:
                 start_s = time.monotonic() - t0
                 stats.engine_starts += 1

@@ -20,12 +20,15 @@ class Engine(ABC):
     which each engine keeps up to date (the defaults here suit an engine without them):
     `steps`, the engine steps taken so far (auto's measure of ms per step); `unfinished`, the prompts that were in
     flight when the last stream stopped (another engine takes them over); and `choice`, the grammar backend the
-    engine decodes with (the report's grammar line; None when there is none).
+    engine decodes with (the report's grammar line; None when there is none); and `notice`, what the run's report
+    should say about the engine itself ("" for nothing; VllmEngine: its vLLM is one batchjson's patches were not read
+    on, see internals.notice).
     """
 
     steps: int = 0
     unfinished: Sequence[Prompt] = ()
     choice: Choice | None = None
+    notice: str = ""
 
     @abstractmethod
     def accepts(self, decoding: DecodingSpec, speculative: SpeculativeSpec | None) -> bool:
@@ -62,6 +65,7 @@ class EngineWrapper(Engine):
     steps = property(lambda self: self.inner.steps)
     unfinished = property(lambda self: self.inner.unfinished)
     choice = property(lambda self: self.inner.choice)
+    notice = property(lambda self: self.inner.notice)
 
     def accepts(self, decoding: DecodingSpec, speculative: SpeculativeSpec | None) -> bool:
         return self.inner.accepts(decoding, speculative)

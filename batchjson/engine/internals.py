@@ -1,6 +1,8 @@
-"""The two scheduler patches: the only module that changes vLLM's engine-core internals, with their version check.
+"""Everything that touches vLLM's internals: two scheduler patches, the engine-process watcher and the plugin
+flag of a forked engine process, each with its check.
 
-Installed by the plugin (plugin.py) in each vLLM process of a run, and in the runner by VllmEngine (no_draft_ready).
+The scheduler patches are installed by the plugin (plugin.py) in each vLLM process of a run, and in the runner by
+VllmEngine (no_draft_ready).
 
 **No draft for a request that asks for none.** A speculative engine drafts for every request; batchjson's pass 2
 (rows that failed under speculation + grammar) must be decoded by the target alone, and should not need an engine of
@@ -9,6 +11,8 @@ its own. vLLM has no per-request switch, so `install_no_draft` wraps `Scheduler.
 scheduled: the scheduler then schedules one token for them, as for a request whose draft the grammar cut to
 nothing). Checked against the vLLM versions it was read on (READ_ON); on another version, or if the check
 fails, `no_draft_ready()` is False and batchjson gives pass 2 an engine without speculation, as before.
+The drafter still proposes for these requests (it drafts for the whole batch in one pass, and vLLM gives it no
+per-request mask): their drafts are computed and dropped; README.md, "What a request without a draft still costs".
 
 **A loop guard at the cost of a few list operations.** vLLM checks `repetition_detection` after every output token,
 in the engine-core process that also schedules every step: `check_sequence_repetition` compares the output's tail
@@ -17,19 +21,36 @@ token by token, one Python call per token compared, for each pattern size (57 si
 pattern sizes where the last token recurs, and compares whole slices in C): 16.75 -> 2.42 us per output token
 (`bench/guard_cost.py`). Checked against the versions it was read on (READ_ON); the tests compare both answers.
 
+**Read, not changed: the engine processes and the plugin flag.** `watch_engine_processes` reads the sync client's
+processes and output queue, and `let_forked_child_load_plugins` resets vLLM's once-per-process plugin flag. They
+change nothing in vLLM's behaviour, and without them a killed engine hangs the runner, or a forked engine process
+outlives it: so they check the names they use instead of READ_ON, and step aside where a name is missing.
+
+`notice()` is the line the run's report gives when a patch is off in this vLLM (a version not in READ_ON).
 The step profiler (profiler.py) patches vLLM's internals too, only when a run asks for it, for measurement.
 """
 
 from __future__ import annotations
 
 import functools
+import re
+import sys
+import threading
 
 
 NO_DRAFT = "batchjson_no_draft"  # the SamplingParams.extra_args key
-# Read on: vllm/v1/core/sched/scheduler.py of these versions (Scheduler.schedule(self, throttle_prefills=False),
-# Scheduler.add_request(self, request), Request.spec_token_ids, SamplingParams.extra_args; the async scheduler sets
-# its draft placeholders after schedule() and counts only the drafts that schedule() scheduled).
-READ_ON = ("0.26.", "0.32.")  # the vLLM versions both patches were read on
+# Read on: vllm/v1/core/sched/ and vllm/v1/engine/core.py of these versions. Scheduler.schedule(self,
+# throttle_prefills=False) schedules a running request's drafts from Request.spec_token_ids alone (and empties them);
+# Scheduler.add_request(self, request); SamplingParams.extra_args. Drafts reach spec_token_ids after a step
+# (update_draft_token_ids), or under async scheduling as placeholders that AsyncScheduler._update_after_schedule sets
+# after schedule(), sized by the drafts schedule() scheduled; update_draft_token_ids_in_output fills only requests
+# that were scheduled placeholders, and the GPU model runners (V1, and V2 in 0.33) verify per request the drafts in
+# scheduled_spec_decode_tokens. In 0.33 the skip_drafts step flag (Scheduler._drafts_unused) is new and changes
+# none of this. Not reached by the patch, in every version read: schedule() pads a request it admits with one token
+# left to compute (a resumed one, a fully cached prompt) with placeholder drafts (-1, not the drafter's) for one step,
+# to keep a uniform CUDA graph. check_sequence_repetition(token_ids, params) in
+# vllm/v1/core/sched/utils.py, called by check_stop through the module's name (the same file in 0.32 and 0.33).
+READ_ON = ("0.26.", "0.32.", "0.33.")  # the vLLM versions both patches were read on
 _NO_DRAFT: str | None = None  # "ok", or why the patch is not installed in this process
 
 
@@ -59,7 +80,7 @@ def install_no_draft() -> str:
         from vllm.v1.core.sched.scheduler import Scheduler
 
         if not vllm.__version__.startswith(READ_ON):
-            _NO_DRAFT = f"vLLM {vllm.__version__} is not a version this patch was read on ({', '.join(READ_ON)}x)"
+            _NO_DRAFT = f"vLLM {vllm.__version__} is not a version this patch was read on ({'x, '.join(READ_ON)}x)"
             return _NO_DRAFT
         if "extra_args" not in inspect.signature(SamplingParams).parameters or \
                 list(inspect.signature(Scheduler.add_request).parameters) != ["self", "request"] or \
@@ -150,3 +171,72 @@ def install_fast_loop_guard() -> str:
     except Exception as e:  # noqa: BLE001 - never break the engine: vLLM's own check stays
         _FAST_GUARD = f"{type(e).__name__}: {e}"
     return _FAST_GUARD
+
+
+def notice() -> str:
+    """The line the run's report gives about this vLLM: "" when both scheduler patches are on; else which are off and
+    why, as `unread` words it for a version not in READ_ON."""
+    no_draft, guard = install_no_draft(), install_fast_loop_guard()
+    if no_draft == guard == "ok":
+        return ""
+    import vllm
+
+    return unread(vllm.__version__) or (f"batchjson's engine patches are off in vLLM {vllm.__version__} ("
+                                        + "; ".join(why for why in (no_draft, guard) if why != "ok") + ")")
+
+
+def unread(version: str) -> str:
+    """The report's line for a vLLM version that READ_ON does not cover ("" for one it does)."""
+    if version.startswith(READ_ON):
+        return ""
+
+    def minor(v: str) -> tuple[int, int] | None:
+        found = re.match(r"(\d+)\.(\d+)", v)
+        return (int(found[1]), int(found[2])) if found else None
+
+    mine, newest = minor(version), max(minor(v) for v in READ_ON)
+    how = "newer than" if mine is not None and mine > newest else "not one of"
+    return (f"vLLM {version} is {how} the versions batchjson's engine patches were read on "
+            f"({', '.join(v.rstrip('.') for v in READ_ON)}): both are off (pass 2 cannot share a speculative engine, "
+            "and vLLM's own loop guard runs)")
+
+
+def watch_engine_processes(llm, closed: threading.Event, dead_exc: type[Exception]) -> bool:
+    """Turn a killed engine process of `llm` (a vllm.LLM) into `dead_exc` for whoever waits on its outputs; False
+    where there is nothing to watch (the engine runs in this process, or the client lacks the names used here).
+
+    vLLM's sync client (SyncMPClient) notices the death but only shuts its output thread down, so a caller waiting in
+    LLMEngine.step() waits forever. A watcher thread checks the engine processes (BackgroundResources.engine_manager,
+    CoreEngineProcManager.processes, and BackgroundResources.engine_dead) every half second until `closed` is set,
+    and puts `dead_exc()` on the client's outputs_queue, which step() raises.
+    """
+    client = llm.llm_engine.engine_core
+    resources, outputs = getattr(client, "resources", None), getattr(client, "outputs_queue", None)
+    processes = list(getattr(getattr(resources, "engine_manager", None), "processes", None) or ())
+    if outputs is None or not processes:
+        return False
+
+    def watch():
+        while not closed.wait(0.5):
+            if resources.engine_dead or not all(p.is_alive() for p in processes):
+                if not closed.is_set():
+                    outputs.put_nowait(dead_exc())
+                return
+
+    threading.Thread(target=watch, name="batchjson-engine-watch", daemon=True).start()
+    return True
+
+
+def let_forked_child_load_plugins() -> None:
+    """In a process just forked from one where vLLM has loaded its general plugins: let vLLM load them again.
+
+    vLLM loads general plugins once per process (vllm.plugins.load_general_plugins, behind the module's
+    `plugins_loaded` flag). On CUDA it starts the engine-core process by fork (VLLM_WORKER_MULTIPROC_METHOD defaults
+    to "fork" in vllm.envs; vllm.utils.system_utils._maybe_force_spawn turns it into spawn only when CUDA is already
+    initialized; the CPU platform always spawns): the child inherits `plugins_loaded = True` from the runner (set in
+    EngineArgs.__post_init__), so EngineCore.__init__'s load_general_plugins() returns at once and batchjson's plugin
+    never runs in the engine process. Read in 0.26, 0.32 and 0.33; a vLLM without the flag is left alone.
+    """
+    plugins = sys.modules.get("vllm.plugins")
+    if plugins is not None and hasattr(plugins, "plugins_loaded"):
+        plugins.plugins_loaded = False

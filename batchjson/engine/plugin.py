@@ -7,15 +7,10 @@ of memory (GPU memory on a GPU) until someone finds it. It also installs, in tho
 (internals.py: no drafts for pass 2, a fast loop guard) and, when the run asks for it by environment (BATCHJSON_PROFILE_STEPS), the step profiler
 (profiler.py). Does nothing outside a batchjson run, nor in the runner process itself.
 
-Forked engine processes. vLLM loads general plugins once per process (vllm/plugins/__init__.py, 0.26.0: the
-`plugins_loaded` flag, lines 33 and 82-85): the runner loads them first (EngineArgs.__post_init__,
-vllm/engine/arg_utils.py:767-769), where this plugin does nothing. On CUDA vLLM starts its engine-core process by
-fork (VLLM_WORKER_MULTIPROC_METHOD defaults to "fork", vllm/envs.py:913; spawn only when CUDA is already initialized,
-vllm/utils/system_utils.py:126-165; the CPU platform forces spawn, which is why it worked there): the child inherits
-`plugins_loaded = True`, so EngineCore.__init__'s load_general_plugins() (vllm/v1/engine/core.py:110-112) returns
-at once and this plugin never ran in the engine process. So the runner registers an at-fork hook that clears the
-flag in a forked child (until the child has installed the patches), and vLLM loads the plugin there as it does in a
-spawned one.
+Forked engine processes. vLLM loads its general plugins once per process, and on CUDA it forks the engine-core
+process from the runner, which has loaded them already (where this plugin does nothing): so the runner registers an
+at-fork hook that lets a forked child load them again (internals.let_forked_child_load_plugins says why and how),
+until the child has installed the patches, and vLLM loads the plugin there as it does in a spawned one.
 """
 
 from __future__ import annotations
@@ -23,6 +18,9 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
+
+# Imported here, not in the at-fork hook, which runs in a child just forked (internals imports no vLLM when loaded).
+from batchjson.engine import internals
 
 PR_SET_PDEATHSIG = 1
 
@@ -32,11 +30,8 @@ _DONE = False  # this process (or the one it was forked from, after installing) 
 
 
 def _after_fork_in_child() -> None:
-    import sys
-
-    plugins = sys.modules.get("vllm.plugins")
-    if plugins is not None and not _DONE:
-        plugins.plugins_loaded = False  # let vLLM load its plugins (this one) again in this process
+    if not _DONE:
+        internals.let_forked_child_load_plugins()  # vLLM loads its plugins (this one) again in this process
 
 
 def register() -> None:
@@ -62,7 +57,7 @@ def register() -> None:
         os._exit(1)
     except (PermissionError, ValueError):
         pass
-    from batchjson.engine import internals, profiler, quiet
+    from batchjson.engine import profiler, quiet
 
     quiet.quiet_floods()
     internals.install()

@@ -2,7 +2,8 @@
 
 Over 250 lines because it is one adapter: vLLM is imported here only (in `_vllm`, on first use), and a change in
 vLLM's API (as guided decoding becoming StructuredOutputsParams) should touch this file alone; split, the class's
-start, stream and shutdown would each see part of vLLM. What touches vLLM's internals is in internals.py.
+start, stream and shutdown would each see part of vLLM. What touches vLLM's internals (the scheduler patches, the
+engine-process watcher) is in internals.py; `engine_kwargs` builds the engine's arguments without vLLM.
 """
 
 from __future__ import annotations
@@ -73,6 +74,40 @@ def cpu_dtype(dtype: str, cpuinfo: str = "/proc/cpuinfo") -> str:
     return dtype if {"avx512_bf16", "amx_bf16"} & set(flags) else "float32"
 
 
+def engine_kwargs(model: ModelSpec, decoding: DecodingSpec, backend: str, speculative: SpeculativeSpec | None,
+                  cpu: bool) -> dict[str, Any]:
+    """The keyword arguments of `vllm.LLM` for one engine: `backend` decodes the grammar, `speculative` (None: no
+    speculation) drafts, on a CPU (`cpu`) or a GPU; `[model.engine]` goes last and overrides any of them."""
+    kwargs: dict[str, Any] = dict(
+        model=resolve_model(model.path), dtype=model.dtype, disable_log_stats=False,  # stats: llm.get_metrics()
+        # Per-request disable_any_whitespace is ignored by vLLM: the grammar settings are engine-wide.
+        structured_outputs_config={"backend": backend, "disable_any_whitespace": model.disable_any_whitespace},
+    )
+    if model.max_model_len:
+        kwargs["max_model_len"] = model.max_model_len
+    if cpu:
+        kwargs["enforce_eager"] = True  # compiling costs a minute per start on CPU and gains little there
+        kwargs["dtype"] = cpu_dtype(model.dtype)
+        # A per-request seed kills the CPU engine once a prefill is chunked ("CPU Generator does not use
+        # offset"): seed the engine instead, which is reproducible for the same input and settings.
+        if decoding.seed is not None:
+            kwargs["seed"] = decoding.seed
+    if speculative is not None and speculative.enabled:
+        kwargs["speculative_config"] = speculative_config(speculative)
+    return kwargs | model.engine
+
+
+def speculative_config(spec: SpeculativeSpec) -> dict[str, Any]:
+    """vLLM's speculative_config for `spec`; `[speculative.options]` goes last and overrides any of it."""
+    config: dict[str, Any] = {"method": spec.method, "num_speculative_tokens": spec.num_speculative_tokens,
+                              "draft_sample_method": spec.draft_sample_method}
+    if spec.method == "ngram":
+        config |= {"prompt_lookup_min": spec.prompt_lookup_min, "prompt_lookup_max": spec.prompt_lookup_max}
+    if spec.draft_model:
+        config["model"] = resolve_model(spec.draft_model)
+    return config | spec.options
+
+
 class VllmEngine(Engine):
     """One vllm.LLM with one pass's settings: the target decodes under the JSON constraint, the draft does not.
 
@@ -104,28 +139,11 @@ class VllmEngine(Engine):
         if not self.choice.backend:
             raise EngineError(f"{self.choice.reason}. Simplify the schema, or set model.structured_output_backend to "
                               "a backend (xgrammar, guidance, outlines); `batchjson check` shows each one's answer.")
-        kwargs: dict[str, Any] = dict(
-            model=resolve_model(model.path), dtype=model.dtype, disable_log_stats=False,
-            # Per-request disable_any_whitespace is ignored by vLLM: the grammar settings are engine-wide.
-            structured_outputs_config={"backend": self.choice.backend,
-                                       "disable_any_whitespace": model.disable_any_whitespace},
-        )
-        if model.max_model_len:
-            kwargs["max_model_len"] = model.max_model_len
         self._cpu = current_platform.is_cpu()
         self.seed = decoding.seed
-        if self._cpu:
-            kwargs["enforce_eager"] = True  # compiling costs a minute per start on CPU and gains little there
-            kwargs["dtype"] = cpu_dtype(model.dtype)
-            # A per-request seed kills the CPU engine once a prefill is chunked ("CPU Generator does not use
-            # offset"): seed the engine instead, which is reproducible for the same input and settings.
-            if self.seed is not None:
-                kwargs["seed"] = self.seed
-        self.backend = kwargs["structured_outputs_config"]["backend"]
+        self.backend = self.choice.backend
         self.speculative = speculative if speculative is not None and speculative.enabled else None
-        if self.speculative is not None:
-            kwargs["speculative_config"] = self._speculative_config(speculative)
-        kwargs.update(model.engine)
+        kwargs = engine_kwargs(model, decoding, self.backend, self.speculative, self._cpu)
         self._model = model
         self._constraint = (StructuredOutputsParams(json=self.choice.grammar_schema) if schema is not None
                             else StructuredOutputsParams(json_object=True))
@@ -134,6 +152,7 @@ class VllmEngine(Engine):
         # Requests without a draft on a speculative engine (pass 2): through batchjson's scheduler patch.
         internals.install()  # for an engine core in this process; the plugin installs both in vLLM's processes
         self.no_draft = self.speculative is not None and internals.no_draft_ready()
+        self.notice = internals.notice()
         self.use(decoding)
         # Engine processes started from here die with this process, however it dies (see plugin.py).
         os.environ["BATCHJSON_RUNNER_PID"] = str(os.getpid())
@@ -147,7 +166,8 @@ class VllmEngine(Engine):
             scheduler = getattr(getattr(self.llm.llm_engine, "vllm_config", None), "scheduler_config", None)
             self.max_in_flight = 2 * (getattr(scheduler, "max_num_seqs", None) or 256)
         self._probe(kwargs["structured_outputs_config"]["backend"])
-        self._watch()
+        # A killed engine process becomes EngineDeadError in step(), which stream() handles (else step() hangs).
+        internals.watch_engine_processes(self.llm, self._closed, self._dead)
 
     def accepts(self, decoding: DecodingSpec, speculative: SpeculativeSpec | None) -> bool:
         """Whether a pass with these settings can run on this engine: sampling is per request, but the grammar
@@ -174,27 +194,6 @@ class VllmEngine(Engine):
         except (TypeError, *self._refused) as e:
             raise EngineError(f"vLLM refuses these sampling settings: {e}. Fix [sampling] or [fallback].") from None
 
-    def _watch(self) -> None:
-        """Turn a killed engine process into EngineDeadError.
-
-        vLLM's sync client notices the death but only shuts its output thread down, so a caller waiting in
-        step() waits forever. A watcher thread wakes it with EngineDeadError, which stream() handles.
-        """
-        client = self.llm.llm_engine.engine_core
-        resources, outputs = getattr(client, "resources", None), getattr(client, "outputs_queue", None)
-        processes = list(getattr(getattr(resources, "engine_manager", None), "processes", None) or ())
-        if outputs is None or not processes:
-            return  # the engine runs in this process: nothing to watch
-
-        def watch():
-            while not self._closed.wait(0.5):
-                if resources.engine_dead or not all(p.is_alive() for p in processes):
-                    if not self._closed.is_set():
-                        outputs.put_nowait(self._dead())
-                    return
-
-        threading.Thread(target=watch, name="batchjson-engine-watch", daemon=True).start()
-
     def _probe(self, backend: str) -> None:
         """Fail at start, not on every row, when the grammar backend cannot take the schema."""
         try:
@@ -215,16 +214,6 @@ class VllmEngine(Engine):
             return {"repetition_detection": RepetitionDetectionParams(**settings)}
         except (TypeError, *self._refused) as e:
             raise EngineError(f"repetition_detection {settings}: {e}") from None
-
-    @staticmethod
-    def _speculative_config(spec: SpeculativeSpec) -> dict[str, Any]:
-        config: dict[str, Any] = {"method": spec.method, "num_speculative_tokens": spec.num_speculative_tokens,
-                                  "draft_sample_method": spec.draft_sample_method}
-        if spec.method == "ngram":
-            config |= {"prompt_lookup_min": spec.prompt_lookup_min, "prompt_lookup_max": spec.prompt_lookup_max}
-        if spec.draft_model:
-            config["model"] = resolve_model(spec.draft_model)
-        return config | spec.options
 
     def stream(self, prompts: Iterable[Prompt], stop: threading.Event | None = None) -> Iterator[Generation]:
         """Keep up to max_in_flight requests in the engine; yield each result as soon as it finishes.

@@ -1,5 +1,6 @@
 """What the plugin installs in vLLM's engine processes (engine/plugin.py, internals.py, profiler.py): the step
-profiler, and the plugin itself in a forked engine process."""
+profiler, and the plugin itself in a forked engine process; the versions the patches were read on, and what a run on
+another vLLM reports."""
 
 from __future__ import annotations
 
@@ -11,10 +12,14 @@ import textwrap
 
 import pytest
 
-from batchjson.records import Prompt
-from batchjson.spec import DecodingSpec, ModelSpec, SpeculativeSpec
+from batchjson.engine import internals
+from batchjson.engine.fake import FakeEngines
 from batchjson.engine.profiler import read_profile
-from conftest import TINY_SCHEMA
+from batchjson.job import run_job
+from batchjson.records import Prompt
+from batchjson.report import PassStats, RunReport
+from batchjson.spec import DecodingSpec, ModelSpec, SpeculativeSpec, load_spec
+from conftest import TINY_SCHEMA, write_job, write_rows
 
 # The answer's JSON is in the prompt, so that n-gram lookup finds drafts even for a random model.
 PROMPTS = [f'<|im_start|>user\nAnswer like {{"name":"thing{i % 7}","n":{i % 10}}}: item {i}<|im_end|>\n'
@@ -53,6 +58,7 @@ def test_pass_2_requests_take_no_draft_on_a_speculative_engine(tiny_model):
                         SpeculativeSpec(method="ngram", num_speculative_tokens=4, prompt_lookup_min=1))
     try:
         assert engine.no_draft and engine.accepts(DecodingSpec(max_tokens=30), None)
+        assert engine.notice == ""  # a vLLM the patches were read on: nothing to report
         engine.use(DecodingSpec(max_tokens=40), "p2", draft=False)
         second = list(engine.stream(Prompt(str(i), "u", text, stage="p2") for i, text in enumerate(PROMPTS)))
         after_second = engine.stats()["draft_tokens"]
@@ -192,3 +198,59 @@ def test_the_plugin_installs_both_scheduler_patches_in_an_engine_process():
     assert done.returncode == 0, done.stderr[-2000:]
     assert "guard: batchjson.engine.internals" in done.stdout
     assert "schedule wrapped: True" in done.stdout
+
+
+UNREAD = "0.34.0"
+
+
+def test_a_vllm_the_patches_were_not_read_on_gets_neither_and_says_why(monkeypatch):
+    """The bound: on a version outside READ_ON neither scheduler patch is installed, each says why, and notice()
+    is the report's line. The installed vLLM (read on) gets both. No engine starts."""
+    import vllm
+    from vllm.v1.core.sched import utils
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    assert vllm.__version__.startswith(internals.READ_ON)
+    for name in ("_NO_DRAFT", "_FAST_GUARD"):  # as in a fresh process; monkeypatch puts back the real state
+        monkeypatch.setattr(internals, name, None)
+    monkeypatch.setattr(internals, "VLLM_CHECK", internals.VLLM_CHECK)
+    monkeypatch.setattr(vllm, "__version__", UNREAD)
+    before = Scheduler.add_request, Scheduler.schedule, utils.check_sequence_repetition
+    assert internals.install_no_draft() == f"vLLM {UNREAD} is not a version this patch was read on (0.26.x, 0.32.x, 0.33.x)"
+    assert "check_sequence_repetition is not the one this was read on" in internals.install_fast_loop_guard()
+    assert not internals.no_draft_ready()
+    assert (Scheduler.add_request, Scheduler.schedule, utils.check_sequence_repetition) == before  # untouched
+    assert internals.notice() == internals.unread(UNREAD)
+
+
+def test_the_report_line_for_a_vllm_outside_read_on():
+    line = internals.unread(UNREAD)
+    assert line == (f"vLLM {UNREAD} is newer than the versions batchjson's engine patches were read on (0.26, 0.32, "
+                    "0.33): both are off (pass 2 cannot share a speculative engine, and vLLM's own loop guard runs)")
+    assert internals.unread("0.25.1").startswith("vLLM 0.25.1 is not one of the versions")
+    assert internals.unread("dev").startswith("vLLM dev is not one of the versions")
+    assert internals.unread("0.33.0") == internals.unread("0.33.2rc1") == internals.unread("0.26.0") == ""
+
+
+def test_a_run_on_an_unread_vllm_says_so_once_in_its_summary(tmp_path, tiny_model):
+    """The engine's notice reaches the summary as one line, however many passes and engines saw it, and its JSON."""
+    line = internals.unread(UNREAD)
+
+    class Unread(FakeEngines):
+        def __call__(self, *args):
+            engine = super().__call__(*args)
+            engine.notice = line
+            return engine
+
+    write_rows(tmp_path / "in.parquet", 24)
+    job = write_job(tmp_path, tiny_model, tmp_path / "in.parquet", speculative="none", batch_size=4)
+    report = run_job(load_spec(job), engine_factory=Unread(valid=0.5), progress=False)
+    assert report.passes["pass2"].rows > 0
+    assert report.summary().splitlines().count(f"  note: {line}") == 1
+    assert report.to_dict()["passes"]["pass1"]["notice"] == line
+
+    merged = PassStats()
+    merged.merge(PassStats(notice=line).to_dict())
+    merged.merge(PassStats().to_dict())
+    quiet = RunReport("h", 1, "out", "rej", passes={"pass1": PassStats()})
+    assert merged.notice == line and "note:" not in quiet.summary()

@@ -1,0 +1,55 @@
+"""The keyword arguments VllmEngine gives vllm.LLM (engine/vllm_engine.py, engine_kwargs), built without vLLM."""
+
+from __future__ import annotations
+
+import pytest
+
+from batchjson.engine.vllm_engine import cpu_dtype, engine_kwargs
+from batchjson.errors import EngineError
+from batchjson.spec import DecodingSpec, ModelSpec, SpeculativeSpec
+
+
+@pytest.fixture
+def folder(tmp_path):
+    """A model folder as resolve_model accepts it (a config.json): nothing is loaded."""
+    (tmp_path / "config.json").write_text("{}")
+    return str(tmp_path)
+
+
+def test_a_gpu_engine_gets_the_grammar_settings_and_no_cpu_ones(folder):
+    model = ModelSpec(path=folder, dtype="bfloat16", disable_any_whitespace=False)
+    assert engine_kwargs(model, DecodingSpec(seed=3), "guidance", None, cpu=False) == {
+        "model": folder, "dtype": "bfloat16", "disable_log_stats": False,
+        "structured_outputs_config": {"backend": "guidance", "disable_any_whitespace": False}}
+
+
+def test_a_cpu_engine_runs_eager_and_takes_the_seed_engine_wide(folder):
+    model = ModelSpec(path=folder, max_model_len=512)
+    kwargs = engine_kwargs(model, DecodingSpec(seed=3), "xgrammar", None, cpu=True)
+    assert kwargs["enforce_eager"] is True and kwargs["seed"] == 3 and kwargs["max_model_len"] == 512
+    assert kwargs["dtype"] == cpu_dtype("auto")  # float32 without bfloat16 instructions
+    assert "seed" not in engine_kwargs(model, DecodingSpec(), "xgrammar", None, cpu=True)
+    assert engine_kwargs(ModelSpec(path=folder, dtype="float32"), DecodingSpec(), "xgrammar", None, True)["dtype"] == "float32"
+
+
+def test_speculation_and_engine_options(folder, tmp_path_factory):
+    draft = tmp_path_factory.mktemp("draft")
+    (draft / "config.json").write_text("{}")
+    ngram = SpeculativeSpec(method="ngram", num_speculative_tokens=3, prompt_lookup_min=1, options={"x": 1})
+    kwargs = engine_kwargs(ModelSpec(path=folder), DecodingSpec(), "xgrammar", ngram, cpu=False)
+    assert kwargs["speculative_config"] == {"method": "ngram", "num_speculative_tokens": 3, "draft_sample_method": "greedy",
+                                            "prompt_lookup_min": 1, "prompt_lookup_max": 4, "x": 1}
+    small = SpeculativeSpec(method="draft_model", draft_model=str(draft))
+    assert engine_kwargs(ModelSpec(path=folder), DecodingSpec(), "xgrammar", small, cpu=False)["speculative_config"] == {
+        "method": "draft_model", "num_speculative_tokens": 4, "draft_sample_method": "greedy", "model": str(draft)}
+    off = SpeculativeSpec(method="none")
+    assert "speculative_config" not in engine_kwargs(ModelSpec(path=folder), DecodingSpec(), "xgrammar", off, False)
+    # [model.engine] goes last: it overrides what batchjson sets
+    model = ModelSpec(path=folder, engine={"enforce_eager": False, "gpu_memory_utilization": 0.5})
+    kwargs = engine_kwargs(model, DecodingSpec(), "xgrammar", None, cpu=True)
+    assert kwargs["enforce_eager"] is False and kwargs["gpu_memory_utilization"] == 0.5
+
+
+def test_a_missing_model_folder_is_the_users_error(tmp_path):
+    with pytest.raises(EngineError, match="no Hugging Face model folder"):
+        engine_kwargs(ModelSpec(path=str(tmp_path / "nothing")), DecodingSpec(), "xgrammar", None, cpu=False)
