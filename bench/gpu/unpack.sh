@@ -8,7 +8,7 @@
 set -e
 here=$(cd "$(dirname "$0")" && pwd)
 mkdir -p /tmp/chunks
-for f in .dev/part?? .dev/smol?? .dev/q15_?? .dev/q05_?? .dev/qwen.sha256 .dev/arctic_inference-*.whl; do
+for f in .dev/part?? .dev/smol?? .dev/q15_?? .dev/q05_?? .dev/arctic_inference-*.whl; do
   [ -f "$f" ] && mv "$f" /tmp/chunks/
 done
 du -sh /tmp/chunks; ls /tmp/chunks | tr '\n' ' '; echo
@@ -16,7 +16,7 @@ convert() {  # qwen model: q05 -> coder-0.5b.gguf -> /tmp/models/coder-0.5b
   local stem=$1 name=$2
   mkdir -p /tmp/gguf
   cat /tmp/chunks/${stem}_?? > /tmp/gguf/$name.gguf
-  (cd /tmp/gguf && grep " $name.gguf" /tmp/chunks/qwen.sha256 | sha256sum -c -)
+  (cd /tmp/gguf && grep " $name.gguf" "$here/qwen.sha256" | sha256sum -c -)
   rm -f /tmp/chunks/${stem}_??
   PYTHONPATH=/tmp/site:$PWD python3 "$here/convert_gguf.py" /tmp/gguf $name.gguf /tmp/models/$name
 }
