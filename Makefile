@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip -q --disable-pip-version-check
 
-.PHONY: install run test test-fast bench sample-data clean
+.PHONY: install run test test-fast bench bench-smoke sample-data clean
 
 install: $(VENV)/.installed
 
@@ -29,8 +29,11 @@ test-fast: install  # everything that starts no engine
 	$(PY) -m pytest tests -m "not engine"
 
 bench: install  # CPU: runner overhead, then batchjson vs bare vLLM on SmolLM2 (~10 min); see BENCHMARKS.md
-	$(PY) bench/bench.py overhead --rows 10000,200000 --out bench-results
-	$(PY) bench/bench.py compare --model default --rows 60 --max-in-flight 60 --repeat 2 --timeout 500 --tag cpu-smollm2- --out bench-results
+	$(PY) -m bench overhead --rows 10000,200000 --out bench-results
+	$(PY) -m bench compare --model default --rows 60 --max-in-flight 60 --repeat 2 --timeout 500 --tag cpu-smollm2- --out bench-results
+
+bench-smoke: install  # every `python -m bench` subcommand, tiny, on the fake engine (~2 min); CI runs it after make test
+	$(PY) -m bench smoke
 
 sample-data:
 	$(PY) sample_data/make_sample.py

@@ -1,7 +1,7 @@
 """`speculative.method = "auto"` in its own runs: one `batchjson run` per task and in-flight size, on the rows
-bench/spec_profile.py decodes at that size, with what auto chose, why, and the output tokens/s of its decoding.
+`python -m bench spec-profile` decodes at that size, with what auto chose, why, and the output tokens/s of its decoding.
 
-    python bench/auto_runs.py --tasks B --in-flight 1,8,32,128,512 --model /tmp/models/smollm2 --out OUT
+    python -m bench auto-runs --tasks B --in-flight 1,8,32,128,512 --model /tmp/models/smollm2 --out OUT
 
 Each run is a new user's job for the task (bench/tasks.py: bounded schema, max_tokens 256 as in the profile) with
 `[model] max_in_flight` set to the size and `[speculative] method` (default auto), run by the CLI in its own process
@@ -14,14 +14,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from tasks import write_task  # noqa: E402
+from bench.common import run_cli
+from bench.tasks import write_task
 
 
 def one(task: str, size: int, rows: int, args) -> dict:
@@ -30,21 +27,12 @@ def one(task: str, size: int, rows: int, args) -> dict:
                         extra=f'\n[speculative]\nmethod = "{args.method}"\n')
     text = job.read_text()
     job.write_text(text.replace("[model]\n", f"[model]\nmax_in_flight = {size}\n", 1))
-    out = folder / "out"
     started = time.time()
-    try:
-        proc = subprocess.run([sys.executable, "-m", "batchjson", "run", str(job), "--output", str(out), "--fresh"],
-                              capture_output=True, text=True, timeout=args.timeout,
-                              env=os.environ | {"PYTHONUNBUFFERED": "1"})
-        rc, tail = proc.returncode, (proc.stderr or proc.stdout)[-1500:]
-    except subprocess.TimeoutExpired:
-        rc, tail = "timeout", ""
+    rc, report, tail = run_cli(job, folder / "out", timeout=args.timeout)
     wall = round(time.time() - started, 1)
     result = {"task": task, "in_flight": size, "rows": rows, "method": args.method, "rc": rc, "wall_s": wall}
-    report_file = out / "_report.json"
-    if rc != 0 or not report_file.exists():
+    if report is None:
         return result | {"error": tail}
-    report = json.loads(report_file.read_text())
     p1 = report["passes"]["pass1"]
     auto = (p1.get("auto") or [{}])[0]
     trials = auto.get("trials", [])
@@ -56,8 +44,9 @@ def one(task: str, size: int, rows: int, args) -> dict:
     return result
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench auto-runs", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tasks", default="B")
     ap.add_argument("--in-flight", default="1,8,32,128,512")
     ap.add_argument("--waves", type=int, default=2, help="rows per size = waves x in flight (at least --min-rows)")
@@ -68,7 +57,7 @@ def main() -> int:
     ap.add_argument("--timeout", type=int, default=150, help="seconds per run")
     ap.add_argument("--out", default="auto-results")
     ap.add_argument("--work", default="/tmp/auto-runs")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     results = []
@@ -84,8 +73,5 @@ def main() -> int:
     for r in results:
         print(f"| {r['task']} | {r['in_flight']} | {r['rows']} | {r.get('chosen', 'error')} | "
               f"{r.get('decode_tokens_per_s')} | {r.get('pass1_s')} | {r.get('run_s')} | {r.get('valid')} |")
-    return 0
+    return 1 if any("error" in r for r in results) else 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

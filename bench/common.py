@@ -1,10 +1,12 @@
-"""Shared by the benchmark's parent and its workers: job specs with overrides, input files, RSS sampling, tables."""
+"""What the benchmarks share: job specs with overrides, input files, prompts and their check against ground truth,
+the `batchjson` command line (or its fake-engine twin), the subprocess harness, RSS sampling, tables."""
 
 from __future__ import annotations
 
 import json
 import os
 import resource
+import signal
 import subprocess
 import sys
 import threading
@@ -16,6 +18,9 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 JOB = ROOT / "jobs" / "sample.toml"
 MB = 1024 * 1024
+WORK = Path(os.environ.get("BATCHJSON_BENCH_WORK", "/tmp/batchjson-bench"))
+# Set by `python -m bench smoke`: `batchjson run` then runs on the fake engine (bench/fakerun.py), with no model.
+FAKE = "BATCHJSON_BENCH_FAKE"
 
 
 def make_rows(n: int, folder: Path, seed: int = 0) -> Path:
@@ -135,3 +140,89 @@ def table(rows: list[dict], cols: list[tuple[str, str]]) -> str:
     widths = [max(len(h), *(len(b[i]) for b in body)) if body else len(h) for i, h in enumerate(heads)]
     line = lambda cells: "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths)) + " |"  # noqa: E731
     return "\n".join([line(heads), "| " + " | ".join("-" * w for w in widths) + " |", *map(line, body)])
+
+
+# ---------------------------------------------------------------- prompts and ground truth
+
+def frame(llm, system: str) -> tuple[str, str]:
+    """The chat frame batchjson renders (prompts.chat_frame), from a started vllm.LLM's tokenizer."""
+    from batchjson.prompts import MARK
+
+    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": MARK}]
+    text = llm.get_tokenizer().apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    prefix, _, suffix = text.partition(MARK)
+    return prefix, suffix
+
+
+def spec_prompts(spec, chat: tuple[str, str]) -> list:
+    """Every input row of a job spec rendered as batchjson renders it (the same Renderer and chat frame)."""
+    from batchjson.prompts import Renderer
+    from batchjson.records import Prompt
+    from batchjson.source import ParquetSource
+
+    renderer = Renderer(spec.prompt, chat, spec.input.id_column, spec.input.passthrough)
+    source = ParquetSource(spec.input, spec.prompt.columns)
+    return [p for unit in source.read(source.plan()) for p in renderer.render(unit) if isinstance(p, Prompt)]
+
+
+def task_prompts(task: str, rows: int, chat: tuple[str, str]) -> tuple[list[str], list[str], list[str]]:
+    """(ids, prompt texts, truth JSON) for `rows` rows of a bench/tasks.py task, in the chat frame `chat`."""
+    from bench.tasks import TASKS, rows as task_rows
+
+    data, t = task_rows(task, rows), TASKS[task]
+    return ([r[0] for r in data], [chat[0] + t["template"].format(text=r[1]) + chat[1] for r in data],
+            [r[2] for r in data])
+
+
+def check(task: str, validator, text: str, finish: str, truth: str) -> tuple[bool, bool, float, str | None]:
+    """One output as batchjson judges it (parse, schema, finish reason), then against the task's ground truth:
+    (valid, exactly right, share of fields right, reject reason)."""
+    from batchjson.records import Generation, Prompt
+    from bench.tasks import score
+
+    o = validator.check(Generation(Prompt("x", "u", ""), text, finish, 0, 0))
+    exact, fields = score(task, o.value, truth) if o.ok else (False, 0.0)
+    return o.ok, exact, fields, o.reason
+
+
+# ---------------------------------------------------------------- the command line, in its own process
+
+def cli(*args: str) -> list[str]:
+    """The `batchjson` command with `args`; under the smoke (BATCHJSON_BENCH_FAKE) its fake-engine twin."""
+    return [sys.executable, "-m", "bench.fakerun" if os.environ.get(FAKE) else "batchjson", *args]
+
+
+def run_cli(job: Path, out: Path, *args: str, timeout: float | None = None, env: dict | None = None
+            ) -> tuple[int | str, dict | None, str]:
+    """`batchjson run JOB --output OUT --fresh ARGS` as a user runs it: (exit code or "timeout", the report or
+    None, the tail of its output)."""
+    env = (env or os.environ) | {"PYTHONUNBUFFERED": "1"}
+    try:
+        p = subprocess.run(cli("run", str(job), "--output", str(out), "--fresh", *args), capture_output=True,
+                           text=True, timeout=timeout, env=env)
+    except subprocess.TimeoutExpired:
+        return "timeout", None, ""
+    report = out / "_report.json"
+    ok = p.returncode == 0 and report.exists()
+    return p.returncode, json.loads(report.read_text()) if ok else None, (p.stderr or p.stdout)[-1500:]
+
+
+def run_isolated(argv: list[str], timeout: float, log: Path, label: str) -> int | None:
+    """Run `python -m bench ARGV` in a fresh process group, its output appended to `log`; a timeout (None back)
+    or the end of the run kills the whole group, the engine core with it. The exit code back, else None."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "a") as f:
+        f.write(f"\n===== {label} {time.strftime('%H:%M:%S')} =====\n")
+        f.flush()
+        p = subprocess.Popen([sys.executable, "-m", "bench", *argv], cwd=ROOT, stdout=f, stderr=subprocess.STDOUT,
+                             start_new_session=True)
+        try:
+            rc = p.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            rc = None
+        try:
+            os.killpg(p.pid, signal.SIGKILL)  # the worker's engine core too, even after a clean exit
+        except ProcessLookupError:
+            pass
+        p.wait()
+    return rc

@@ -1,8 +1,8 @@
 """The newcomer's first command, measured: the sample job against bare vLLM on the same rows and settings (CPU).
 
-    python bench/cpu_sample.py --out bench-results/cpu-sample.json             # bare, then `batchjson run`
-    python bench/cpu_sample.py --sides bare,batchjson,bare --hog 1             # the same beside a busy core
-    python bench/cpu_sample.py --sides batchjson --env OMP_NUM_THREADS=1       # a setting tried on both sides
+    python -m bench cpu-sample --out bench-results/cpu-sample.json             # bare, then `batchjson run`
+    python -m bench cpu-sample --sides bare,batchjson,bare --hog 1             # the same beside a busy core
+    python -m bench cpu-sample --sides batchjson --env OMP_NUM_THREADS=1       # a setting tried on both sides
 
 Each side runs in its own process, as a user runs it: `bare` imports vLLM, starts `vllm.LLM` with the engine
 settings batchjson gives the sample job (xgrammar, whitespace off, eager on CPU, the job's seed) and decodes the sample
@@ -22,8 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-JOB = ROOT / "jobs" / "sample.toml"
+from bench.common import JOB, run_cli
 
 
 def bare(rows: int | None) -> dict:
@@ -69,15 +68,12 @@ def bare(rows: int | None) -> dict:
 
 def batchjson(env: dict) -> dict:
     """`batchjson run` on the sample job, as a user runs it, into a fresh folder."""
-    out = tempfile.mkdtemp(prefix="bj-sample-")
+    out = Path(tempfile.mkdtemp(prefix="bj-sample-"))
     t0 = time.monotonic()
-    cli = Path(sys.executable).with_name("batchjson")
-    p = subprocess.run([str(cli), "run", str(JOB), "--output", out, "--fresh"], capture_output=True, text=True,
-                       env=env)
+    rc, report, tail = run_cli(JOB, out, env=env)
     wall = time.monotonic() - t0
-    if p.returncode != 0:
-        return {"error": f"exit {p.returncode}", "stderr": p.stderr[-3000:]}
-    report = json.loads((Path(out) / "_report.json").read_text())
+    if report is None:
+        return {"error": f"exit {rc}", "stderr": tail}
     res = {"wall_s": round(wall, 1), "report_s": report["seconds"], "valid": report["valid"]}
     for name, stats in report.get("passes", {}).items():
         res[name] = {k: stats[k] for k in ("rows", "valid", "seconds", "output_tokens") if k in stats}
@@ -86,15 +82,16 @@ def batchjson(env: dict) -> dict:
     return res
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench cpu-sample", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sides", default="bare,batchjson", help="comma-separated, run in this order")
     ap.add_argument("--rows", type=int, default=None, help="bare: the first N rows only")
     ap.add_argument("--hog", type=int, default=0, help="busy-looping processes beside the run")
     ap.add_argument("--env", action="append", default=[], help="K=V for both sides (repeatable)")
     ap.add_argument("--out", default=None, help="append the results as one JSON line to this file")
     ap.add_argument("_side", nargs="?", help=argparse.SUPPRESS)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args._side == "bare":
         print(json.dumps(bare(args.rows)))
         return 0
@@ -104,7 +101,7 @@ def main() -> int:
     try:
         for side in args.sides.split(","):
             if side == "bare":
-                cmd = [sys.executable, __file__, "bare"] + (["--rows", str(args.rows)] if args.rows else [])
+                cmd = [sys.executable, "-m", "bench", "cpu-sample", "bare"] + (["--rows", str(args.rows)] if args.rows else [])
                 t0 = time.monotonic()
                 p = subprocess.run(cmd, capture_output=True, text=True, env=env)
                 lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
@@ -124,6 +121,3 @@ def main() -> int:
                 f.write(json.dumps(r) + "\n")
     return 1 if any("error" in r for r in results) else 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

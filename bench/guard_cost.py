@@ -1,7 +1,7 @@
 """The loop guard's cost per output token in vLLM's engine core: vLLM's check_sequence_repetition against
 batchjson's replacement (engine/internals.py, `repeats`), on the token lists the scheduler passes (ConstantList).
 
-    python bench/guard_cost.py [--guard 64,8,3]
+    python -m bench guard-cost [--guard 64,8,3]
 
 JSON-like sequences of 1 to 300 tokens (60% distinct ids, 40% a few punctuation ids), each length once, as the
 check sees a row grow token by token; prints microseconds per call for each.
@@ -14,11 +14,12 @@ import random
 import time
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench guard-cost", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--guard", default="64,8,3", help="max_pattern_size,min_pattern_size,min_count")
     ap.add_argument("--repeat", type=int, default=20)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     from vllm.sampling_params import RepetitionDetectionParams
     from vllm.v1.core.sched import utils
     from vllm.v1.utils import ConstantList
@@ -36,7 +37,4 @@ def main() -> None:
             for s in seqs:
                 check(s, params)
         print(f"{name}: {(time.perf_counter() - t) / (args.repeat * len(seqs)) * 1e6:.2f} us per output token")
-
-
-if __name__ == "__main__":
-    main()
+    return 0

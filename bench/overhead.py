@@ -14,10 +14,9 @@ import pstats
 import resource
 import time
 
-from common import MB, Clock, build_spec
-
 from batchjson.engine import EngineWrapper
 from batchjson.engine.fake import Answer, FakeEngine
+from bench.common import MB, Clock, build_spec
 
 VALID = [
     '{"vendor":"PixelPro Devices","currency":"USD","category":"hardware","total":16160.27,"items":[{"description":'

@@ -1,8 +1,8 @@
-"""The benchmark's engine scenarios, each run in its own subprocess by bench.py: bare vLLM, batchjson, a sweep.
+"""The benchmark's engine scenarios, each run in its own subprocess by throughput.py: bare vLLM, batchjson, a sweep.
 
 Every scenario takes the same scenario dict (see common.build_spec), so both sides of a comparison get the same
 rows, prompts, constraint, speculation and engine keyword arguments; the batchjson side records the kwargs it
-really passed to vllm.LLM, and bench.py checks they equal the bare side's.
+really passed to vllm.LLM, and throughput.py checks they equal the bare side's.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import os
 import time
 from pathlib import Path
 
-from common import Clock, RssMonitor, build_spec, rate
+from bench.common import Clock, RssMonitor, build_spec, frame, rate, spec_prompts
 
 SPEC_METRICS = {"vllm:spec_decode_num_drafts": "drafts", "vllm:spec_decode_num_draft_tokens": "draft_tokens",
                 "vllm:spec_decode_num_accepted_tokens": "accepted_tokens"}
@@ -96,17 +96,6 @@ def _speculative(spec):
     return spec.speculative if spec.speculative.enabled else None
 
 
-def _prompts(spec, frame):
-    """Render every input row as batchjson does (same Renderer, same chat frame)."""
-    from batchjson.prompts import Renderer
-    from batchjson.records import Prompt
-    from batchjson.source import ParquetSource
-
-    renderer = Renderer(spec.prompt, frame, spec.input.id_column, spec.input.passthrough)
-    source = ParquetSource(spec.input, spec.prompt.columns)
-    return [p for unit in source.read(source.plan()) for p in renderer.render(unit) if isinstance(p, Prompt)]
-
-
 def _params_summary(p) -> dict:
     so = p.structured_outputs
     return {"temperature": p.temperature, "top_p": p.top_p, "max_tokens": p.max_tokens,
@@ -129,7 +118,6 @@ def bare(sc: dict) -> dict:
     import vllm
     from vllm.sampling_params import StructuredOutputsParams
 
-    from batchjson.prompts import MARK
     from batchjson.records import Generation
     from batchjson.schema.validate import Validator
 
@@ -148,12 +136,7 @@ def bare(sc: dict) -> dict:
                                  **_repetition(getattr(d, "repetition_detection", None)))
     timer = StepTimer(llm.llm_engine)
     with Clock() as render:
-        # The same chat frame as batchjson's: the template rendered once around a marker.
-        messages = ([{"role": "system", "content": spec.prompt.system}] if spec.prompt.system else []) + \
-                   [{"role": "user", "content": MARK}]
-        text = llm.get_tokenizer().apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        prefix, _, suffix = text.partition(MARK)
-        prompts = _prompts(spec, (prefix, suffix))
+        prompts = spec_prompts(spec, frame(llm, spec.prompt.system))  # the chat frame batchjson renders
     before = spec_counters(llm)
     with Clock() as gen:
         outs = llm.generate([p.text for p in prompts], params, use_tqdm=False)
@@ -290,7 +273,7 @@ def sweep(sc: dict) -> dict:
     with Clock() as start:
         engine = VllmEngine(spec.model, spec.sampling, spec.schema_doc, _speculative(spec))
     timer = StepTimer(engine.llm.llm_engine)
-    prompts = _prompts(spec, chat_frame(resolve_model(spec.model.path), spec.prompt.system))
+    prompts = spec_prompts(spec, chat_frame(resolve_model(spec.model.path), spec.prompt.system))
     validator = Validator(spec.schema_doc)
     warm = int(sc.get("warmup", 2))
     engine.max_in_flight = max(warm, 1)
@@ -329,12 +312,12 @@ def main(kind: str, scenario: Path, result: Path) -> int:
     import json
     import traceback
 
-    from common import dump
+    from bench.common import dump
 
     sc = json.loads(scenario.read_text())
     try:
         if kind == "overhead":
-            from overhead import run_overhead
+            from bench.overhead import run_overhead
 
             out = run_overhead(sc)
         else:

@@ -1,6 +1,6 @@
 """Schemas users have: the SchemaStore corpus through batchjson's spec loader, grammar backends and Validator.
 
-    python bench/schemas.py [--corpus bench/corpus/schemastore.jsonl.gz] [--out bench-results/schemas.json]
+    python -m bench schemas [--corpus bench/corpus/schemastore.jsonl.gz] [--out bench-results/schemas.json]
 
 Per schema: accepted by the spec loader (or refused, with the message), loaded as a user's schema file would be:
 written to a folder next to the SchemaStore files its `$ref`s reach, and bundled with them by the loader; which backends build its grammar (as
@@ -16,19 +16,16 @@ import argparse
 import gzip
 import json
 import statistics
-import sys
 import tempfile
 import time
 from collections import Counter
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from batchjson.errors import SpecError  # noqa: E402
-from batchjson.records import Generation, Prompt  # noqa: E402
-from batchjson.schema.grammar import AUTO_ORDER, build, choose, grammar_accepts, relax  # noqa: E402
-from batchjson.schema.validate import Validator  # noqa: E402
-from batchjson.spec import SchemaSpec, load_schema  # noqa: E402
+from batchjson.errors import SpecError
+from batchjson.records import Generation, Prompt
+from batchjson.schema.grammar import AUTO_ORDER, build, choose, grammar_accepts, relax
+from batchjson.schema.validate import Validator
+from batchjson.spec import SchemaSpec, load_schema
 
 BACKENDS = ("guidance", "xgrammar")
 
@@ -149,14 +146,16 @@ def report(r: dict) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench schemas", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--corpus", default=str(Path(__file__).parent / "corpus" / "schemastore.jsonl.gz"))
     ap.add_argument("--out", default="bench-results/schemas.json")
-    a = ap.parse_args()
+    ap.add_argument("--limit", type=int, default=None, help="the first N schemas only")
+    a = ap.parse_args(argv)
     lines = [json.loads(line) for line in gzip.open(a.corpus, "rt")]
     files = {line["file"]: line["schema"] for line in lines if "file" in line}
-    result = measure([line for line in lines if "name" in line], files)
+    result = measure([line for line in lines if "name" in line][:a.limit], files)
     result["auto_order"] = AUTO_ORDER
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(result, indent=1))
@@ -165,7 +164,4 @@ def main() -> None:
     print(f"bundled: {result['counts'].get('bundled', 0)} schemas; refused:")
     for name, why in result["refusals"]:
         print(f"  {name}: {why}")
-
-
-if __name__ == "__main__":
-    main()
+    return 0

@@ -1,7 +1,7 @@
 """Where a speculative step's time goes under a JSON-schema grammar: one method, one in-flight size, one run.
 
-    python bench/spec_profile.py --model /tmp/models/smollm2 --method ngram --in-flight 1,8,32,128,512
-    python bench/spec_profile.py --model /tmp/models/smollm2 --shape llama-8b --method ngram --in-flight 1,8,32
+    python -m bench spec-profile --model /tmp/models/smollm2 --method ngram --in-flight 1,8,32,128,512
+    python -m bench spec-profile --model /tmp/models/smollm2 --shape llama-8b --method ngram --in-flight 1,8,32
 
 Starts one engine (batchjson's VllmEngine: the task's bounded JSON Schema, the default loop guard, greedy) and runs
 each in-flight size in turn on it (waves x size rows of a bench/tasks.py task), with the step profiler on
@@ -27,10 +27,8 @@ import time
 from importlib.metadata import entry_points
 from pathlib import Path
 
-sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
-
-import tasks  # noqa: E402
-from batchjson.engine.profiler import DUMP_EVERY_S, ENV_PROFILE, ENV_PROFILE_SYNC, read_profile  # noqa: E402
+from batchjson.engine.profiler import DUMP_EVERY_S, ENV_PROFILE, ENV_PROFILE_SYNC, read_profile
+from bench import tasks
 
 LLAMA_8B = {"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
             "num_key_value_heads": 8, "head_dim": 128, "rope_theta": 500000.0}
@@ -77,9 +75,9 @@ def measure(args, profile: Path) -> list[dict]:
     from batchjson.spec import LOOP_GUARD_BOUNDED, DecodingSpec, ModelSpec, SpeculativeSpec
     from batchjson.schema.validate import Validator
 
-    from bench import make_shape_model, _model
+    from bench.throughput import make_shape_model, model_dir
 
-    model = _model(args.model)
+    model = model_dir(args.model)
     engine_kwargs = json.loads(args.engine)
     if args.shape:
         model = str(make_shape_model(model, Path(tempfile.gettempdir()) / f"shape-{args.shape}", SHAPES[args.shape]))
@@ -129,8 +127,9 @@ def measure(args, profile: Path) -> list[dict]:
     return out
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench spec-profile", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="default", help='model folder, or "default" (the embedded SmolLM2)')
     ap.add_argument("--method", default="ngram", help="none, ngram, suffix, draft_model, ...")
     ap.add_argument("--draft-model", help="draft folder for draft_model (default: --model itself)")
@@ -146,7 +145,7 @@ def main() -> None:
                     help="wait for the GPU around model-runner parts (on: per-part times are real, overlap is lost)")
     ap.add_argument("--engine", default="{}", help="other vllm.LLM arguments, as JSON")
     ap.add_argument("--out", type=Path, help="also write the result here")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if not any(ep.value.startswith("batchjson.") for ep in entry_points(group="vllm.general_plugins")):
         sys.exit("batchjson's vLLM plugin is not installed here (its entry point installs the profiler): "
                  "pip install --no-deps -e .")
@@ -175,7 +174,8 @@ def main() -> None:
         args.out.write_text(text)
     if error:
         sys.exit(f"spec_profile: {error}")
+    return 0
 
 
-if __name__ == "__main__":
-    main()
+if __name__ == "__main__":  # bench/gpu/profile_session.sh runs this file by its path, with the tree on PYTHONPATH
+    sys.exit(main())

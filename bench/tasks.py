@@ -15,12 +15,11 @@ from __future__ import annotations
 
 import json
 import random
-import sys
 from pathlib import Path
 
+from sample_data.make_sample import make_row as invoice_row
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "sample_data"))
-from make_sample import make_row as invoice_row  # noqa: E402
 
 INVOICE_SCHEMA = json.loads((ROOT / "sample_data" / "schema.json").read_text())
 

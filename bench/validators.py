@@ -2,23 +2,20 @@
 validators (those importable here), on the fake engine's canned outputs. Evidence for the runner's per-row budget.
 
     pip install --target /tmp/valbench fastjsonschema jsonschema-rs   # optional candidates, outside the venv
-    PYTHONPATH=/tmp/valbench .venv/bin/python bench/validators.py
+    PYTHONPATH=/tmp/valbench .venv/bin/python -m bench validators
 """
 
 from __future__ import annotations
 
+import argparse
 import json
-import sys
 import time
-from pathlib import Path
 
-sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
+import orjson
 
-import orjson  # noqa: E402
+from bench.common import ROOT, table
+from bench.overhead import SCHEMA_BAD, VALID
 
-from overhead import SCHEMA_BAD, VALID  # noqa: E402
-
-ROOT = Path(__file__).resolve().parents[1]
 # Values each validator must judge alike: the canned outputs plus edge cases of the schema's bounds.
 CASES = [(orjson.loads(v), True) for v in VALID] + [
     (orjson.loads(SCHEMA_BAD), False),
@@ -35,7 +32,9 @@ def per_call(fn, arg, n=3000) -> float:
     return round(1e6 * (time.process_time() - t) / n, 2)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
+    argparse.ArgumentParser(prog="python -m bench validators", description=__doc__,
+                            formatter_class=argparse.RawDescriptionHelpFormatter).parse_args(argv)
     from jsonschema import validators
 
     from batchjson.records import Generation, Prompt
@@ -77,11 +76,6 @@ def main() -> None:
     for name, fn in candidates.items():
         rows.append({"validator": name, "valid_us": per_call(fn, value), "invalid_us": per_call(fn, bad),
                      "agrees": all(bool(fn(x)) == ok for x, ok in CASES)})
-    from common import table
-
     print(table(rows, [("validator", "validator"), ("valid_us", "us per valid row"),
                        ("invalid_us", "us per invalid row"), ("agrees", "same verdicts on the test cases")]))
-
-
-if __name__ == "__main__":
-    main()
+    return 0 if all(r["agrees"] for r in rows) else 1

@@ -37,9 +37,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
-
-from tasks import TASKS, schema, score, write_task  # noqa: E402
+from bench.tasks import TASKS, schema, score, write_task
 
 SPECULATIVE = {"suffix": {"method": "suffix", "num_speculative_tokens": 8},
                "ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4},
@@ -50,7 +48,7 @@ SPECULATIVE = {"suffix": {"method": "suffix", "num_speculative_tokens": 8},
 
 def bare(task: str, rows: int, model: str, max_tokens: int, method: str, seqs: int | None, draft: str | None,
          t_launch: float) -> dict:
-    from gpu_seconds import _check, _frame, _prompts
+    from bench.common import check as _check, frame as _frame, task_prompts as _prompts
 
     stamp = lambda: round(time.time() - t_launch, 2)  # noqa: E731
     import vllm

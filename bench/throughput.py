@@ -1,13 +1,14 @@
-"""Throughput benchmark: batchjson against bare vLLM on the same rows and engine settings, CPU or GPU.
+"""Throughput: batchjson against bare vLLM on the same rows and engine settings, CPU or GPU; its own cost per row.
 
-    python bench/bench.py compare  --model default --rows 80 --out bench-results/cpu-smollm2
-    python bench/bench.py sweep    --model /tmp/models/smollm2 --methods none,ngram,draft_model,suffix
-    python bench/bench.py scale    --tokenizer-from /tmp/models/smollm2
-    python bench/bench.py overhead --rows 10000,200000
-    python bench/bench.py gpu      --model /tmp/models/smollm2 --budget 530 --out $OUT   (the whole GPU plan)
+    python -m bench compare  --model default --rows 80 --out bench-results/cpu-smollm2
+    python -m bench sweep    --model /tmp/models/smollm2 --methods none,ngram,draft_model,suffix
+    python -m bench scale    --tokenizer-from /tmp/models/smollm2
+    python -m bench overhead --rows 10000,200000
+    python -m bench gpu      --model /tmp/models/smollm2 --budget 530 --out $OUT   (the whole GPU plan)
+    python -m bench report   FILE...
 
-Every engine scenario runs in its own subprocess with its own timeout, so one crash or hang loses only itself.
-Results go to OUT/<mode>.json; a short table is printed last.
+Every engine scenario runs in its own subprocess (`python -m bench _worker`, bench/scenarios.py) with its own
+timeout, so one crash or hang loses only itself. Results go to OUT/<mode>.json; a short table is printed last.
 """
 
 from __future__ import annotations
@@ -15,17 +16,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
-sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
-
-from common import ROOT, dump, make_rows, table  # noqa: E402
-
-WORK = Path(os.environ.get("BATCHJSON_BENCH_WORK", "/tmp/batchjson-bench"))
+from bench.common import ROOT, WORK, dump, make_rows, run_isolated, table
 
 
 class Budget:
@@ -53,24 +48,10 @@ def run_worker(kind: str, sc: dict, timeout: float, out: Path, budget: Budget, m
     result.unlink(missing_ok=True)
     scen.write_text(json.dumps(sc, default=str))
     log = out / "workers.log"
-    log.parent.mkdir(parents=True, exist_ok=True)
+    start = log.stat().st_size if log.exists() else 0
     t0 = time.monotonic()
     print(f"[bench] {label}: start (timeout {timeout:.0f}s)", flush=True)
-    with open(log, "a") as f:
-        f.write(f"\n===== {label} {time.strftime('%H:%M:%S')} =====\n")
-        f.flush()
-        start = log.stat().st_size
-        p = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "_worker", kind, str(scen), str(result)],
-                             cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            rc = p.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            rc = None
-        try:
-            os.killpg(p.pid, signal.SIGKILL)  # the worker's engine core too, even after a clean exit
-        except ProcessLookupError:
-            pass
-        p.wait()
+    rc = run_isolated(["_worker", kind, str(scen), str(result)], timeout, log, label)
     wall = round(time.monotonic() - t0, 1)
     res = json.loads(result.read_text()) if result.exists() else {}
     if rc is None:
@@ -91,7 +72,8 @@ def _save(out: Path, name: str, data: dict) -> None:
     dump(out / f"{name}.json", data)
 
 
-def _model(path: str) -> str:
+def model_dir(path: str) -> str:
+    """A model folder for `path` ("default": the embedded SmolLM2, converted once)."""
     if path == "default":
         from batchjson.engine import resolve_model  # converts the embedded GGUF once; imports no vLLM
 
@@ -126,7 +108,7 @@ def _norm(d):
 def compare(args, out: Path, budget: Budget) -> tuple[dict, list[str]]:
     """(a) bare llm.generate and (b) batchjson's run, on the same rows and engine kwargs, alternating order."""
     rows = make_rows(args.rows, WORK, seed=0)
-    base = {"input": str(rows), "model": _model(args.model), "max_in_flight": args.max_in_flight,
+    base = {"input": str(rows), "model": model_dir(args.model), "max_in_flight": args.max_in_flight,
             "method": args.method, "k": args.k, "engine": json.loads(args.engine)}
     if args.max_tokens:
         base["max_tokens"] = args.max_tokens
@@ -257,7 +239,7 @@ def _sweep_table(res: dict, name: str) -> list[str]:
 
 
 def sweep(args, out, budget):
-    return _sweep(args, out, budget, f"{args.tag}sweep", _model(args.model), json.loads(args.engine), seed=1)
+    return _sweep(args, out, budget, f"{args.tag}sweep", model_dir(args.model), json.loads(args.engine), seed=1)
 
 
 LLAMA_7B = {"hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32, "num_attention_heads": 32,
@@ -281,7 +263,7 @@ def make_shape_model(tokenizer_from: str, dst: Path, dims: dict) -> Path:
 
 def scale(args, out, budget):
     dims = json.loads(args.dims) if args.dims else LLAMA_7B
-    model = make_shape_model(_model(args.tokenizer_from), WORK / f"shape-{dims['num_hidden_layers']}x{dims['hidden_size']}", dims)
+    model = make_shape_model(model_dir(args.tokenizer_from), WORK / f"shape-{dims['num_hidden_layers']}x{dims['hidden_size']}", dims)
     engine = {"load_format": "dummy", **json.loads(args.engine)}
     return _sweep(args, out, budget, f"{args.tag}scale", str(model), engine, seed=2)
 
@@ -305,7 +287,7 @@ def overhead(args, out, budget):
     runs = []
     for p in plan:
         sc = {"fail_rate": args.fail_rate, "fail_kinds": args.fail_kinds.split(","), **p,
-              "input": str(files[p["rows"]]), "output": str(WORK / "out-overhead"),
+              "input": str(files[p["rows"]]), "output": str(WORK / "out-overhead"), "model": args.model,
               "max_in_flight": args.max_in_flight}
         runs.append(run_worker("overhead", sc, args.timeout, out, budget, min_s=5) | p)
     ok = {r["label"]: r for r in runs if "error" not in r and "skipped" not in r}
@@ -392,8 +374,9 @@ def gpu(args, out, budget):
     return {}, [line for lines in tables.values() for line in lines]
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="mode", required=True)
 
     def add(name, help_):
@@ -436,6 +419,7 @@ def main() -> int:
 
     o = add("overhead", "batchjson's CPU cost per row outside the engine, and RSS at 10k vs 200k rows")
     o.add_argument("--rows", default="10000,200000")
+    o.add_argument("--model", default="default", help="the model whose tokenizer frames the prompts (no weights are read)")
     o.add_argument("--fail-rate", type=float, default=0.11,
                    help="share of pass-1 rows the fake engine fails (0.11: SmolLM2 on the H200, sample task)")
     o.add_argument("--fail-kinds", default="repetition", help="failures to cycle: repetition, length, schema")
@@ -458,9 +442,9 @@ def main() -> int:
     w.add_argument("scenario", type=Path)
     w.add_argument("result", type=Path)
 
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.mode == "_worker":
-        from scenarios import main as worker_main
+        from bench.scenarios import main as worker_main
 
         return worker_main(args.kind, args.scenario, args.result)
     out = Path(args.out)
@@ -477,6 +461,3 @@ def main() -> int:
         return 1
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

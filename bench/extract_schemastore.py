@@ -7,7 +7,7 @@ its `$ref`s reach (directly or through those files). Schemas with no test instan
 are left out. Each referenced file is stored once, on a line {"file": "<name>.json", "schema": ...}, so that the
 benchmark can lay the schema out next to its siblings and load it through the spec loader as a user's file.
 
-    python bench/corpus/extract_schemastore.py /path/to/schemastore [--commit REV]
+    python -m bench extract-schemastore /path/to/schemastore [--commit REV] [--out FILE]
 (a bare git directory works too: files are read with `git show REV:path`).
 """
 
@@ -31,7 +31,7 @@ MAX_INSTANCE = 12_000
 MAX_PER_KIND = 4
 MAX_REFERENCED = 1_500_000
 SCHEMA_HOSTS = ("json.schemastore.org", "www.schemastore.org")
-OUT = Path(__file__).parent / "schemastore.jsonl.gz"
+OUT = Path(__file__).parent / "corpus" / "schemastore.jsonl.gz"
 
 
 def git(repo: str, *args: str) -> bytes:
@@ -101,11 +101,13 @@ def ref_files(schema, folder: str = "src/schemas/json") -> set[str]:
     return out
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench extract-schemastore", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("repo")
     ap.add_argument("--commit", default="HEAD")
-    a = ap.parse_args()
+    ap.add_argument("--out", type=Path, default=OUT, help="the corpus file to write")
+    a = ap.parse_args(argv)
     rev = git(a.repo, "rev-parse", a.commit).decode().strip()
     listing = git(a.repo, "ls-tree", "-r", "-l", rev, "src/schemas/json", "src/test", "src/negative_test").decode()
     files: dict[str, int] = {}
@@ -145,7 +147,7 @@ def main() -> None:
         return sorted(seen)
 
     needed: set[str] = set()
-    with gzip.open(OUT, "wt", compresslevel=9) as out:
+    with gzip.open(a.out, "wt", compresslevel=9) as out:
         for path in sorted(files):
             if not path.startswith("src/schemas/json/") or not path.endswith(".json") or files[path] > MAX_SCHEMA:
                 continue
@@ -171,9 +173,6 @@ def main() -> None:
         for path in sorted(needed):
             line = {"file": path, "schema": referenced[f"src/schemas/json/{path}"]}
             out.write(json.dumps(line, separators=(",", ":"), sort_keys=True) + "\n")
-    print(f"{n} schemas and {len(needed)} files they refer to from SchemaStore {rev} -> {OUT} "
-          f"({OUT.stat().st_size / 1e6:.2f} MB)")
-
-
-if __name__ == "__main__":
-    main()
+    print(f"{n} schemas and {len(needed)} files they refer to from SchemaStore {rev} -> {a.out} "
+          f"({a.out.stat().st_size / 1e6:.2f} MB)")
+    return 0

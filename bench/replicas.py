@@ -1,7 +1,7 @@
 """Scaling over the GPUs of one host: the same job on 1 replica, on N replicas (the default: one per GPU), and as
 N static `--shard I/N` processes, with what each process and GPU was doing sampled every second.
 
-    python bench/scale.py --task A --rows 5000 --model /tmp/models/smollm2 --runs warm,1,2,shards2 --out OUT
+    python -m bench replicas --task A --rows 5000 --model /tmp/models/smollm2 --runs warm,1,2,shards2 --out OUT
 
 Each run is `batchjson run` in its own process on a fresh output folder; `warm` is a small run that fills the
 compile caches first. Prints one table (valid rows per wall-second, whole run and pass 1) and writes OUT/scale.json
@@ -22,10 +22,9 @@ from pathlib import Path
 import psutil
 import pyarrow.parquet as pq
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from tasks import write_task  # noqa: E402
-
-from batchjson.engine.devices import visible_gpus  # noqa: E402
+from batchjson.engine.devices import visible_gpus
+from bench.common import cli
+from bench.tasks import write_task
 
 
 def gpu_sample() -> list[dict]:
@@ -67,7 +66,7 @@ class Sampler(threading.Thread):
 
 
 def launch(job: Path, out: Path, args: list[str], env: dict) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "batchjson", "run", str(job), "--output", str(out), *args]
+    cmd = cli("run", str(job), "--output", str(out), *args)
     out.parent.mkdir(parents=True, exist_ok=True)
     log = open(out.parent / f"{out.name}.log", "a")
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True, env=env)
@@ -127,8 +126,9 @@ def one(name: str, job: Path, root: Path, gpus: list[str]) -> dict:
             "reports": reports, "samples": sampler.samples}
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench replicas", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--task", default="A")
     ap.add_argument("--rows", type=int, default=5000)
     ap.add_argument("--warm-rows", type=int, default=256)
@@ -137,7 +137,7 @@ def main() -> int:
     ap.add_argument("--out", default="scale-results")
     ap.add_argument("--work", default="/tmp/scale")
     ap.add_argument("--units", type=int, default=10, help="row groups (= units) the input is written in")
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     out, work = Path(a.out), Path(a.work)
     out.mkdir(parents=True, exist_ok=True)
 
@@ -170,6 +170,3 @@ def main() -> int:
               f"{r['pass1_rows_per_s']} | {steady} | {sratio} | {r.get('first_commit_s')} | {r['gpu_util_mean']} |")
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,37 @@
+"""`batchjson run` on the fake engine: the product's own command line with its engine factory set to FakeEngines.
+
+    BATCHJSON_BENCH_FAKE=MODEL_DIR python -m bench.fakerun run JOB --output OUT [...]
+
+What the benchmarks start as `batchjson` (common.cli) while the smoke runs: every job's model is replaced by
+MODEL_DIR (a tokenizer, no weights: the fake engine reads none) and the engine answers with the sample task's
+canned outputs, a share of them failing (overhead.py), so both passes run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+
+from batchjson import cli
+from batchjson.engine.fake import Answer, FakeEngines
+from bench.common import FAKE
+from bench.overhead import FAILURES, VALID
+
+
+def main() -> None:
+    model = os.environ[FAKE]
+    engines = FakeEngines(valid=0.8, cycle=True, prompt_tokens=300, answers=[Answer(v, "stop", 90) for v in VALID],
+                          failures=list(FAILURES.values()))
+    load, run = cli.load_job, cli.run_job  # by name: a renamed product function fails here, not silently
+
+    def load_job(path):
+        spec = load(path)
+        return dataclasses.replace(spec, model=dataclasses.replace(spec.model, path=model))
+
+    cli.load_job, cli.run_job = load_job, functools.partial(run, engine_factory=engines)
+    cli.main(prog_name="batchjson")
+
+
+if __name__ == "__main__":
+    main()
