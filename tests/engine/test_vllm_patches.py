@@ -14,7 +14,7 @@ import pytest
 from batchjson.records import Prompt
 from batchjson.spec import DecodingSpec, ModelSpec, SpeculativeSpec
 from batchjson.engine.profiler import read_profile
-from conftest import TINY_SCHEMA
+from helpers import TINY_SCHEMA
 
 # The answer's JSON is in the prompt, so that n-gram lookup finds drafts even for a random model.
 PROMPTS = [f'<|im_start|>user\nAnswer like {{"name":"thing{i % 7}","n":{i % 10}}}: item {i}<|im_end|>\n'

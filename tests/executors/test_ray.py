@@ -14,8 +14,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from conftest import write_job, write_rows
-from test_run import assert_exactly_once
+from helpers import ENV, assert_exactly_once, write_job, write_rows
 
 pytest.importorskip("ray", reason="Ray mode needs the ray extra: pip install 'batchjson[ray]'")
 HERE = Path(__file__).parents[1]  # tests/
@@ -42,8 +41,11 @@ def test_ray_replica_killed_mid_run(tmp_path, tiny_model):
         deadline = time.monotonic() + 400
         while committed(out) < 4 and time.monotonic() < deadline and runner.poll() is None:
             time.sleep(0.2)
+        if runner.poll() is not None:
+            pytest.fail(f"the runner exited with {runner.returncode} before killing a replica:\n"
+                        f"{runner.communicate()[1][-4000:]}")
         running = actors()
-        assert len(running) == 2, (running, runner.poll())
+        assert len(running) == 2, running
         running[0].send_signal(signal.SIGKILL)
         stdout, stderr = runner.communicate(timeout=600)
     finally:

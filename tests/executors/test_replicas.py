@@ -18,9 +18,7 @@ import pytest
 from batchjson.engine.fake import FakeEngines
 from batchjson.job import run_job
 from batchjson.spec import load_spec
-from conftest import write_job, write_rows
-from test_exactly_once import ENV, HERE
-from test_run import assert_exactly_once, ids_of
+from helpers import ENV, HERE, assert_exactly_once, write_job, write_rows
 
 
 def records(out: Path) -> list[dict]:
