@@ -36,18 +36,14 @@ import json
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
-from typing import Literal
-
 import pyarrow as pa
 
 from batchjson.errors import InputError, OutputError, ResumeConflict
 from batchjson.storage.location import Location, Unreadable, glob_match
 from batchjson.storage.locks import Lease, lock_folder, release
+from batchjson.storage.names import STAGED, Kind, PartName, Stage, UnitName, staged
 
-Stage = Literal["p1", "p2"]
-Kind = Literal["output", "rejects", "requeue"]
 STATE = "_batchjson"  # leading underscore: Parquet dataset readers (pyarrow, DuckDB, Polars) skip it
-STAGED = ".tmp"  # a staged file's suffix (after a leading dot): see the module's docstring
 
 
 def _diff(old: dict, new: dict, prefix: str = "") -> list[str]:
@@ -118,22 +114,19 @@ class Storage:
                                       "read back as input on the next run. Choose a folder outside the input.")
 
     def part(self, stage: Stage, key: str, kind: Kind) -> Location:
-        if kind == "output":
-            return self.output / f"{stage}-{key}.parquet"
-        if kind == "rejects":
-            return self.rejects / f"rejects-{stage}-{key}.parquet"
-        return self.requeue_dir / f"{key}.parquet"
+        folder = {"output": self.output, "rejects": self.rejects, "requeue": self.requeue_dir}[kind]
+        return folder / PartName(stage, key, kind).file_name()
 
     def report_path(self) -> Location:
         i, n = self.shard
         return self.output / ("_report.json" if n == 1 else f"_report-{i}of{n}.json")
 
     def _record(self, stage: Stage, key: str) -> Location:
-        return self.units / f"{stage}-{key}.json"
+        return self.units / UnitName(stage, key).file_name()
 
     @staticmethod
     def _hidden(path: Location) -> Location:
-        return path.with_name(f".{path.name}{STAGED}")
+        return path.with_name(staged(path.name))
 
     # ----- claiming the folder ---------------------------------------------------------------------------------
     def open(self, spec_hash: str, fingerprint: dict, if_exists: str = "resume", fresh: bool = False) -> bool:
@@ -270,11 +263,15 @@ class Storage:
     def committed(self) -> set[str]:
         """Names ("p1-<unit>") of the committed units of every shard, listed once and kept up to date."""
         if self._committed is None:
-            self._committed = {p.name[:-5] for p in self.units.glob("p[12]-*.json")}
+            self._committed = {UnitName.parse(p.name).unit_id() for p in self.units.glob("p[12]-*.json")}
         return self._committed
 
+    def listed(self, stage: Stage, key: str) -> bool:
+        """Whether the unit is among the committed ones as last listed (and committed since): no look at the folder."""
+        return UnitName(stage, key).unit_id() in self.committed()
+
     def done(self, stage: Stage, key: str) -> bool:
-        return f"{stage}-{key}" in self.committed() or self._record(stage, key).exists()
+        return self.listed(stage, key) or self._record(stage, key).exists()
 
     def _load(self, path: Location) -> dict:
         if path.name not in self._read:
@@ -320,7 +317,7 @@ class Storage:
             self._lease.check()
         self._record(stage, key).write_json(record)
         self._read[self._record(stage, key).name] = record
-        self.committed().add(f"{stage}-{key}")
+        self.committed().add(UnitName(stage, key).unit_id())
         self.after("committed", stage)
         self._publish(record)
 
@@ -340,12 +337,11 @@ class Storage:
                 if not legacy.with_name(legacy.name[1:]).exists():  # beside its published part it is a copy
                     legacy.move(legacy.with_name(f"{legacy.name}{STAGED}"))
             for hidden in folder.glob(f".*.parquet{STAGED}"):
-                name = hidden.name[1:-len(STAGED)]
-                if folder == self.requeue_dir:
-                    stage, key = "p1", name[:-8]
-                else:
-                    stage, key = name.removeprefix("rejects-")[:2], name.removeprefix("rejects-")[3:-8]
-                record = self.record(stage, key) if stage in ("p1", "p2") else None
+                try:
+                    part = PartName.parse(hidden.name, "requeue" if folder == self.requeue_dir else None)
+                except ValueError:
+                    continue  # not a part file of any unit
+                record = self.record(part.stage, part.key)
                 if record is not None:
                     self._publish(record)
 
@@ -378,7 +374,7 @@ class Storage:
         for stage in ("p2", "p1"):
             self._record(stage, key).unlink(missing_ok=True)
             self._read.pop(self._record(stage, key).name, None)
-            self.committed().discard(f"{stage}-{key}")
+            self.committed().discard(UnitName(stage, key).unit_id())
         for stage in ("p2", "p1"):
             self.begin(stage, key)
 
