@@ -1,9 +1,10 @@
-"""The output folder: its layout and names, resume, input fingerprints and the unit commit protocol.
+"""The output folder: its layout, resume, input fingerprints and the unit commit protocol.
 
-Every path and file name of a run, and its run state, live here; the folder's locks are locks.py's. Nothing else in
-batchjson builds or parses these names. Over 250 lines: one class, `Storage`, whose methods share the folder's names
-and its cache of commit records; the protocol's steps read best next to each other. The layout of an output folder OUT (rejects in
-OUT/_rejects unless output.rejects says otherwise):
+Every path of a run, and its run state, live here; the part and record names are names.py's (`PartName`,
+`UnitName`), the folder's locks are locks.py's. Nothing else in batchjson builds or parses these names. Over 250
+lines: one class, `Storage`, whose methods share the folder's paths and its cache of commit records; the protocol's
+steps read best next to each other. The layout of an output folder OUT (rejects in OUT/_rejects unless
+output.rejects says otherwise):
 
     OUT/p1-<unit>.parquet, OUT/p2-<unit>.parquet          valid rows of pass 1 and pass 2
     REJECTS/rejects-p1-<unit>.parquet, rejects-p2-...     rejected rows with their reason
