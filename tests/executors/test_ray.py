@@ -4,7 +4,6 @@ its open units are redone by another, and every input id ends up exactly once.""
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -17,7 +16,6 @@ import pytest
 from helpers import ENV, assert_exactly_once, write_job, write_rows
 
 pytest.importorskip("ray", reason="Ray mode needs the ray extra: pip install 'batchjson[ray]'")
-HERE = Path(__file__).parents[1]  # tests/
 
 
 def committed(out: Path) -> int:
@@ -29,12 +27,17 @@ def actors() -> list[psutil.Process]:
 
 
 @pytest.mark.engine
-def test_ray_replica_killed_mid_run(tmp_path, tiny_model):
+def test_ray_replica_killed_mid_run(tmp_path, tiny_model, engines):
+    # Earlier tests of the session leave engines open (each an engine core and a worker process, about 2.5 GB) and
+    # variables of theirs in os.environ. The engines go first, and the runner gets the session's environment as it
+    # began. A Ray start is slow on a small machine: when Ray's dashboard agent has not written its port file by the
+    # time the raylet stops waiting, the raylet aborts and the runner exits at start.
+    engines.close()
     write_rows(tmp_path / "in.parquet", 160)
     job = write_job(tmp_path, tiny_model, tmp_path / "in.parquet", batch_size=4, speculative="none",
                     extra="")
     out = tmp_path / "out"
-    env = os.environ | {"PYTHONPATH": f"{HERE.parent}:{HERE}", "RAY_ADDRESS": "", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    env = ENV | {"RAY_ADDRESS": "", "VLLM_CPU_KVCACHE_SPACE": "1"}
     runner = subprocess.Popen([sys.executable, "-m", "batchjson", "run", str(job), "--ray", "--replicas", "2"], env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True)
     try:
