@@ -21,9 +21,8 @@ $(VENV)/.installed: pyproject.toml
 run: install
 	$(VENV)/bin/batchjson run jobs/sample.toml
 
-test: install  # the Ray test first, in a process of its own: after the rest of the suite its runner exits at start (under investigation)
-	$(PY) -m pytest tests/executors/test_ray.py
-	$(PY) -m pytest tests --ignore=tests/executors/test_ray.py
+test: install  # what CI runs: the real CPU engine, Ray and Airflow included
+	$(PY) -m pytest tests
 
 test-fast: install  # everything that starts no engine
 	$(PY) -m pytest tests -m "not engine"

@@ -174,7 +174,6 @@ def serve_replica(spec: JobSpec, output: str, shard: tuple[int, int], engine_fac
     """The body of replica `slot` of `count` (a local process or a Ray actor): a worker on the driver's queue. The
     driver holds the folder; a replica never claims it."""
     channel = queue_channel(slot, inbox, outbox)
-    os.environ["BATCHJSON_REPLICA"] = str(slot)
     try:
         source = ParquetSource(spec.input, spec.prompt.columns)
         refs = {r.key: r for r in source.plan(shard)}

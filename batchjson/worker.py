@@ -268,8 +268,7 @@ class Worker:
             self.stats["p1"].note = ("auto: no speculation: this vLLM cannot decode pass 2 without a draft on a "
                                      "speculative engine, so pass 2 shares pass 1's engine without one")
             return
-        committed = self.storage.committed()
-        rows = sum(r.rows for key, r in self.refs.items() if f"p1-{key}" not in committed) // self.share
+        rows = sum(r.rows for key, r in self.refs.items() if not self.storage.listed("p1", key)) // self.share
         self.auto = Auto(first.speculative, self.spec.model.max_in_flight, self.platform, rows)
         self.speculative = self.auto.current()
 

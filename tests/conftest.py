@@ -1,87 +1,16 @@
-"""Shared test fixtures: a tiny random model for the real vLLM CPU engine, engines started once per session,
-and small jobs written as real TOML and Parquet files."""
+"""The fixtures: a tiny random model for the real vLLM CPU engine, engines started once per session, and a test S3
+server. What tests share besides fixtures is in helpers.py."""
 
 from __future__ import annotations
 
 import faulthandler
-import importlib
 import json
 import os
-import tempfile
-import uuid
-from pathlib import Path
 
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 
+from helpers import SCRATCH  # first: it sets the session's environment up
 from batchjson.engine import EngineWrapper
-
-# Keep vLLM's caches, its ZMQ sockets and the converted default model out of the home folder.
-SCRATCH = Path(os.environ.get("BATCHJSON_TEST_SCRATCH", Path(tempfile.gettempdir()) / "batchjson-tests"))
-for var, sub in (("VLLM_CACHE_ROOT", "vllm"), ("TORCHINDUCTOR_CACHE_DIR", "inductor"), ("HF_HOME", "hf"),
-                 ("TMPDIR", "tmp"), ("BATCHJSON_CACHE", "models")):
-    os.environ.setdefault(var, str(SCRATCH / sub))
-    Path(os.environ[var]).mkdir(parents=True, exist_ok=True)
-tempfile.tempdir = None
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-
-# Strings are bounded: a random model otherwise writes until max_tokens.
-TINY_SCHEMA = {
-    "type": "object",
-    "properties": {"name": {"type": "string", "maxLength": 8}, "n": {"type": "integer", "minimum": 0, "maximum": 9}},
-    "required": ["name", "n"],
-    "additionalProperties": False,
-}
-
-
-# A Pydantic model with what Pydantic writes as $defs + $ref (a nested model, an enum), anyOf [..., null] (the
-# Optional fields) and a list; its strings and the list are bounded, as in TINY_SCHEMA.
-THING_MODEL = """
-from enum import Enum
-from typing import Annotated
-
-from pydantic import BaseModel, Field
-
-
-class Color(str, Enum):
-    red = "red"
-    blue = "blue"
-
-
-class Place(BaseModel):
-    city: str = Field(max_length=6)
-    zip: str | None = Field(default=None, max_length=4)
-
-
-class Thing(BaseModel):
-    name: str = Field(max_length=6)
-    n: int = Field(ge=0, le=9)
-    color: Color
-    place: Place
-    note: str | None = Field(default=None, max_length=4)
-    tags: list[Annotated[str, Field(max_length=3)]] = Field(max_length=2)
-"""
-
-
-def write_model(folder: Path, source: str = THING_MODEL) -> str:
-    """A model module in `folder` under a name of its own (Python imports a module name once per process); returns
-    its `schema.pydantic` reference, 'module:Thing'."""
-    name = f"things_{uuid.uuid4().hex[:8]}"
-    (folder / f"{name}.py").write_text(source)
-    return f"{name}:Thing"
-
-
-def import_model(folder: Path, ref: str) -> type:
-    """The class `ref` names, imported as the spec loader imports it (from `folder`)."""
-    import sys
-
-    sys.path.insert(0, str(folder))
-    try:
-        return getattr(importlib.import_module(ref.split(":")[0]), ref.split(":")[1])
-    finally:
-        sys.path.remove(str(folder))
 
 
 def pytest_configure(config):
@@ -164,60 +93,6 @@ def engines():
     shared = SharedEngines()
     yield shared
     shared.close()
-
-
-def write_rows(path: Path, n: int, start: int = 0, row_group_size: int | None = None, **extra_columns) -> Path:
-    """A Parquet file of n rows: id, text, source."""
-    ids = [f"r{i:05d}" for i in range(start, start + n)]
-    table = pa.table({"id": ids, "text": [f"item {i} is called thing{i % 7}" for i in range(start, start + n)],
-                      "source": ["test"] * n, **extra_columns})
-    path.parent.mkdir(parents=True, exist_ok=True)
-    pq.write_table(table, path, row_group_size=row_group_size)
-    return path
-
-
-def write_job(tmp_path: Path, model: str, input_path: Path, *, extra: str = "", batch_size: int = 8,
-              max_tokens: int = 48, fallback_max_tokens: int = 64, speculative: str = "ngram", schema=None,
-              pydantic: str | None = None) -> Path:
-    """A job spec for the tiny model; `extra` appends TOML (later tables override nothing: use new keys only).
-    `pydantic`: a model reference for schema.pydantic, instead of the schema file."""
-    (tmp_path / "schema.json").write_text(json.dumps(schema or TINY_SCHEMA))
-    schema_key = f'pydantic = "{pydantic}"' if pydantic else 'path = "schema.json"'
-    job = tmp_path / "job.toml"
-    job.write_text(f"""
-[input]
-path = "{input_path}"
-passthrough = ["source"]
-batch_size = {batch_size}
-
-[prompt]
-system = "Answer with JSON."
-template = "Describe: {{text}}"
-
-[schema]
-{schema_key}
-
-[model]
-path = "{model}"
-dtype = "float32"
-max_model_len = 512
-max_in_flight = 16
-
-[speculative]
-method = "{speculative}"
-
-[sampling]
-max_tokens = {max_tokens}
-
-[fallback]
-max_tokens = {fallback_max_tokens}
-
-[output]
-path = "out"
-max_reject_rate = 1.0
-{extra}
-""")
-    return job
 
 
 @pytest.fixture(scope="session")

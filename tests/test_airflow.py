@@ -16,7 +16,7 @@ import pytest
 from click.testing import CliRunner
 from pyarrow import fs
 
-from conftest import SCRATCH, write_job, write_rows
+from helpers import SCRATCH, write_job, write_rows
 from batchjson.engine.fake import FakeEngines
 
 # Airflow reads its configuration once, on import: point it at a throwaway home first, as dlt's Airflow tests do.

@@ -11,8 +11,7 @@ import pytest
 
 import batchjson
 from batchjson.errors import SpecError
-from conftest import import_model, write_job, write_model, write_rows
-from test_run import assert_exactly_once
+from helpers import assert_exactly_once, import_model, write_job, write_model, write_rows
 
 THING_COLUMNS = {"name": pa.string(), "n": pa.int64(), "color": pa.string(), "note": pa.string(),
                  "tags": pa.list_(pa.string())}

@@ -9,7 +9,7 @@ import pytest
 from click.testing import CliRunner
 
 from batchjson.cli import main
-from conftest import write_job, write_rows
+from helpers import write_job, write_rows
 
 ROOT = Path(__file__).parent.parent
 
@@ -106,7 +106,7 @@ def test_check_a_schema_file_referring_to_a_sibling_file(tmp_path, tiny_model):
 
 
 def test_check_a_pydantic_schema_names_its_columns_and_grammar(tmp_path, tiny_model):
-    from conftest import write_model
+    from helpers import write_model
 
     write_rows(tmp_path / "in.parquet", 3)
     job = write_job(tmp_path, tiny_model, tmp_path / "in.parquet", pydantic=write_model(tmp_path))
@@ -123,7 +123,7 @@ def test_check_a_pydantic_schema_names_its_columns_and_grammar(tmp_path, tiny_mo
 
 
 def test_a_model_that_does_not_import_exits_2_naming_the_key(tmp_path, tiny_model):
-    from conftest import write_model
+    from helpers import write_model
 
     write_rows(tmp_path / "in.parquet", 3)
     ref = write_model(tmp_path, "from pydantic import BaseModel\n\n\nclass Thing(BaseModel):\n    n: itn\n")

@@ -6,7 +6,6 @@ The engine here is the fake one (batchjson/engine/fake.py): outcomes are random,
 from __future__ import annotations
 
 import collections
-import os
 import signal
 import subprocess
 import sys
@@ -28,11 +27,8 @@ from batchjson.job import run_job
 from batchjson.spec import load_spec
 from batchjson.storage import Storage
 from batchjson.verify import verify_job
-from conftest import write_job, write_rows
-from test_run import assert_exactly_once, ids_of
+from helpers import ENV, HERE, assert_exactly_once, ids_of, write_job, write_rows
 
-HERE = Path(__file__).parent
-ENV = os.environ | {"PYTHONPATH": f"{HERE.parent}:{HERE}"}
 STEPS = ["begin", "staged output", "staged rejects", "staged requeue", "committed", "published output",
          "published rejects", "published requeue"]
 

@@ -22,8 +22,7 @@ from batchjson.errors import EngineError, InputError, OutputError, ResumeConflic
 from batchjson.job import run_job
 from batchjson.storage import Storage, location
 from batchjson.spec import load_spec
-from conftest import write_job, write_rows
-from test_run import assert_exactly_once, ids_of
+from helpers import assert_exactly_once, ids_of, write_job, write_rows
 
 HERE = Path(__file__).parent
 pytestmark = pytest.mark.engine

@@ -13,8 +13,7 @@ from batchjson.engine.fake import FakeEngines
 from batchjson.errors import SpecError
 from batchjson.job import run_job
 from batchjson.spec import load_spec
-from conftest import write_job, write_rows
-from test_run import assert_exactly_once
+from helpers import assert_exactly_once, write_job, write_rows
 
 ROWS = 600
 

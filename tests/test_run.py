@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import collections
 import typing
 
 import pyarrow.dataset as ds
@@ -11,23 +10,11 @@ import pytest
 from batchjson.records import Reason
 from batchjson.job import run_job
 from batchjson.spec import load_spec
-from conftest import write_job, write_rows
+from helpers import assert_exactly_once, write_job, write_rows
 
 pytestmark = pytest.mark.engine
 
 REASONS = set(typing.get_args(Reason))
-
-
-def ids_of(folder):
-    files = sorted(str(p) for p in folder.glob("*.parquet"))
-    return ds.dataset(files, format="parquet").to_table(columns=["id"]).column("id").to_pylist() if files else []
-
-
-def assert_exactly_once(input_ids, out, rejects):
-    got = ids_of(out) + ids_of(rejects)
-    dupes = [k for k, v in collections.Counter(got).items() if v > 1]
-    assert not dupes, f"rows written twice: {dupes[:5]}"
-    assert sorted(got) == sorted(input_ids)
 
 
 def test_two_passes_cover_every_row(tmp_path, tiny_model, engines):

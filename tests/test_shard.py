@@ -10,7 +10,7 @@ import pytest
 from batchjson.job import run_job
 from batchjson.source import ParquetSource
 from batchjson.spec import load_spec
-from conftest import write_job, write_rows
+from helpers import write_job, write_rows
 
 INPUT_IDS = [f"r{i:05d}" for i in range(45)]
 

@@ -7,7 +7,7 @@ import pytest
 from batchjson.errors import InputError
 from batchjson.source import ParquetSource
 from batchjson.spec import InputSpec
-from conftest import write_rows
+from helpers import write_rows
 
 
 def test_folder_is_read_in_batches_with_stable_keys(tmp_path):

@@ -262,7 +262,7 @@ def pydantic_job(tmp_path, ref):
 def test_a_pydantic_model_is_the_schema(tmp_path):
     from batchjson.records import Generation, Prompt
     from batchjson.schema.validate import Validator
-    from conftest import import_model, write_model
+    from helpers import import_model, write_model
 
     ref = write_model(tmp_path)
     spec = load_spec(pydantic_job(tmp_path, ref))
@@ -283,7 +283,7 @@ def test_a_pydantic_model_is_the_schema(tmp_path):
 
 
 def test_the_hash_covers_the_models_fields_not_its_module(tmp_path):
-    from conftest import THING_MODEL, write_model
+    from helpers import THING_MODEL, write_model
 
     spec = load_spec(pydantic_job(tmp_path, write_model(tmp_path)))
     moved = load_spec(pydantic_job(tmp_path, write_model(tmp_path)))  # the same class in another module
@@ -326,7 +326,7 @@ class Thing(BaseModel):
      "'https://example.com/a.json'): batchjson does not fetch schemas"),
 ])
 def test_a_bad_model_names_the_key_and_what_to_do(tmp_path, source, ref, message):
-    from conftest import THING_MODEL, write_model
+    from helpers import THING_MODEL, write_model
 
     module = write_model(tmp_path, source or THING_MODEL).split(":")[0]
     with pytest.raises(SpecError) as e:

@@ -64,7 +64,7 @@ def test_non_object_root_gets_a_typed_value_column():
 def test_what_pydantic_writes_gets_typed_columns(tmp_path):
     """Refs to an enum, Optional fields (anyOf [X, null]) and a list of strings map to Arrow; a nested model stays
     in the json column."""
-    from conftest import import_model, write_model
+    from helpers import import_model, write_model
 
     schema = import_model(tmp_path, write_model(tmp_path)).model_json_schema()
     sink = PartSink("id", pa.schema([pa.field("source", pa.string())]), schema)

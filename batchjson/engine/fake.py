@@ -11,7 +11,6 @@ with sampling), or in a fixed cycle over every 100 prompts (`cycle=True`: the sa
 from __future__ import annotations
 
 import json
-import os
 import random
 import threading
 import time
@@ -138,13 +137,13 @@ class FakeEngines:
 
     `start_delay`: seconds an engine start takes (signals arrive meanwhile); `start_marker`: a file created when a
     start begins, so a test can signal the runner inside it. `spec_delay`: the delay of a speculative engine
-    (faster or slower than without). `slow_replica`: the replica (BATCHJSON_REPLICA) whose engines are 50x slower.
+    (faster or slower than without).
     """
 
     def __init__(self, start_delay: float = 0.0, start_marker: str | None = None, spec_delay: float | None = None,
-                 slow_replica: int | None = None, **kwargs):
+                 **kwargs):
         self.start_delay, self.start_marker, self.spec_delay = start_delay, start_marker, spec_delay
-        self.slow_replica, self.kwargs = slow_replica, kwargs
+        self.kwargs = kwargs
         self.no_draft = kwargs.get("no_draft", True)  # the worker asks before it starts an engine
         self.started: list[tuple[DecodingSpec, SpeculativeSpec | None]] = []
         self.engines: list[FakeEngine] = []  # in this process (a replica's are in its own)
@@ -156,8 +155,6 @@ class FakeEngines:
         kwargs = dict(self.kwargs)
         if speculative is not None and self.spec_delay is not None:
             kwargs["delay"] = self.spec_delay
-        if self.slow_replica is not None and os.environ.get("BATCHJSON_REPLICA") == str(self.slow_replica):
-            kwargs["delay"] = kwargs.get("delay", 0) * 50
         self.started.append((decoding, speculative))
         self.engines.append(FakeEngine(speculative=speculative is not None, **kwargs))
         return self.engines[-1]

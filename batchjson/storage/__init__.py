@@ -1,12 +1,13 @@
 """Where a run's files live, how they are committed and how the folder is locked.
 
-folder.py (layout, names, commit protocol, fingerprints) · locks.py (flock, leases) · location.py (local path or
-object-storage URI).
+names.py (part and record names) · folder.py (layout, commit protocol, fingerprints) · locks.py (flock, leases) ·
+location.py (local path or object-storage URI).
 """
 
-from batchjson.storage.folder import STAGED, STATE, Kind, Stage, Storage, hidden_below
+from batchjson.storage.folder import STATE, Storage, hidden_below
 from batchjson.storage.location import Location, Unreadable, glob_match, is_uri
 from batchjson.storage.locks import Lease
+from batchjson.storage.names import STAGED, Kind, PartName, Stage, UnitName
 
-__all__ = ["STAGED", "STATE", "Kind", "Lease", "Location", "Stage", "Storage", "Unreadable", "glob_match",
-           "hidden_below", "is_uri"]
+__all__ = ["STAGED", "STATE", "Kind", "Lease", "Location", "PartName", "Stage", "Storage", "UnitName", "Unreadable",
+           "glob_match", "hidden_below", "is_uri"]

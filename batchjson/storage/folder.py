@@ -1,9 +1,10 @@
-"""The output folder: its layout and names, resume, input fingerprints and the unit commit protocol.
+"""The output folder: its layout, resume, input fingerprints and the unit commit protocol.
 
-Every path and file name of a run, and its run state, live here; the folder's locks are locks.py's. Nothing else in
-batchjson builds or parses these names. Over 250 lines: one class, `Storage`, whose methods share the folder's names
-and its cache of commit records; the protocol's steps read best next to each other. The layout of an output folder OUT (rejects in
-OUT/_rejects unless output.rejects says otherwise):
+Every path of a run, and its run state, live here; the part and record names are names.py's (`PartName`,
+`UnitName`), the folder's locks are locks.py's. Nothing else in batchjson builds or parses these names. Over 250
+lines: one class, `Storage`, whose methods share the folder's paths and its cache of commit records; the protocol's
+steps read best next to each other. The layout of an output folder OUT (rejects in OUT/_rejects unless
+output.rejects says otherwise):
 
     OUT/p1-<unit>.parquet, OUT/p2-<unit>.parquet          valid rows of pass 1 and pass 2
     REJECTS/rejects-p1-<unit>.parquet, rejects-p2-...     rejected rows with their reason
@@ -36,18 +37,14 @@ import json
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
-from typing import Literal
-
 import pyarrow as pa
 
 from batchjson.errors import InputError, OutputError, ResumeConflict
 from batchjson.storage.location import Location, Unreadable, glob_match
 from batchjson.storage.locks import Lease, lock_folder, release
+from batchjson.storage.names import STAGED, Kind, PartName, Stage, UnitName, staged
 
-Stage = Literal["p1", "p2"]
-Kind = Literal["output", "rejects", "requeue"]
 STATE = "_batchjson"  # leading underscore: Parquet dataset readers (pyarrow, DuckDB, Polars) skip it
-STAGED = ".tmp"  # a staged file's suffix (after a leading dot): see the module's docstring
 
 
 def _diff(old: dict, new: dict, prefix: str = "") -> list[str]:
@@ -118,22 +115,19 @@ class Storage:
                                       "read back as input on the next run. Choose a folder outside the input.")
 
     def part(self, stage: Stage, key: str, kind: Kind) -> Location:
-        if kind == "output":
-            return self.output / f"{stage}-{key}.parquet"
-        if kind == "rejects":
-            return self.rejects / f"rejects-{stage}-{key}.parquet"
-        return self.requeue_dir / f"{key}.parquet"
+        folder = {"output": self.output, "rejects": self.rejects, "requeue": self.requeue_dir}[kind]
+        return folder / PartName(stage, key, kind).file_name()
 
     def report_path(self) -> Location:
         i, n = self.shard
         return self.output / ("_report.json" if n == 1 else f"_report-{i}of{n}.json")
 
     def _record(self, stage: Stage, key: str) -> Location:
-        return self.units / f"{stage}-{key}.json"
+        return self.units / UnitName(stage, key).file_name()
 
     @staticmethod
     def _hidden(path: Location) -> Location:
-        return path.with_name(f".{path.name}{STAGED}")
+        return path.with_name(staged(path.name))
 
     # ----- claiming the folder ---------------------------------------------------------------------------------
     def open(self, spec_hash: str, fingerprint: dict, if_exists: str = "resume", fresh: bool = False) -> bool:
@@ -270,11 +264,15 @@ class Storage:
     def committed(self) -> set[str]:
         """Names ("p1-<unit>") of the committed units of every shard, listed once and kept up to date."""
         if self._committed is None:
-            self._committed = {p.name[:-5] for p in self.units.glob("p[12]-*.json")}
+            self._committed = {UnitName.parse(p.name).unit_id() for p in self.units.glob("p[12]-*.json")}
         return self._committed
 
+    def listed(self, stage: Stage, key: str) -> bool:
+        """Whether the unit is among the committed ones as last listed (and committed since): no look at the folder."""
+        return UnitName(stage, key).unit_id() in self.committed()
+
     def done(self, stage: Stage, key: str) -> bool:
-        return f"{stage}-{key}" in self.committed() or self._record(stage, key).exists()
+        return self.listed(stage, key) or self._record(stage, key).exists()
 
     def _load(self, path: Location) -> dict:
         if path.name not in self._read:
@@ -320,7 +318,7 @@ class Storage:
             self._lease.check()
         self._record(stage, key).write_json(record)
         self._read[self._record(stage, key).name] = record
-        self.committed().add(f"{stage}-{key}")
+        self.committed().add(UnitName(stage, key).unit_id())
         self.after("committed", stage)
         self._publish(record)
 
@@ -340,12 +338,11 @@ class Storage:
                 if not legacy.with_name(legacy.name[1:]).exists():  # beside its published part it is a copy
                     legacy.move(legacy.with_name(f"{legacy.name}{STAGED}"))
             for hidden in folder.glob(f".*.parquet{STAGED}"):
-                name = hidden.name[1:-len(STAGED)]
-                if folder == self.requeue_dir:
-                    stage, key = "p1", name[:-8]
-                else:
-                    stage, key = name.removeprefix("rejects-")[:2], name.removeprefix("rejects-")[3:-8]
-                record = self.record(stage, key) if stage in ("p1", "p2") else None
+                try:
+                    part = PartName.parse(hidden.name, "requeue" if folder == self.requeue_dir else None)
+                except ValueError:
+                    continue  # not a part file of any unit
+                record = self.record(part.stage, part.key)
                 if record is not None:
                     self._publish(record)
 
@@ -378,7 +375,7 @@ class Storage:
         for stage in ("p2", "p1"):
             self._record(stage, key).unlink(missing_ok=True)
             self._read.pop(self._record(stage, key).name, None)
-            self.committed().discard(f"{stage}-{key}")
+            self.committed().discard(UnitName(stage, key).unit_id())
         for stage in ("p2", "p1"):
             self.begin(stage, key)
 

@@ -12,7 +12,7 @@ from click.testing import CliRunner
 from batchjson.cli import main
 from batchjson.engine import check_draft
 from batchjson.errors import SpecError
-from conftest import write_job, write_rows
+from helpers import write_job, write_rows
 
 
 def _copy(model: str, folder: Path, vocab_size=None, rename=None) -> str:

@@ -7,7 +7,7 @@ import pytest
 
 from batchjson.job import run_job
 from batchjson.spec import LOOP_GUARD, LOOP_GUARD_BOUNDED, load_spec
-from conftest import write_job, write_rows
+from helpers import write_job, write_rows
 
 pytestmark = pytest.mark.engine
 

@@ -8,8 +8,7 @@ from batchjson.engine import speculation
 from batchjson.engine.fake import FakeEngines
 from batchjson.job import run_job
 from batchjson.spec import SpeculativeSpec, load_spec
-from conftest import write_job, write_rows  # noqa: E402
-from test_run import assert_exactly_once
+from helpers import assert_exactly_once, write_job, write_rows  # noqa: E402
 
 AUTO = SpeculativeSpec(method="auto")
 

@@ -19,7 +19,7 @@ from batchjson.job import run_job
 from batchjson.records import Prompt
 from batchjson.report import PassStats, RunReport
 from batchjson.spec import DecodingSpec, ModelSpec, SpeculativeSpec, load_spec
-from conftest import TINY_SCHEMA, write_job, write_rows
+from helpers import TINY_SCHEMA, write_job, write_rows
 
 # The answer's JSON is in the prompt, so that n-gram lookup finds drafts even for a random model.
 PROMPTS = [f'<|im_start|>user\nAnswer like {{"name":"thing{i % 7}","n":{i % 10}}}: item {i}<|im_end|>\n'

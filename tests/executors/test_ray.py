@@ -4,7 +4,6 @@ its open units are redone by another, and every input id ends up exactly once.""
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -14,11 +13,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-from conftest import write_job, write_rows
-from test_run import assert_exactly_once
+from helpers import ENV, assert_exactly_once, write_job, write_rows
 
 pytest.importorskip("ray", reason="Ray mode needs the ray extra: pip install 'batchjson[ray]'")
-HERE = Path(__file__).parents[1]  # tests/
 
 
 def committed(out: Path) -> int:
@@ -30,20 +27,28 @@ def actors() -> list[psutil.Process]:
 
 
 @pytest.mark.engine
-def test_ray_replica_killed_mid_run(tmp_path, tiny_model):
+def test_ray_replica_killed_mid_run(tmp_path, tiny_model, engines):
+    # Earlier tests of the session leave engines open (each an engine core and a worker process, about 2.5 GB) and
+    # variables of theirs in os.environ. The engines go first, and the runner gets the session's environment as it
+    # began. A Ray start is slow on a small machine: when Ray's dashboard agent has not written its port file by the
+    # time the raylet stops waiting, the raylet aborts and the runner exits at start.
+    engines.close()
     write_rows(tmp_path / "in.parquet", 160)
     job = write_job(tmp_path, tiny_model, tmp_path / "in.parquet", batch_size=4, speculative="none",
                     extra="")
     out = tmp_path / "out"
-    env = os.environ | {"PYTHONPATH": f"{HERE.parent}:{HERE}", "RAY_ADDRESS": "", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    env = ENV | {"RAY_ADDRESS": "", "VLLM_CPU_KVCACHE_SPACE": "1"}
     runner = subprocess.Popen([sys.executable, "-m", "batchjson", "run", str(job), "--ray", "--replicas", "2"], env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True)
     try:
         deadline = time.monotonic() + 400
         while committed(out) < 4 and time.monotonic() < deadline and runner.poll() is None:
             time.sleep(0.2)
+        if runner.poll() is not None:
+            pytest.fail(f"the runner exited with {runner.returncode} before killing a replica:\n"
+                        f"{runner.communicate()[1][-4000:]}")
         running = actors()
-        assert len(running) == 2, (running, runner.poll())
+        assert len(running) == 2, running
         running[0].send_signal(signal.SIGKILL)
         stdout, stderr = runner.communicate(timeout=600)
     finally:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import collections
 import json
+import multiprocessing
 import signal
 import subprocess
 import sys
@@ -18,9 +19,21 @@ import pytest
 from batchjson.engine.fake import FakeEngines
 from batchjson.job import run_job
 from batchjson.spec import load_spec
-from conftest import write_job, write_rows
-from test_exactly_once import ENV, HERE
-from test_run import assert_exactly_once, ids_of
+from helpers import ENV, HERE, assert_exactly_once, write_job, write_rows
+
+
+class SlowReplicaEngines(FakeEngines):
+    """Fake engines that are 50x slower in one replica: the local pool names each replica's process by its slot."""
+
+    def __init__(self, slow_replica: int, **kwargs):
+        super().__init__(**kwargs)
+        self.slow_replica = slow_replica
+
+    def __call__(self, spec, decoding, speculative):
+        engine = super().__call__(spec, decoding, speculative)
+        if multiprocessing.current_process().name == f"batchjson-replica-{self.slow_replica}":
+            engine.delay *= 50
+        return engine
 
 
 def records(out: Path) -> list[dict]:
@@ -45,7 +58,7 @@ def test_a_slow_replica_does_not_hold_the_others_up(tmp_path, tiny_model):
     """Pull, not a static split: the fast replica takes most units while the slow one decodes."""
     write_rows(tmp_path / "in.parquet", 200)
     job = write_job(tmp_path, tiny_model, tmp_path / "in.parquet", batch_size=4)
-    engines = FakeEngines(valid=1.0, delay=0.01, slow_replica=1)
+    engines = SlowReplicaEngines(valid=1.0, delay=0.01, slow_replica=1)
     report = run_job(load_spec(job), replicas=2, progress=False, engine_factory=engines)
     by_replica = collections.Counter(r["replica"] for r in records(tmp_path / "out"))
     assert by_replica[0] > 3 * by_replica[1], by_replica

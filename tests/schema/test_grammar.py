@@ -73,7 +73,7 @@ def test_array_root_runs_on_the_auto_backend(tmp_path, tiny_model, engines):
 
     from batchjson.job import run_job
     from batchjson.spec import load_spec
-    from conftest import write_job, write_rows
+    from helpers import write_job, write_rows
 
     schema = {"type": "array", "items": {"type": "string", "enum": ["red", "green"]}, "maxItems": 3}
     write_rows(tmp_path / "in.parquet", 6)
@@ -95,7 +95,7 @@ def test_a_schema_referring_to_a_sibling_file_runs(tmp_path, tiny_model, engines
 
     from batchjson.job import run_job
     from batchjson.spec import load_spec
-    from conftest import write_job, write_rows
+    from helpers import write_job, write_rows
 
     (tmp_path / "colors.json").write_text(json.dumps({"definitions": {"color": {"type": "string",
                                                                                "enum": ["red", "green"]}}}))
@@ -112,7 +112,7 @@ def test_a_schema_referring_to_a_sibling_file_runs(tmp_path, tiny_model, engines
 @pytest.mark.parametrize("backend", ["xgrammar", "guidance"])
 def test_both_backends_decode_what_pydantic_writes(tmp_path, backend):
     """$defs + $ref (a nested model, an enum) and anyOf [..., null] are in the grammar, not left to validation."""
-    from conftest import import_model, write_model
+    from helpers import import_model, write_model
 
     schema = import_model(tmp_path, write_model(tmp_path)).model_json_schema()
     choice = choose(schema, backend)

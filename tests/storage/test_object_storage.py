@@ -25,8 +25,7 @@ from batchjson.job import run_job
 from batchjson.spec import load_spec, with_input
 from batchjson.storage import Lease
 from batchjson.verify import verify_job
-from conftest import write_job, write_rows
-from test_exactly_once import ENV, HERE
+from helpers import ENV, HERE, write_job, write_rows
 
 LEASE = 3.0  # seconds: the lease expiry of the runs these tests kill
 

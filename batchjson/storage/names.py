@@ -1,0 +1,105 @@
+"""The names of a run's files: a unit's part files and commit records, formatted and parsed in one place.
+
+After dlt's `ParsedLoadJobFileName` (dlt/common/storages/load_package.py): a frozen value with `file_name()` and
+`parse(name)`, so a name is built and read back by the same code. The names are the on-disk format of every output
+folder written so far; a folder written before resumes only while they stay as they are:
+
+    p1-<unit>.parquet, p2-<unit>.parquet                  valid rows of a pass (the output folder)
+    rejects-p1-<unit>.parquet, rejects-p2-<unit>.parquet  rejected rows with their reason (the rejects folder)
+    <unit>.parquet                                        pass-1 failures waiting for pass 2 (the requeue folder)
+    p1-<unit>.json, p2-<unit>.json                        commit records (the units folder)
+    .<part>.tmp                                           a part file staged before its record (see folder.py)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, get_args
+
+Stage = Literal["p1", "p2"]
+Kind = Literal["output", "rejects", "requeue"]
+STAGES: tuple[Stage, ...] = get_args(Stage)
+STAGED = ".tmp"  # a staged file's suffix (after a leading dot)
+PARQUET, JSON = ".parquet", ".json"
+REJECTS = "rejects-"
+
+
+@dataclass(frozen=True, slots=True)
+class UnitName:
+    """One unit of one pass: the name of its commit record, and its id in the set of committed units."""
+
+    stage: Stage
+    key: str
+
+    def unit_id(self) -> str:
+        """"p1-<unit>": how the folder's listing of commit records names this unit."""
+        return f"{self.stage}-{self.key}"
+
+    def file_name(self) -> str:
+        return f"{self.unit_id()}{JSON}"
+
+    @classmethod
+    def parse(cls, name: str) -> UnitName:
+        """A record's file name ("p1-<unit>.json") or a unit id ("p1-<unit>"); ValueError for anything else."""
+        stem = name.removesuffix(JSON)
+        stage, dash, key = stem[:2], stem[2:3], stem[3:]
+        if stage not in STAGES or dash != "-" or not key:
+            raise ValueError(f"not a unit's name: {name!r}")
+        return cls(stage, key)  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True, slots=True)
+class PartName:
+    """One part file of a unit: which pass wrote it, for which unit, and of which kind (the folder it goes to)."""
+
+    stage: Stage
+    key: str
+    kind: Kind
+
+    def file_name(self) -> str:
+        if self.kind == "requeue":  # only pass 1 requeues, so the unit alone names it
+            return f"{self.key}{PARQUET}"
+        unit = UnitName(self.stage, self.key).unit_id()
+        return f"{REJECTS}{unit}{PARQUET}" if self.kind == "rejects" else f"{unit}{PARQUET}"
+
+    def staged_name(self) -> str:
+        """The hidden name the file is written under before its unit's record exists."""
+        return staged(self.file_name())
+
+    @property
+    def unit(self) -> UnitName:
+        return UnitName(self.stage, self.key)
+
+    @classmethod
+    def parse(cls, name: str, kind: Kind | None = None) -> PartName:
+        """A part file's name, final or staged. `kind`: "requeue" for a name in the requeue folder, which the name
+        alone does not tell from an output file; otherwise the name says output or rejects. ValueError for a name
+        that is neither."""
+        name = unstaged(name)
+        if not name.endswith(PARQUET):
+            raise ValueError(f"not a part file's name: {name!r}")
+        stem = name[:-len(PARQUET)]
+        if kind == "requeue":
+            if not stem:
+                raise ValueError(f"not a part file's name: {name!r}")
+            return cls("p1", stem, "requeue")
+        found: Kind = "rejects" if stem.startswith(REJECTS) else "output"
+        if kind is not None and kind != found:
+            raise ValueError(f"not a name of {kind} part: {name!r}")
+        try:
+            unit = UnitName.parse(stem.removeprefix(REJECTS))
+        except ValueError:
+            raise ValueError(f"not a part file's name: {name!r}") from None
+        return cls(unit.stage, unit.key, found)
+
+
+def staged(name: str) -> str:
+    """".<name>.tmp": dataset readers skip a leading dot, DuckDB's '*.parquet' globs the suffix."""
+    return f".{name}{STAGED}"
+
+
+def unstaged(name: str) -> str:
+    """The final name of a staged one (a final name unchanged)."""
+    if name.startswith(".") and name.endswith(STAGED):
+        return name[1:-len(STAGED)]
+    return name

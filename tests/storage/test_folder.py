@@ -1,0 +1,80 @@
+"""The output folder's names: formatted and parsed by one type, and unchanged on disk, so that a folder written
+before resumes after."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from batchjson.engine.fake import FakeEngines
+from batchjson.job import run_job
+from batchjson.spec import load_spec
+from batchjson.storage import PartName, UnitName
+from helpers import assert_exactly_once, write_job, write_rows
+
+
+@pytest.mark.parametrize("part, name", [
+    (PartName("p1", "a-1f2e-00000-00000", "output"), "p1-a-1f2e-00000-00000.parquet"),
+    (PartName("p2", "a-1f2e-00000-00000", "output"), "p2-a-1f2e-00000-00000.parquet"),
+    (PartName("p1", "a-1f2e-00000-00000", "rejects"), "rejects-p1-a-1f2e-00000-00000.parquet"),
+    (PartName("p2", "p1-x", "rejects"), "rejects-p2-p1-x.parquet"),
+    (PartName("p1", "a-1f2e-00000-00000", "requeue"), "a-1f2e-00000-00000.parquet"),
+])
+def test_a_part_name_parses_back_to_itself_final_or_staged(part, name):
+    assert part.file_name() == name
+    assert part.staged_name() == f".{name}.tmp"
+    kind = "requeue" if part.kind == "requeue" else None
+    assert PartName.parse(name, kind) == part
+    assert PartName.parse(part.staged_name(), kind) == part
+
+
+def test_a_unit_name_is_its_commit_records_name():
+    unit = UnitName("p2", "a-1f2e-00000-00003")
+    assert unit.unit_id() == "p2-a-1f2e-00000-00003" and unit.file_name() == "p2-a-1f2e-00000-00003.json"
+    assert UnitName.parse(unit.file_name()) == UnitName.parse(unit.unit_id()) == unit
+    assert PartName("p2", unit.key, "output").unit == unit
+
+
+@pytest.mark.parametrize("name", ["p3-x.parquet", "p1x.parquet", "p1-.parquet", "p1-x.json", "spec.json",
+                                  "rejects-x.parquet", ".p1-x.parquet"])
+def test_other_names_are_not_part_names(name):
+    with pytest.raises(ValueError):
+        PartName.parse(name)
+
+
+def test_a_folder_written_with_todays_names_resumes(tmp_path, tiny_model):
+    """The names below are written out by hand, as a folder of an earlier version holds them: one unit is committed
+    but not yet published (staged files beside its record), one was never committed, one is done. The rerun
+    publishes the first, redoes only the second, and every id ends up once."""
+    write_rows(tmp_path / "in.parquet", 12)
+    job = write_job(tmp_path, tiny_model, tmp_path / "in.parquet", batch_size=4)
+    run_job(load_spec(job), progress=False, engine_factory=FakeEngines(valid=0.4, seed=7))
+    out = tmp_path / "out"
+    units, rejects, requeue = out / "_batchjson" / "units", out / "_rejects", out / "_batchjson" / "requeue"
+    records = {p.name: json.loads(p.read_text()) for p in units.glob("*.json")}
+    keys = sorted({r["key"] for r in records.values()})
+    assert len(keys) == 3
+    for name, record in records.items():
+        stage, key = record["stage"], record["key"]
+        assert name == f"{stage}-{key}.json"
+        where = {"output": out / f"{stage}-{key}.parquet", "rejects": rejects / f"rejects-{stage}-{key}.parquet",
+                 "requeue": requeue / f"{key}.parquet"}
+        assert {kind: where[kind].name for kind in record["files"]} == record["files"]
+        assert all(where[kind].exists() for kind in record["files"])
+
+    half, gone = keys[0], keys[1]
+    for stage in ("p1", "p2"):
+        for path in (out / f"{stage}-{half}.parquet", rejects / f"rejects-{stage}-{half}.parquet"):
+            if path.exists():
+                path.rename(path.with_name(f".{path.name}.tmp"))
+        (units / f"{stage}-{gone}.json").unlink(missing_ok=True)
+        for path in (out / f"{stage}-{gone}.parquet", rejects / f"rejects-{stage}-{gone}.parquet"):
+            path.unlink(missing_ok=True)
+    (requeue / f"{gone}.parquet").unlink(missing_ok=True)
+
+    again = run_job(load_spec(job), progress=False, engine_factory=FakeEngines(valid=0.4, seed=7))
+    assert again.resumed and again.passes["pass1"].rows == 4, "only the uncommitted unit is redone"
+    assert again.verified["ok"] and again.verified["complete"], again.verified
+    assert not list(out.glob(".*")) and not list(rejects.glob(".*")), "the committed unit was published"
+    assert_exactly_once([f"r{i:05d}" for i in range(12)], out, rejects)
