@@ -187,3 +187,13 @@ def test_both_passes_share_one_engine_start_and_pass_2_never_drafts(tmp_path, ti
     if starts == 1:
         assert "beside pass 1" in report["passes"]["pass2"]["note"]
     assert_exactly_once([f"r{i:05d}" for i in range(40)], tmp_path / "out", tmp_path / "out" / "_rejects")
+
+
+def test_a_configured_draft_model_is_the_candidate_judged_like_the_others():
+    spec = SpeculativeSpec(method="auto", draft_model="/models/draft", num_speculative_tokens=5)
+    full = speculation.Auto(spec, None, "gpu", 1_000_000)  # measured 0.72x at a full batch: starts without
+    assert full.current() is None and full.candidate.method == "draft_model"
+    assert full.candidate.num_speculative_tokens == 5 and full.candidate.draft_model == "/models/draft"
+    full.started(30.0)
+    trial = feed(full, full.sample, seconds=10.0)  # a long pass tries the draft model
+    assert trial is not None and trial.method == "draft_model"
