@@ -16,7 +16,7 @@ import time
 
 from common import MB, Clock, build_spec
 
-from batchjson.engine import EngineWrapper
+from batchjson.engine import EngineFactory, EngineWrapper
 from batchjson.engine.fake import Answer, FakeEngine
 
 VALID = [
@@ -45,10 +45,12 @@ def chat_frame(system: str) -> tuple[str, str]:
     return f"<|im_start|>system\n{system}<|im_end|>\n<|im_start|>user\n", "<|im_end|>\n<|im_start|>assistant\n"
 
 
-def fake_engine(max_in_flight: int, fail_rate: float, kinds: tuple[str, ...]) -> FakeEngine:
+def fake_engine(max_in_flight: int, fail_rate: float, kinds: tuple[str, ...],
+                sampled_valid: float | None = None) -> FakeEngine:
     """batchjson's fake engine with the sample task's answers: a fixed share of them failing, `kinds` in turn."""
     return FakeEngine(1 - fail_rate, max_in_flight=max_in_flight, cycle=True, prompt_tokens=300,
-                      answers=[Answer(v, "stop", 90) for v in VALID], failures=[FAILURES[k] for k in kinds])
+                      answers=[Answer(v, "stop", 90) for v in VALID], failures=[FAILURES[k] for k in kinds],
+                      sampled_valid=sampled_valid)
 
 
 class SampledEngine(EngineWrapper):
@@ -218,12 +220,14 @@ def run_overhead(sc: dict) -> dict:
     fail_rate, log = float(sc.get("fail_rate", 0.11)), []
     kinds = tuple(sc.get("fail_kinds", ["repetition"]))
 
-    def factory(spec_, decoding, speculative):
-        second = decoding is spec_.fallback
-        return SampledEngine(fake_engine(spec_.model.max_in_flight, 0.0 if second else fail_rate, kinds), log,
-                             "pass2" if second else "pass1")
+    class Engines(EngineFactory):
+        drafts_optional = True  # the fake engine decodes a request without a draft: auto need not ask vLLM (an import)
 
-    factory.no_draft = True  # the fake engine decodes a request without a draft: auto need not ask vLLM (an import)
+        def start(self, spec_, decoding, speculative):  # pass 2 samples: none of its rows fail
+            return SampledEngine(fake_engine(spec_.model.max_in_flight, fail_rate, kinds, sampled_valid=1.0), log,
+                                 "engine")
+
+    factory = Engines()
 
     # Where the end of a run spends memory: RSS around the report's tally (over the commit records).
     from batchjson.report import RunReport

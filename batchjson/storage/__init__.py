@@ -4,9 +4,9 @@ folder.py (layout, names, commit protocol, fingerprints) · locks.py (flock, lea
 object-storage URI).
 """
 
-from batchjson.storage.folder import STAGED, STATE, Kind, Stage, Storage, hidden_below
+from batchjson.storage.folder import STAGED, STATE, Kind, Storage, hidden_below
 from batchjson.storage.location import Location, Unreadable, glob_match, is_uri
 from batchjson.storage.locks import Lease
 
-__all__ = ["STAGED", "STATE", "Kind", "Lease", "Location", "Stage", "Storage", "Unreadable", "glob_match",
+__all__ = ["STAGED", "STATE", "Kind", "Lease", "Location", "Storage", "Unreadable", "glob_match",
            "hidden_below", "is_uri"]

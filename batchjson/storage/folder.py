@@ -41,10 +41,10 @@ from typing import Literal
 import pyarrow as pa
 
 from batchjson.errors import InputError, OutputError, ResumeConflict
+from batchjson.records import Stage
 from batchjson.storage.location import Location, Unreadable, glob_match
 from batchjson.storage.locks import Lease, lock_folder, release
 
-Stage = Literal["p1", "p2"]
 Kind = Literal["output", "rejects", "requeue"]
 STATE = "_batchjson"  # leading underscore: Parquet dataset readers (pyarrow, DuckDB, Polars) skip it
 STAGED = ".tmp"  # a staged file's suffix (after a leading dot): see the module's docstring
@@ -243,7 +243,7 @@ class Storage:
 
         New files are added work. A file that changed or disappeared is refused when units from it are committed
         (their rows could no longer be matched to the input); otherwise its fingerprint is simply replaced."""
-        used = Counter(r["file"] for r in self._records("p1"))
+        used = Counter(r["file"] for r in self._records(Stage.FIRST))
         known = {p.name[:-5]: p.read_json() for p in self.inputs.glob("*.json")}
         for tag, old in known.items():
             new = fingerprints.get(tag)
@@ -273,8 +273,12 @@ class Storage:
             self._committed = {p.name[:-5] for p in self.units.glob("p[12]-*.json")}
         return self._committed
 
+    def listed(self, stage: Stage, key: str) -> bool:
+        """Whether the unit is among the committed ones listed once (no look at the folder: no request per unit)."""
+        return f"{stage}-{key}" in self.committed()
+
     def done(self, stage: Stage, key: str) -> bool:
-        return f"{stage}-{key}" in self.committed() or self._record(stage, key).exists()
+        return self.listed(stage, key) or self._record(stage, key).exists()
 
     def _load(self, path: Location) -> dict:
         if path.name not in self._read:
@@ -297,7 +301,7 @@ class Storage:
     def begin(self, stage: Stage, key: str) -> None:
         """Start (or restart) a unit: every file an earlier attempt may have left, of every kind, goes."""
         for kind in ("output", "rejects", "requeue"):
-            if kind == "requeue" and stage == "p2":
+            if kind == "requeue" and stage == Stage.SECOND:
                 continue
             path = self.part(stage, key, kind)
             self._hidden(path).unlink(missing_ok=True)
@@ -342,10 +346,10 @@ class Storage:
             for hidden in folder.glob(f".*.parquet{STAGED}"):
                 name = hidden.name[1:-len(STAGED)]
                 if folder == self.requeue_dir:
-                    stage, key = "p1", name[:-8]
+                    stage, key = Stage.FIRST, name[:-8]
                 else:
                     stage, key = name.removeprefix("rejects-")[:2], name.removeprefix("rejects-")[3:-8]
-                record = self.record(stage, key) if stage in ("p1", "p2") else None
+                record = self.record(stage, key) if stage in list(Stage) else None
                 if record is not None:
                     self._publish(record)
 
@@ -355,7 +359,7 @@ class Storage:
         The files are read as verify reads them (the id column), so what verify finds unreadable a rerun redoes."""
         out = {}
         for key in keys:
-            for stage in ("p1", "p2"):
+            for stage in Stage:
                 record = self.record(stage, key) if self.done(stage, key) else None
                 for kind in record["files"] if record else ():
                     flaw = self._flaw(record, kind, id_column)
@@ -375,19 +379,19 @@ class Storage:
 
     def drop(self, key: str) -> None:
         """Uncommit a unit in both passes (records first, then files), so that it is redone from scratch."""
-        for stage in ("p2", "p1"):
+        for stage in reversed(Stage):
             self._record(stage, key).unlink(missing_ok=True)
             self._read.pop(self._record(stage, key).name, None)
             self.committed().discard(f"{stage}-{key}")
-        for stage in ("p2", "p1"):
+        for stage in reversed(Stage):
             self.begin(stage, key)
 
     def requeued(self, key: str) -> bool:
-        record = self.record("p1", key)
+        record = self.record(Stage.FIRST, key)
         return bool(record and "requeue" in record["files"])
 
     def read_requeue(self, key: str) -> pa.Table:
-        return self.part("p1", key, "requeue").read_parquet()
+        return self.part(Stage.FIRST, key, "requeue").read_parquet()
 
     def read_ids(self, stage: Stage, key: str, kind: Kind, columns: list[str]) -> pa.Table:
         """Some columns of one committed file, under its final name or, while its commit is being published (by
