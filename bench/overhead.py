@@ -45,12 +45,10 @@ def chat_frame(system: str) -> tuple[str, str]:
     return f"<|im_start|>system\n{system}<|im_end|>\n<|im_start|>user\n", "<|im_end|>\n<|im_start|>assistant\n"
 
 
-def fake_engine(max_in_flight: int, fail_rate: float, kinds: tuple[str, ...],
-                sampled_valid: float | None = None) -> FakeEngine:
+def fake_engine(max_in_flight: int, fail_rate: float, kinds: tuple[str, ...]) -> FakeEngine:
     """batchjson's fake engine with the sample task's answers: a fixed share of them failing, `kinds` in turn."""
     return FakeEngine(1 - fail_rate, max_in_flight=max_in_flight, cycle=True, prompt_tokens=300,
-                      answers=[Answer(v, "stop", 90) for v in VALID], failures=[FAILURES[k] for k in kinds],
-                      sampled_valid=sampled_valid)
+                      answers=[Answer(v, "stop", 90) for v in VALID], failures=[FAILURES[k] for k in kinds])
 
 
 class SampledEngine(EngineWrapper):
@@ -223,9 +221,8 @@ def run_overhead(sc: dict) -> dict:
     class Engines(EngineFactory):
         drafts_optional = True  # the fake engine decodes a request without a draft: auto need not ask vLLM (an import)
 
-        def start(self, spec_, decoding, speculative):  # pass 2 samples: none of its rows fail
-            return SampledEngine(fake_engine(spec_.model.max_in_flight, fail_rate, kinds, sampled_valid=1.0), log,
-                                 "engine")
+        def start(self, spec_, decoding, speculative):  # both passes share it, and its fail rate
+            return SampledEngine(fake_engine(spec_.model.max_in_flight, fail_rate, kinds), log, "engine")
 
     factory = Engines()
 
