@@ -1,4 +1,5 @@
-"""The passes of a job as values, and pass 1's change of recipe when its first rows show it failing.
+"""The passes of a job as values, and pass 1's recipe (an adapt.Policy): its change of sampling settings when its
+first rows show them failing.
 
 Pass 1 decodes with [sampling] (greedy by default) and its failures go to pass 2, which decodes them with
 [fallback] (sampled) and without a draft. On a task where greedy decoding fails most rows (it loops, or runs out of

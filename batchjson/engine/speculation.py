@@ -94,9 +94,9 @@ class Trial:
 
 @dataclass
 class Auto(Policy):
-    """The auto policy for pass 1 on one engine (replica): which speculative config to run now, and when to switch.
-    It measures the engines started for pass 1 (their choice), each from its start: every row they finish counts
-    (`add`), and once a choice has its sample, `decide` answers."""
+    """The auto policy (an adapt.Policy) for pass 1 on one engine (replica): which speculative config to run now,
+    and when to switch. It measures the engines started for pass 1 (its choices), each from its start: every row
+    they finish counts (`add`), and once a choice has its sample, `decide` answers."""
 
     spec: SpeculativeSpec
     in_flight: int | None
