@@ -17,7 +17,7 @@ from batchjson.spec import JobSpec, load_spec, parse_shard, parse_spec, with_inp
 
 if TYPE_CHECKING:  # imported where used: the CLI imports this module, and `batchjson --help` needs no pyarrow
     from batchjson.report import RunReport
-    from batchjson.job import EngineFactory
+    from batchjson.engine.base import EngineFactory
     from batchjson.verify import Verdict
 
 
@@ -48,9 +48,9 @@ def run_job(job: JobSpec, output: str | None = None, *, input_path: str | None =
     `input_path` reads another input than the spec's (CLI: --input); `fresh` discards a run already in the folder;
     `shard="I/N"` processes every N-th row group from the I-th; `replicas` sets the engine replicas (default: one
     per GPU); `ray` runs them as Ray actors ("auto" or a cluster address); `progress` shows a progress bar (default:
-    on a terminal only). `engine_factory(spec, decoding, speculative)` makes the engines (default: vLLM), each an
-    `engine.Engine`, for tests that share engines or fake one (`batchjson.engine.fake.FakeEngines()` answers
-    without a model)."""
+    on a terminal only). `engine_factory`, an `engine.EngineFactory`, starts the engines (default: vLLM's,
+    `engine.VllmEngines()`), for tests that share engines or fake one (`batchjson.engine.fake.FakeEngines()`
+    answers without a model)."""
     from batchjson import job as run
 
     try:
@@ -84,7 +84,7 @@ class CheckResult:
     typed_columns: dict[str, str]
     """Output columns the schema's properties (or a non-object root's `value`) get, with their Arrow types."""
     grammar: dict[str, str]
-    """The grammar backend each pass would decode with (pass1, pass2)."""
+    """The grammar backend each pass would decode with, by the report's name of the pass ("pass1", "pass2")."""
     lines: list[str]
     warnings: list[str]
     """E.g. ids that occur more than once (the CLI prints these to stderr)."""
@@ -129,6 +129,7 @@ def check_job(job: JobSpec, output: str | None = None, *, input_path: str | None
 def _schema(spec: JobSpec) -> tuple[dict[str, str], dict[str, str], list[str]]:
     """What `check` says about the schema: the typed output columns, each pass's grammar backend, and the lines
     that say so (with each backend's coverage, and formats)."""
+    from batchjson.records import Stage
     from batchjson.schema.grammar import choose, coverage
     from batchjson.schema.shape import is_object_root, root_types
     from batchjson.schema.validate import FORMATS, unchecked_formats, used_formats
@@ -147,9 +148,10 @@ def _schema(spec: JobSpec) -> tuple[dict[str, str], dict[str, str], list[str]]:
         lines.append("schema: root object -> output column json and typed columns "
                      + (", ".join(f"{name} ({kind})" for name, kind in typed.items()) or "none")
                      + (f"; only in json: {', '.join(json_only)}" if json_only else ""))
-    passes = [("pass1", spec.model.structured_output_backend)]
+    passes = [(Stage.FIRST.label, spec.model.structured_output_backend)]
     if spec.fallback.enabled:
-        passes.append(("pass2", spec.fallback.structured_output_backend or spec.model.structured_output_backend))
+        passes.append((Stage.SECOND.label,
+                       spec.fallback.structured_output_backend or spec.model.structured_output_backend))
     seen, grammar = {}, {}
     for name, backend in passes:
         choice = choose(schema, backend, spec.model.disable_any_whitespace)

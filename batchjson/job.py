@@ -19,29 +19,29 @@ from batchjson.executors.inline import run_inline
 from batchjson.executors.local import local_layout
 from batchjson.report import PassStats, RunReport
 from batchjson.source import ParquetSource
-from batchjson.spec import DecodingSpec, JobSpec, SpeculativeSpec
+from batchjson.engine.base import EngineFactory
+from batchjson.spec import JobSpec
 from batchjson.storage import Storage
 from batchjson.verify import verify
 from batchjson.passes import plan_passes
-from batchjson.worker import EngineFactory, Worker, signals
-
-
-def vllm_engine(spec: JobSpec, decoding: DecodingSpec, speculative: SpeculativeSpec | None):
-    from batchjson.engine import VllmEngine
-
-    return VllmEngine(spec.model, decoding, spec.schema_doc, speculative)
+from batchjson.records import Stage
+from batchjson.worker import Worker, signals
 
 
 class JobRun:
     """One invocation of a job on one output folder (one shard of it)."""
 
     def __init__(self, spec: JobSpec, output: str | None = None, *, fresh: bool = False,
-                 shard: tuple[int, int] = (0, 1), engine_factory: EngineFactory = vllm_engine,
+                 shard: tuple[int, int] = (0, 1), engine_factory: EngineFactory | None = None,
                  progress: bool | None = None, replicas: int | None = None, ray: str | None = None):
         out = output or spec.output.path
         if not out:
             raise SpecError("no output folder: set output.path in the spec or pass --output.")
-        self.spec, self.shard, self.make_engine, self.fresh = spec, shard, engine_factory, fresh
+        if engine_factory is None:
+            from batchjson.engine import VllmEngines
+
+            engine_factory = VllmEngines()
+        self.spec, self.shard, self.engines, self.fresh = spec, shard, engine_factory, fresh
         self.output, self.ray = out, ray
         self.replicas = replicas if replicas is not None else spec.model.replicas
         if self.replicas is not None and self.replicas < 1:
@@ -77,7 +77,7 @@ class JobRun:
                     storage.drop(key)
                     report.notes.append(f"unit {key}: {why}; the unit was redone")
                 # A repeated id is processed where it was committed already, else at its first occurrence.
-                self.owners = {row_id: next((p for p in places if storage.done("p1", p[0])), places[0])
+                self.owners = {row_id: next((p for p in places if storage.done(Stage.FIRST, p[0])), places[0])
                                for row_id, places in scan.repeated.items()}
                 self._run_passes(report, layout)
                 report.tally(storage.records())
@@ -93,12 +93,12 @@ class JobRun:
         storage.write_report(report.to_dict())
         return report
 
-    def _todo(self) -> dict[str, list[str]]:
+    def _todo(self) -> dict[Stage, list[str]]:
         """The units each pass has left, found in storage (so a rerun resumes either pass)."""
         storage = self.storage
-        todo = {"p1": [k for k in self.refs if not storage.done("p1", k)]}
+        todo = {Stage.FIRST: [k for k in self.refs if not storage.done(Stage.FIRST, k)]}
         if len(self.passes) > 1:
-            todo["p2"] = [k for k in self.refs if storage.requeued(k) and not storage.done("p2", k)]
+            todo[Stage.SECOND] = [k for k in self.refs if storage.requeued(k) and not storage.done(Stage.SECOND, k)]
         return todo
 
     def _run_passes(self, report: RunReport, layout: list) -> None:
@@ -106,25 +106,25 @@ class JobRun:
         todo = self._todo()
         if not any(todo.values()):
             return
-        work = Queue(todo, {"p1": "p2"} if len(self.passes) > 1 else {})
-        names = {p.stage: p.name for p in self.passes}
+        work = Queue(todo, {Stage.FIRST: Stage.SECOND} if len(self.passes) > 1 else {})
         stats = {p.stage: PassStats() for p in self.passes}
-        bars: dict[str, tqdm] = {}
+        bars: dict[Stage, tqdm] = {}
 
-        def bar(stage: str) -> tqdm:
+        def bar(stage: Stage) -> tqdm:
             if stage not in bars:
-                bars[stage] = tqdm(total=0, desc=names[stage], unit="row", disable=self.progress, position=len(bars))
+                bars[stage] = tqdm(total=0, desc=stage.label, unit="row", disable=self.progress, position=len(bars))
             return bars[stage]
 
-        bar("p1").total = sum(self.refs[k].rows for k in todo["p1"])
-        if todo.get("p2"):
-            bar("p2").total = sum(self.storage.record("p1", k)["rows"]["requeue"] for k in todo["p2"])
+        bar(Stage.FIRST).total = sum(self.refs[k].rows for k in todo[Stage.FIRST])
+        if todo.get(Stage.SECOND):
+            requeued = (self.storage.record(Stage.FIRST, k)["rows"]["requeue"] for k in todo[Stage.SECOND])
+            bar(Stage.SECOND).total = sum(requeued)
 
-        def on_done(stage: str, key: str, rows: int, requeued: int) -> None:
+        def on_done(stage: Stage, key: str, rows: int, requeued: int) -> None:
             bar(stage).update(rows)
-            if requeued and stage == "p1" and "p2" in names:
-                bar("p2").total += requeued
-                bar("p2").refresh()
+            if requeued and stage == Stage.FIRST and Stage.SECOND in stats:
+                bar(Stage.SECOND).total += requeued
+                bar(Stage.SECOND).refresh()
 
         def on_stats(counts: dict) -> None:
             for stage, d in counts.items():
@@ -137,7 +137,7 @@ class JobRun:
             if len(layout) > 1 or self.ray:
                 report.replicas = self._on_replicas(work, layout, on_done, on_stats, on_note)
             else:
-                worker = Worker(self.spec, self.storage, self.source, self.refs, self.owners, self.make_engine,
+                worker = Worker(self.spec, self.storage, self.source, self.refs, self.owners, self.engines,
                                 self.stop, started=self.started)
                 run_inline(worker.serve, work, on_done, on_stats)
         finally:
@@ -148,12 +148,12 @@ class JobRun:
                 if p.stage in work.first_handed or s.rows or s.engine_starts:
                     s.seconds = work.seconds(p.stage)
                     s.replicas = report.replicas
-                    report.passes[p.name] = s
+                    report.passes[p.stage.label] = s
 
     def _on_replicas(self, work: Queue, layout: list, on_done, on_stats, on_note) -> int:
         """The queue served to engine replicas that pull units from it (executors/local.py, executors/ray.py)."""
         os.environ["BATCHJSON_RUNNER_PID"] = str(os.getpid())  # local replicas die with this process
-        args = (self.spec, str(self.output), self.shard, self.make_engine, self.owners)
+        args = (self.spec, str(self.output), self.shard, self.engines, self.owners)
         if self.ray:
             from batchjson.executors.ray import ray_pool
 
@@ -169,7 +169,7 @@ class JobRun:
         return len(pool.slots)
 
 
-def serve_replica(spec: JobSpec, output: str, shard: tuple[int, int], engine_factory: EngineFactory, owners: dict,
+def serve_replica(spec: JobSpec, output: str, shard: tuple[int, int], engines: EngineFactory, owners: dict,
                   slot: int, count: int, inbox, outbox) -> None:
     """The body of replica `slot` of `count` (a local process or a Ray actor): a worker on the driver's queue. The
     driver holds the folder; a replica never claims it."""
@@ -180,7 +180,7 @@ def serve_replica(spec: JobSpec, output: str, shard: tuple[int, int], engine_fac
         storage = Storage(output, spec.output.rejects or None, shard)
         stop = threading.Event()
         with signals(stop):
-            Worker(spec, storage, source, refs, owners, engine_factory, stop, slot=slot, share=count).serve(channel)
+            Worker(spec, storage, source, refs, owners, engines, stop, slot=slot, share=count).serve(channel)
     except BatchjsonError as e:
         channel.send("error", str(e))
     except BaseException as e:

@@ -1,4 +1,5 @@
-"""The passes of a job as values, and pass 1's change of recipe when its first rows show it failing.
+"""The passes of a job as values, and pass 1's recipe (an adapt.Policy): its change of sampling settings when its
+first rows show them failing.
 
 Pass 1 decodes with [sampling] (greedy by default) and its failures go to pass 2, which decodes them with
 [fallback] (sampled) and without a draft. On a task where greedy decoding fails most rows (it loops, or runs out of
@@ -14,23 +15,19 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from batchjson.records import Outcome
+from batchjson.adapt import KEEP, Answer, Policy, Resample
+from batchjson.records import FINAL, Generation, Outcome, Stage
 from batchjson.spec import DecodingSpec, JobSpec, SpeculativeSpec
-from batchjson.storage import Stage
 
 JUDGE_ROWS = 100
 FAILING = 0.5
-# Failures that say nothing about the sampling settings: the prompt, the input or the engine failed.
-NOT_JUDGED = {"empty_prompt", "invalid_input", "prompt_too_long", "duplicate_id", "engine_error"}
 
 
 @dataclass(frozen=True)
 class Pass:
-    """One pass as a value: where it commits, how it decodes, and where its failures go."""
+    """One pass as a value: where it commits (its stage), how it decodes, and where its failures go."""
 
     stage: Stage
-    name: str
-    number: int
     decoding: DecodingSpec
     speculative: SpeculativeSpec | None
     last: bool
@@ -39,11 +36,11 @@ class Pass:
 
 def plan_passes(spec: JobSpec) -> list[Pass]:
     speculative = spec.speculative if spec.speculative.enabled else None
-    first = Pass("p1", "pass1", 1, spec.sampling, speculative, last=not spec.fallback.enabled)
-    return [first, Pass("p2", "pass2", 2, spec.fallback, None, last=True)] if spec.fallback.enabled else [first]
+    first = Pass(Stage.FIRST, spec.sampling, speculative, last=not spec.fallback.enabled)
+    return [first, Pass(Stage.SECOND, spec.fallback, None, last=True)] if spec.fallback.enabled else [first]
 
 
-class Recipe:
+class Recipe(Policy):
     """Pass 1's sampling settings now: its own, or the fallback's once its own fail most of the first rows."""
 
     def __init__(self, own: DecodingSpec, fallback: DecodingSpec):
@@ -53,6 +50,7 @@ class Recipe:
         theirs = dataclasses.replace(fallback, n=1, structured_output_backend=None, enabled=True, seed=seed)
         self.settings = {"sampling": own, "fallback": theirs}
         self.current = "sampling"
+        self.decoded_with = "sampling"  # the settings of the requests in flight now
         self.judged = {"sampling": [0, 0], "fallback": [0, 0]}  # rows, valid
         self.done = False
         self.why = ""
@@ -69,9 +67,23 @@ class Recipe:
     def decoding(self) -> DecodingSpec:
         return self.settings[self.current]
 
+    def engine_started(self, engine, stage: Stage, seconds: float) -> None:
+        self.decoded_with = self.current
+
+    def observe(self, engine, gen: Generation, outcome: Outcome) -> Answer:
+        if gen.prompt.stage != Stage.FIRST or not (change := self.add(outcome, self.decoded_with)):
+            return KEEP
+        # To the fallback's settings the rows in flight go again too (most of them were failing); back to pass
+        # 1's own, only the requests from now on.
+        return Resample(self.decoding, again=change == "fallback")
+
+    def stream_ended(self, engine) -> None:
+        self.decoded_with = self.current
+
     def add(self, outcome: Outcome, recipe: str) -> str | None:
         """Count a pass-1 row decoded with `recipe`; the recipe to change to now, if any (None: keep this one)."""
-        if self.done or recipe != self.current or outcome.reason in NOT_JUDGED:
+        # A failure of the input or of the engine says nothing about the sampling settings.
+        if self.done or recipe != self.current or outcome.reason in FINAL or outcome.reason == "engine_error":
             return None
         counts = self.judged[recipe]
         counts[0] += 1
@@ -99,7 +111,11 @@ class Recipe:
         rows, valid = self.judged[recipe]
         return valid / rows if rows else 0.0
 
-    def report(self) -> dict:
+    def report(self, stats) -> None:
+        if judged := self.to_dict():
+            stats.recipe = [judged]
+
+    def to_dict(self) -> dict:
         """What pass 1 decoded with and why; {} when it had too few rows to judge."""
         if not self.judged["sampling"][0] or (not self.done and self.current == "sampling"):
             return {}

@@ -5,6 +5,10 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 
+from batchjson.records import Stage
+
+RESCUED = Stage.SECOND.label  # valid_by_pass's key of the rows the fallback pass rescued
+
 
 @dataclass
 class PassStats:
@@ -109,7 +113,7 @@ class RunReport:
         valid: Counter = Counter()
         reasons: Counter = Counter()
         for r in records:
-            valid[f"pass{r['stage'][1]}"] += r["rows"].get("output", 0)
+            valid[Stage(r["stage"]).label] += r["rows"].get("output", 0)
             reasons.update(r.get("reasons", {}))
         self.valid_by_pass = {k: v for k, v in sorted(valid.items()) if v}
         self.rejects_by_reason = dict(reasons.most_common())
@@ -142,7 +146,7 @@ class RunReport:
             if made else None
         d["engine_starts"] = sum(p.engine_starts for p in self.passes.values())
         d["engine_start_s"] = round(sum(p.engine_start_s for p in self.passes.values()), 1)
-        d |= {"valid": self.valid, "rejected": self.rejected, "rescued_by_fallback": self.valid_by_pass.get("pass2", 0),
+        d |= {"valid": self.valid, "rejected": self.rejected, "rescued_by_fallback": self.valid_by_pass.get(RESCUED, 0),
               "reject_rate": round(self.reject_rate, 4), "over_threshold": self.over_threshold,
               "verify_failed": self.verify_failed}
         return d
@@ -179,8 +183,8 @@ class RunReport:
                         default=None)
             to_first = f"; first request {first:.1f} s after start" if first is not None else ""
             lines.append(f"  engine starts: {starts} ({seconds / starts:.1f} s each{to_first})")
-        if "pass2" in self.valid_by_pass:
-            lines.append(f"  fallback rescued {self.valid_by_pass['pass2']} rows")
+        if RESCUED in self.valid_by_pass:
+            lines.append(f"  fallback rescued {self.valid_by_pass[RESCUED]} rows")
         if self.rejects_by_reason:
             lines.append("  rejects: " + ", ".join(f"{k} {v}" for k, v in self.rejects_by_reason.items()))
         lines += [f"  note: {n}" for n in dict.fromkeys(p.notice for p in self.passes.values() if p.notice)]

@@ -11,6 +11,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from batchjson.errors import OutputError, SpecError
+from batchjson.records import Stage
 from batchjson.source import ParquetSource, UnitRef
 from batchjson.storage import Storage, Unreadable
 
@@ -89,7 +90,7 @@ def verify(storage: Storage, source: ParquetSource, refs: list[UnitRef], id_colu
     planned = set()
     for ref in refs:
         planned.add(ref.key)
-        p1 = storage.record("p1", ref.key)
+        p1 = storage.record(Stage.FIRST, ref.key)
         if p1 is None:
             v.pending += 1
             continue
@@ -100,7 +101,7 @@ def verify(storage: Storage, source: ParquetSource, refs: list[UnitRef], id_colu
         got: Counter = Counter()
         requeued = None
         for kind in p1["files"]:
-            ids = read("p1", ref.key, kind, p1)
+            ids = read(Stage.FIRST, ref.key, kind, p1)
             got.update(ids or ())
             if kind == "requeue":
                 requeued = Counter(ids or ())
@@ -109,13 +110,13 @@ def verify(storage: Storage, source: ParquetSource, refs: list[UnitRef], id_colu
                               f"holds other rows than the input (missing {_few(expected - got) or 'none'}; extra "
                               f"{_few(got - expected) or 'none'})")
         if requeued is not None:
-            p2 = storage.record("p2", ref.key)
+            p2 = storage.record(Stage.SECOND, ref.key)
             if p2 is None:
                 v.pending += 1
                 continue
             again: Counter = Counter()
             for kind in p2["files"]:
-                again.update(read("p2", ref.key, kind, p2) or ())
+                again.update(read(Stage.SECOND, ref.key, kind, p2) or ())
             if again != requeued:
                 v.problems.append(f"unit {ref.key}: pass 2 holds other rows than pass 1 re-queued (missing "
                                   f"{_few(requeued - again) or 'none'}; extra {_few(again - requeued) or 'none'})")

@@ -1,19 +1,19 @@
 """One engine's share of a job: take units of either pass from the queue, load and render them, decode, check and
-commit each one; recover from engine deaths; run auto's engine switches and pass 1's change of sampling
-settings (passes.py). Every executor runs this body.
+commit each one; recover from engine deaths; apply the answers of the adaptive policies (adapt.py: pass 1's
+recipe, auto's engine switches). Every executor runs this body.
 
-Both passes share the worker's engine where it can take both (sampling is per request; pass 2's requests go
+Both passes share the worker's engine where it decodes both (sampling is per request; pass 2's requests go
 without a draft on a speculative engine, see engine/internals.py), so a unit's pass 2 decodes beside other units'
-pass 1. An engine that cannot take a pass (a vLLM without the per-request draft switch, another grammar backend)
-makes the worker ask only for what it can take; when nothing else is left it changes engines.
+pass 1. An engine that does not decode a pass (a vLLM without the per-request draft switch, another grammar
+backend; its factory says, engine/base.py) makes the worker ask only for the passes it decodes and park the rest;
+when nothing else is left it changes engines.
 
-Over 250 lines because the decode loop, engine deaths, auto's switches and the choice of work share one engine's
-state; Pass and Tracker, the values it moves, stay beside it.
+Over 250 lines because the decode loop, engine deaths and the choice of work share one engine's state; Tracker,
+the value it moves, stays beside it.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import os
 import signal
@@ -25,22 +25,21 @@ from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from itertools import chain
 
-from batchjson.engine import Engine
+from batchjson.adapt import Answer, Policy, Resample, Switch
+from batchjson.engine.base import Engine, EngineFactory
 from batchjson.errors import EngineDied, EngineError
 from batchjson.executors.base import Channel, Work
 from batchjson.passes import Recipe, plan_passes
 from batchjson.prompts import Renderer, chat_frame
-from batchjson.records import WAIT, Generation, Outcome, Prompt
+from batchjson.records import FINAL, WAIT, Generation, Outcome, Prompt, Stage
 from batchjson.report import PassStats
 from batchjson.tables import PartSink
 from batchjson.source import ParquetSource, UnitRef
-from batchjson.spec import DecodingSpec, JobSpec, SpeculativeSpec
+from batchjson.spec import JobSpec, SpeculativeSpec
 from batchjson.engine.speculation import Auto
 from batchjson.storage import Storage
 from batchjson.schema.validate import Validator
 
-# Failures that another pass with the same model cannot fix: they go straight to rejects.
-FINAL_REASONS = {"empty_prompt", "invalid_input", "prompt_too_long", "duplicate_id"}
 # Engine deaths before speculation is switched off (grammar/speculation desyncs have killed engines in recent vLLM
 # releases), and before the worker gives up without speculation.
 DEATHS_BEFORE_NO_SPECULATION = 2
@@ -48,9 +47,8 @@ DEATHS_BEFORE_GIVING_UP = 3
 # A row in flight at this many engine deaths is taken for the cause and fails with engine_error.
 DEATHS_PER_ROW = 2
 
-EngineFactory = Callable[[JobSpec, DecodingSpec, "SpeculativeSpec | None"], Engine]
 # A unit on its way into the engine: its stage, its key and its rows (prompts, or rows that already failed).
-Loaded = tuple[str, str, list[Prompt | Generation]]
+Loaded = tuple[Stage, str, list[Prompt | Generation]]
 
 
 @contextmanager
@@ -77,10 +75,10 @@ def signals(stop: threading.Event):
 
 
 class Tracker:
-    """Tracks the rows of each open unit and commits a unit when its last row is checked."""
+    """Tracks the rows of each open unit and commits a unit when its last row is finished."""
 
-    def __init__(self, validator: Validator, stats: dict[str, PassStats],
-                 commit: Callable[[str, str, list[Outcome]], None], stop: threading.Event, started: float):
+    def __init__(self, validator: Validator, stats: dict[Stage, PassStats],
+                 commit: Callable[[Stage, str, list[Outcome]], None], stop: threading.Event, started: float):
         self.validator, self.stats, self.commit, self.stop = validator, stats, commit, stop
         self.started = started  # time.monotonic() at the run's start: first_request_s counts from it
         self.remaining: dict[Work, int] = {}
@@ -88,7 +86,7 @@ class Tracker:
         self.deaths_seen: Counter = Counter()
 
     def feed(self, work: Iterable[Loaded]) -> Iterator[Prompt]:
-        """Prompts for the engine; rows that failed before reaching it are checked here directly."""
+        """Prompts for the engine; rows that failed before reaching it are finished here directly."""
         for unit in work:
             if self.stop.is_set():
                 return
@@ -101,14 +99,14 @@ class Tracker:
                 self._close((stage, key))
             for item in items:
                 if isinstance(item, Generation):
-                    self.finish(item)
+                    self.finish(item, self.validator.check(item))
                 else:
                     if self.stats[stage].first_request_s is None:
                         self.stats[stage].first_request_s = time.monotonic() - self.started
                     yield item
 
-    def finish(self, gen: Generation) -> Outcome:
-        outcome = self.validator.check(gen)
+    def finish(self, gen: Generation, outcome: Outcome) -> None:
+        """Count a checked row; the last one of its unit commits the unit."""
         stage = gen.prompt.stage
         self.stats[stage].add(outcome.ok, outcome.reason, gen.prompt_tokens, gen.output_tokens)
         pair = (stage, gen.prompt.unit)
@@ -116,7 +114,6 @@ class Tracker:
         self.remaining[pair] -= 1
         if self.remaining[pair] == 0:
             self._close(pair)
-        return outcome
 
     def _close(self, pair: Work) -> None:
         self.commit(*pair, self.outcomes.pop(pair))
@@ -128,8 +125,8 @@ class Tracker:
         for prompt in in_flight:
             self.deaths_seen[prompt.row_id] += 1
             if self.deaths_seen[prompt.row_id] >= DEATHS_PER_ROW:
-                self.finish(Generation(prompt, error="engine_error",
-                                       detail=f"in flight at {DEATHS_PER_ROW} engine deaths"))
+                gen = Generation(prompt, error="engine_error", detail=f"in flight at {DEATHS_PER_ROW} engine deaths")
+                self.finish(gen, self.validator.check(gen))
             else:
                 again.append(prompt)
         return again
@@ -140,10 +137,10 @@ class Worker:
     which never claims the folder: the driver holds it."""
 
     def __init__(self, spec: JobSpec, storage: Storage, source: ParquetSource, refs: dict[str, UnitRef],
-                 owners: dict, make_engine: EngineFactory, stop: threading.Event, *, slot: int | None = None,
+                 owners: dict, engines: EngineFactory, stop: threading.Event, *, slot: int | None = None,
                  share: int = 1, started: float | None = None):
         self.spec, self.storage, self.source, self.refs, self.owners = spec, storage, source, refs, owners
-        self.make_engine, self.stop, self.slot, self.share = make_engine, stop, slot, share
+        self.engines, self.stop, self.slot, self.share = engines, stop, slot, share
         # The run's start (a replica's: its own), for first_request_s.
         self.started = time.monotonic() if started is None else started
         self.passes = plan_passes(spec)
@@ -151,12 +148,12 @@ class Worker:
         self.validator = Validator(spec.schema_doc, spec.schema.check_format)
         self.sink = PartSink(spec.input.id_column, source.passthrough_schema(), spec.schema_doc)
         self.engine: Engine | None = None
-        self.takes: tuple[str, ...] = ()  # the stages self.engine takes, asked of it once when it starts
-        self.held: deque[Work] = deque()  # handed to this worker, not takeable by its engine yet
+        self.decodes: tuple[Stage, ...] = ()  # the passes self.engine decodes (its factory says, at its start)
+        self.parked: deque[Work] = deque()  # handed to this worker for a pass its engine does not decode
         self.stats = {p.stage: PassStats() for p in self.passes}
         self.speculative: SpeculativeSpec | None = self.passes[0].speculative  # pass 1's draft, now
-        self.auto: Auto | None = None
-        self.recipe = Recipe.for_job(spec)  # pass 1's sampling settings now (None: always its own)
+        self.sampling = {p.stage: p.decoding for p in self.passes}  # each pass's sampling settings, now
+        self.policies: list[Policy] = []
 
     @functools.cached_property
     def renderer(self) -> Renderer:
@@ -169,22 +166,24 @@ class Worker:
     def serve(self, channel: Channel) -> None:
         """Work until the queue says the run is over (or a stop); then report this worker's counts per pass."""
         self.channel = channel
-        self._plan_auto()
+        self.policies = [p for p in (Recipe.for_job(self.spec), self._plan_auto()) if p]
         tracker = Tracker(self.validator, self.stats, self._commit, self.stop, self.started)
         try:
             while not self.stop.is_set():
-                pairs = self._takeable(channel.work(self._stages, hold=lambda: bool(self.held)))
+                pairs = self._fitting(channel.work(self._wanted, hold=lambda: bool(self.parked)))
                 first = _first(pairs)
                 if first is None:
-                    if channel.ended == "end" and not self.held:
+                    if channel.ended == "end" and not self.parked:
                         break
-                    self._close_engine()  # other stages have work this engine cannot take: the next one can
+                    self._close_engine()  # other stages have work this engine does not decode: the next one does
                     continue
                 self._decode(tracker, first[0], chain([first], pairs))
             if tracker.remaining and not self.stop.is_set():
                 raise RuntimeError(f"[internal] units left open: {sorted(tracker.remaining)[:3]}")
         finally:
             self._close_engine()
+        for policy in self.policies:
+            policy.report(self.stats[Stage.FIRST])
         first = self.stats[self.passes[0].stage]
         for p in self.passes[1:]:
             later = self.stats[p.stage]
@@ -193,35 +192,28 @@ class Worker:
                 later.grammar = later.grammar or first.grammar
         channel.send("stats", {stage: s.to_dict() for stage, s in self.stats.items() if s.rows or s.engine_starts})
 
-    # -- which work this worker's engine takes ----------------------------------------------------------------
+    # -- which work this worker's engine decodes --------------------------------------------------------------
 
-    def _takes(self, stage: str) -> bool:
-        return self.engine is None or stage in self.takes  # no engine yet: the first unit picks it
+    def _fits(self, stage: Stage) -> bool:
+        return self.engine is None or stage in self.decodes  # no engine yet: the first unit picks it
 
-    def _stages(self) -> tuple[str, ...]:
-        return self.takes if self.engine is not None else tuple(self.by_stage)
+    def _wanted(self) -> tuple[Stage, ...]:
+        """The passes to ask the queue for: those the engine decodes (any, before it starts)."""
+        return self.decodes if self.engine is not None else tuple(self.by_stage)
 
-    def _taken_by(self, engine: Engine) -> tuple[str, ...]:
-        """The stages `engine` can decode: pass 1 with its draft or without one, pass 2 without (engine-wide
-        settings only change with the engine: auto's switches and deaths start a new one)."""
-        first = self.passes[0]
-        return tuple(p.stage for p in self.passes
-                     if (p is first and engine.accepts(p.decoding, self.speculative))
-                     or engine.accepts(p.decoding, None))
-
-    def _takeable(self, work: Iterator[Work]) -> Iterator[Work]:
-        """Held pairs the engine now takes first, then the channel's; a pair it cannot take is held back."""
-        for _ in range(len(self.held)):
-            pair = self.held.popleft()
-            if self._takes(pair[0]):
+    def _fitting(self, work: Iterator[Work]) -> Iterator[Work]:
+        """Parked pairs that fit the engine now first, then the channel's; a pair that does not fit is parked."""
+        for _ in range(len(self.parked)):
+            pair = self.parked.popleft()
+            if self._fits(pair[0]):
                 yield pair
             else:
-                self.held.append(pair)
+                self.parked.append(pair)
         for pair in work:
-            if pair is WAIT or self._takes(pair[0]):
+            if pair is WAIT or self._fits(pair[0]):
                 yield pair
             else:
-                self.held.append(pair)
+                self.parked.append(pair)
 
     def _load(self, pairs: Iterator[Work]) -> Iterator[Loaded]:
         """The rows of each unit, as they are asked for (WAIT passes through: no unit is ready yet)."""
@@ -230,7 +222,7 @@ class Worker:
                 yield WAIT
                 continue
             stage, key = pair
-            if stage == "p1":
+            if stage == Stage.FIRST:
                 yield stage, key, list(self.renderer.render(self.source.unit(self.refs[key])))
             else:
                 yield stage, key, self._requeued(key)
@@ -238,17 +230,18 @@ class Worker:
     def _requeued(self, key: str) -> list[Prompt]:
         cols = self.storage.read_requeue(key).to_pydict()
         ids, texts = cols[self.spec.input.id_column], cols["prompt"]
-        return [Prompt(ids[i], key, texts[i], {c: cols[c][i] for c in self.spec.input.passthrough}, "p2")
+        return [Prompt(ids[i], key, texts[i], {c: cols[c][i] for c in self.spec.input.passthrough}, Stage.SECOND)
                 for i in range(len(ids))]
 
-    def _commit(self, stage: str, key: str, outcomes: list[Outcome]) -> None:
+    def _commit(self, stage: Stage, key: str, outcomes: list[Outcome]) -> None:
         p = self.by_stage[stage]
         ok, final, retry = [], [], []
         for o in outcomes:
-            (ok if o.ok else final if p.last or o.reason in FINAL_REASONS else retry).append(o)
+            (ok if o.ok else final if p.last or o.reason in FINAL else retry).append(o)
         ref = self.refs[key]
-        tables = {"output": self.sink.valid(ok, p.number), "rejects": self.sink.rejected(final, p.number),
-                  "requeue": self.sink.rejected(retry, p.number, with_prompt=True)}
+        n = stage.number
+        tables = {"output": self.sink.valid(ok, n), "rejects": self.sink.rejected(final, n),
+                  "requeue": self.sink.rejected(retry, n, with_prompt=True)}
         meta = {"file": ref.tag, "path": ref.file, "reasons": dict(Counter(o.reason for o in final))}
         if self.slot is not None:
             meta["replica"] = self.slot
@@ -257,29 +250,20 @@ class Worker:
 
     # -- engines ----------------------------------------------------------------------------------------------
 
-    def _plan_auto(self) -> None:
+    def _plan_auto(self) -> Auto | None:
         first = self.passes[0]
         if first.speculative is None or first.speculative.method != "auto":
-            return
-        shares_engine = first.last or self._drafts_optional()
-        if not shares_engine:
+            return None
+        if not (first.last or self.engines.drafts_optional):
             # Pass 2 could not run on a speculative engine here: a draft would cost it an engine start of its own.
             self.speculative = None
-            self.stats["p1"].note = ("auto: no speculation: this vLLM cannot decode pass 2 without a draft on a "
-                                     "speculative engine, so pass 2 shares pass 1's engine without one")
-            return
-        rows = sum(r.rows for key, r in self.refs.items() if not self.storage.listed("p1", key)) // self.share
-        self.auto = Auto(first.speculative, self.spec.model.max_in_flight, self.platform, rows)
-        self.speculative = self.auto.current()
-
-    def _drafts_optional(self) -> bool:
-        """Whether this run's engines can decode a request without a draft on a speculative engine."""
-        probe = getattr(self.make_engine, "no_draft", None)
-        if probe is None:
-            from batchjson.engine import internals
-
-            return internals.no_draft_ready()
-        return bool(probe)
+            self.stats[Stage.FIRST].note = ("auto: no speculation: this vLLM cannot decode pass 2 without a draft on "
+                                            "a speculative engine, so pass 2 shares pass 1's engine without one")
+            return None
+        rows = sum(r.rows for key, r in self.refs.items() if not self.storage.listed(Stage.FIRST, key)) // self.share
+        auto = Auto(first.speculative, self.spec.model.max_in_flight, self.platform, rows)
+        self.speculative = auto.current()
+        return auto
 
     @functools.cached_property
     def platform(self) -> str:
@@ -288,125 +272,113 @@ class Worker:
 
         return "gpu" if visible_gpus() else "cpu"
 
-    def _engine_for(self, stage: str) -> tuple[Engine, bool]:
-        """The engine for a unit of `stage`: the current one when it takes the stage, else a new one."""
-        if self.engine is not None and self._takes(stage):
-            return self.engine, True
-        self._close_engine()
-        p = self.by_stage[stage]
-        speculative = self.speculative if p is self.passes[0] else None
-        # On CPU the seed is engine-wide: seed the engine with the first seed any pass asks for, so that the
-        # other pass's seed holds when it runs on this engine.
-        seed = next((q.decoding.seed for q in self.passes if q.decoding.seed is not None), None)
-        decoding = p.decoding if p.decoding.seed is not None else dataclasses.replace(p.decoding, seed=seed)
-        engine = self.make_engine(self.spec, decoding, speculative)
-        self.engine, self.takes = engine, self._taken_by(engine)
-        return engine, False
-
-    def _use(self, engine: Engine) -> None:
-        """Give the engine each pass's sampling settings that it takes: pass 1 with drafts, pass 2 without."""
-        for p in self.passes:
-            if p.stage in self.takes:
-                first = p is self.passes[0]
-                engine.use(self.recipe.decoding if first and self.recipe else p.decoding, p.stage, draft=first)
+    def _engine_for(self, stage: Stage) -> Engine:
+        """The engine for a unit of `stage`: the current one when it decodes the stage, else a new one."""
+        stats = self.stats[stage]
+        if self.engine is None or not self._fits(stage):
+            self._close_engine()
+            p, t0 = self.by_stage[stage], time.monotonic()
+            engine = self.engines.start(self.spec, p.decoding, self.speculative if p is self.passes[0] else None)
+            seconds = time.monotonic() - t0
+            self.engine, self.decodes = engine, self.engines.takes(engine, self.passes, self.speculative)
+            for q in self.passes:  # each pass it decodes, with its sampling settings now: pass 1 with drafts
+                if q.stage in self.decodes:
+                    engine.use(self.sampling[q.stage], q.stage, draft=q is self.passes[0])
+            stats.engine_starts += 1
+            stats.engine_start_s += seconds
+            for policy in self.policies:
+                policy.engine_started(engine, stage, seconds)
+        stats.grammar = stats.grammar or (self.engine.choice.summary if self.engine.choice else "")
+        stats.notice = stats.notice or self.engine.notice
+        return self.engine
 
     def _close_engine(self) -> None:
         if self.engine is not None:
             engine, self.engine = self.engine, None
             engine.close()
 
-    def _decode(self, tracker: Tracker, stage: str, pairs: Iterator[Work]) -> None:
+    def _decode(self, tracker: Tracker, stage: Stage, pairs: Iterator[Work]) -> None:
         """Decode, check and commit the units of `pairs` on an engine for `stage`, until the channel has no more
-        for it.
+        for it; after each row, apply the policies' answers (adapt.py).
 
-        If the engine dies, a new one takes the rows that were in flight; after DEATHS_BEFORE_NO_SPECULATION
-        deaths the worker goes on without speculation, and after DEATHS_BEFORE_GIVING_UP more it fails (committed
-        units are kept, so the next run resumes). A stop never starts an engine: a signal that reached the
-        engine processes too (Ctrl-C in a terminal) kills them, and that is not a death to recover from.
+        A stop never starts an engine: a signal that reached the engine processes too (Ctrl-C in a terminal) kills
+        them, and that is not a death to recover from (see `_died`).
         """
-        stats, auto = self.stats[stage], self.auto if stage == "p1" else None
-        recipe = self.recipe
-        feed, retry, deaths, since = tracker.feed(self._load(pairs)), [], 0, None
+        feed, retry, deaths = tracker.feed(self._load(pairs)), [], 0
         while not self.stop.is_set():
-            t0 = time.monotonic()
             try:
-                engine, reused = self._engine_for(stage)
+                engine = self._engine_for(stage)
             except EngineError as e:
-                if not (auto and self.speculative):
-                    raise
-                auto.could_not_start(str(e))  # auto's own choice, not the user's: the job goes on without it
-                self.speculative = None
+                self._refused(stage, e)
                 continue
-            self._use(engine)
-            stats.grammar = stats.grammar or (engine.choice.summary if engine.choice else "")
-            stats.notice = stats.notice or engine.notice
-            if not reused:
-                start_s = time.monotonic() - t0
-                stats.engine_starts += 1
-                stats.engine_start_s += start_s
-                if auto:
-                    auto.started(start_s)
-            if not reused or since is None:
-                since = (time.monotonic(), engine.steps)  # this engine's decoding, for auto
-            switch = threading.Event()
+            ends, ending = threading.Event(), None  # an answer that ends this stream: Switch, or Resample again
+            # itertools.chain, not a generator: a dead engine's stream must not close `feed` as it goes. What it has
+            # not taken of `retry` when it ends stays in `again`.
+            again = iter(retry)
             try:
-                wanted, resample = "stay", False
-                decoded_with = recipe.current if recipe else ""  # pass 1's settings for this stream's requests
-
-                def measure() -> None:  # this engine's decoding so far, as auto's measurement of its choice
-                    auto.measure(time.monotonic() - since[0], engine.steps - since[1],
-                                 engine.stats() if self.speculative else None)
-
-                # itertools.chain, not a generator: a dead engine's stream must not close `feed` as it goes. What
-                # it has not taken of `retry` when it ends stays in `again`.
-                again = iter(retry)
-                for gen in engine.stream(chain(again, feed), _Either(self.stop, switch)):
-                    outcome = tracker.finish(gen)
-                    if recipe and gen.prompt.stage == "p1" and (change := recipe.add(outcome, decoded_with)):
-                        self._use(engine)  # the requests from now on
-                        if change == "fallback":  # and those in flight again: most of them were failing
-                            resample = True
-                            switch.set()
-                    if auto and auto.add(gen.output_tokens):
-                        measure()
-                        wanted = auto.wanted()
-                        if wanted != "stay":
-                            switch.set()
-                if self.speculative:
-                    stats.speculative = engine.stats()
-                if recipe and (judged := recipe.report()):
-                    self.stats["p1"].recipe = [judged]
-                if auto:
-                    if wanted == "stay":  # the stream ended: its numbers so far are the choice's measurement
-                        measure()
-                    stats.auto = [auto.report()]
-                if self.stop.is_set():
-                    return
-                if wanted != "stay":  # auto tries (or goes back to) the other choice
-                    self.speculative, retry = wanted, [*engine.unfinished, *again]
-                    self._close_engine()
-                    continue
-                if resample:  # the same engine takes the rows in flight again with pass 1's new settings
-                    retry = [*engine.unfinished, *again]
-                    continue
-                return
+                for gen in engine.stream(chain(again, feed), _Either(self.stop, ends)):
+                    outcome = self.validator.check(gen)
+                    tracker.finish(gen, outcome)
+                    for policy in self.policies:
+                        ending = self._apply(engine, policy.observe(engine, gen, outcome), ending)
+                    if ending:
+                        ends.set()
             except EngineDied as died:
                 self._close_engine()
                 if self.stop.is_set():
                     return
-                deaths += 1
                 retry = tracker.survivors(died.in_flight) + list(again)
-                if self.speculative and deaths >= DEATHS_BEFORE_NO_SPECULATION:
-                    self.speculative, deaths = None, 0
-                    stats.note = f"speculation switched off after {DEATHS_BEFORE_NO_SPECULATION} engine deaths"
-                elif deaths >= DEATHS_BEFORE_GIVING_UP:
-                    raise EngineError(f"the engine died {deaths} times ({died}). Finished units are kept: rerun "
-                                      "the same command to resume.") from died
-                stats.note = stats.note or f"engine restarted after {deaths} death(s)"
+                deaths = self._died(stage, died, deaths + 1)
+                continue
+            if self.speculative:
+                self.stats[stage].speculative = engine.stats()
+            for policy in self.policies:
+                policy.stream_ended(engine)
+            if self.stop.is_set() or ending is None:
+                return
+            retry = [*engine.unfinished, *again]  # to the next engine (Switch) or this one again (Resample)
+            if isinstance(ending, Switch):
+                self.speculative = ending.speculative
+                self._close_engine()
+
+    def _apply(self, engine: Engine, answer: Answer, ending: Answer | None) -> Answer | None:
+        """Apply a policy's answer now where it can be (pass 1's new settings, for the requests from now on); the
+        answer that ends the stream, if any: a Switch wins over a Resample of the rows in flight."""
+        if isinstance(answer, Resample):
+            self.sampling[Stage.FIRST] = answer.decoding
+            engine.use(answer.decoding, Stage.FIRST, draft=True)
+            return ending or (answer if answer.again else None)
+        if isinstance(answer, Switch):
+            return answer
+        return ending
+
+    def _refused(self, stage: Stage, error: EngineError) -> None:
+        """Pass 1's speculative engine did not start: a policy that chose it (auto) may go on with another; else
+        the error is the user's to fix."""
+        if self.by_stage[stage] is not self.passes[0] or self.speculative is None:
+            raise error
+        answer = next((a for a in (p.refused(str(error)) for p in self.policies) if isinstance(a, Switch)), None)
+        if answer is None:
+            raise error
+        self.speculative = answer.speculative
+
+    def _died(self, stage: Stage, died: EngineDied, deaths: int) -> int:
+        """After the engine's `deaths`-th death in a row: go on without speculation after
+        DEATHS_BEFORE_NO_SPECULATION, fail after DEATHS_BEFORE_GIVING_UP more (committed units are kept, so the
+        next run resumes). The deaths counted from now on."""
+        stats = self.stats[stage]
+        if self.speculative and deaths >= DEATHS_BEFORE_NO_SPECULATION:
+            self.speculative, deaths = None, 0
+            stats.note = f"speculation switched off after {DEATHS_BEFORE_NO_SPECULATION} engine deaths"
+        elif deaths >= DEATHS_BEFORE_GIVING_UP:
+            raise EngineError(f"the engine died {deaths} times ({died}). Finished units are kept: rerun the same "
+                              "command to resume.") from died
+        stats.note = stats.note or f"engine restarted after {deaths} death(s)"
+        return deaths
 
 
 class _Either:
-    """Set when either event is: a stream stops on a signal, or when auto switches engines."""
+    """Set when either event is: a stream stops on a signal, or on a policy's answer that ends it."""
 
     def __init__(self, *events: threading.Event):
         self.events = events

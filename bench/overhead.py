@@ -14,7 +14,7 @@ import pstats
 import resource
 import time
 
-from batchjson.engine import EngineWrapper
+from batchjson.engine import EngineFactory, EngineWrapper
 from batchjson.engine.fake import Answer, FakeEngine
 from bench.common import MB, Clock, build_spec
 
@@ -217,12 +217,13 @@ def run_overhead(sc: dict) -> dict:
     fail_rate, log = float(sc.get("fail_rate", 0.11)), []
     kinds = tuple(sc.get("fail_kinds", ["repetition"]))
 
-    def factory(spec_, decoding, speculative):
-        second = decoding is spec_.fallback
-        return SampledEngine(fake_engine(spec_.model.max_in_flight, 0.0 if second else fail_rate, kinds), log,
-                             "pass2" if second else "pass1")
+    class Engines(EngineFactory):
+        drafts_optional = True  # the fake engine decodes a request without a draft: auto need not ask vLLM (an import)
 
-    factory.no_draft = True  # the fake engine decodes a request without a draft: auto need not ask vLLM (an import)
+        def start(self, spec_, decoding, speculative):  # both passes share it, and its fail rate
+            return SampledEngine(fake_engine(spec_.model.max_in_flight, fail_rate, kinds), log, "engine")
+
+    factory = Engines()
 
     # Where the end of a run spends memory: RSS around the report's tally (over the commit records).
     from batchjson.report import RunReport

@@ -211,7 +211,8 @@ def batchjson_side(sc: dict) -> dict:
     _env()
     import vllm
 
-    from batchjson.job import run_job, vllm_engine
+    from batchjson.engine import VllmEngines
+    from batchjson.job import run_job
 
     seen_kwargs: list[dict] = []
     real_init = vllm.LLM.__init__
@@ -224,10 +225,13 @@ def batchjson_side(sc: dict) -> dict:
     spec = build_spec(sc)
     recs: dict[str, dict] = {"pass1": {}, "pass2": {}}
 
-    def factory(spec_, decoding, speculative):
-        with Clock() as c:
-            engine = vllm_engine(spec_, decoding, speculative)
-        return _TimedEngine(engine, c.wall, recs["pass2" if decoding is spec_.fallback else "pass1"])
+    class Timed(VllmEngines):
+        def start(self, spec_, decoding, speculative):
+            with Clock() as c:
+                engine = super().start(spec_, decoding, speculative)
+            return _TimedEngine(engine, c.wall, recs["pass1"])  # pass 2 decodes on pass 1's engine, beside it
+
+    factory = Timed()
 
     mon = RssMonitor()
     mon.start()

@@ -11,6 +11,7 @@ import pytest
 
 from helpers import SCRATCH  # first: it sets the session's environment up
 from batchjson.engine import EngineWrapper
+from batchjson.engine.vllm_engine import VllmEngines, engine_decoding
 
 
 def pytest_configure(config):
@@ -33,7 +34,7 @@ def tiny_model() -> str:
     return str(make_tiny_model(SCRATCH / "tiny-model"))
 
 
-class SharedEngines:
+class SharedEngines(VllmEngines):
     """An engine factory for run_job that starts each distinct engine configuration once per test session.
 
     Tests close nothing: the session closes every engine at its end. At most MAX_IDLE engines stay open while no
@@ -48,15 +49,14 @@ class SharedEngines:
         self.lent = {}  # key -> how many runs hold it now
         self.starts = 0
 
-    def __call__(self, spec, decoding, speculative):
-        from batchjson.engine import VllmEngine
-
-        key = repr((spec.model, decoding, speculative, json.dumps(spec.schema_doc, sort_keys=True)))
+    def start(self, spec, decoding, speculative):
+        schema = json.dumps(spec.schema_doc, sort_keys=True)
+        key = repr((spec.model, engine_decoding(spec, decoding), speculative, schema))  # the engine-wide seed too
         engine = self.engines.pop(key, None)
         if engine is None:
             self._evict(keep=self.MAX_IDLE - 1)
             self.starts += 1
-            engine = VllmEngine(spec.model, decoding, spec.schema_doc, speculative)
+            engine = super().start(spec, decoding, speculative)
         self.engines[key] = engine
         self.lent[key] = self.lent.get(key, 0) + 1
         return _Borrowed(engine, lambda: self._give_back(key))

@@ -8,34 +8,34 @@ import os
 import signal
 import sys
 
-from batchjson.engine import EngineWrapper
-from batchjson.job import run_job, vllm_engine
+from batchjson.engine import EngineWrapper, VllmEngines, WrappedEngines
+from batchjson.job import run_job
 from batchjson.spec import load_spec
 
 
 class KillAfter(EngineWrapper):
-    """The real engine; the process group is killed once `n` results have been handed to the runner."""
+    """The real engine; the process group is killed once `n` results of pass `kill_pass` have been handed to the
+    runner, over every engine of the run (both passes share an engine: results of the other pass do not count)."""
 
-    def __init__(self, inner, n):
+    seen = 0
+
+    def __init__(self, inner, kill_pass, n):
         super().__init__(inner)
-        self.n = n
+        self.kill_pass, self.n = kill_pass, n
 
     def stream(self, prompts, stop=None):
-        for i, gen in enumerate(self.inner.stream(prompts, stop), 1):
+        for gen in self.inner.stream(prompts, stop):
             yield gen
-            if i == self.n:
-                os.killpg(os.getpgid(0), signal.SIGKILL)
+            if gen.prompt.stage.number == self.kill_pass:
+                KillAfter.seen += 1
+                if KillAfter.seen == self.n:
+                    os.killpg(os.getpgid(0), signal.SIGKILL)
 
 
 def main():
     job, output, kill_pass, n = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
     spec = load_spec(job)
-
-    def factory(spec_, decoding, speculative):
-        engine = vllm_engine(spec_, decoding, speculative)
-        this_pass = 2 if decoding is spec_.fallback else 1
-        return KillAfter(engine, n) if n and this_pass == kill_pass else engine
-
+    factory = WrappedEngines(VllmEngines(), lambda engine: KillAfter(engine, kill_pass, n) if n else engine)
     report = run_job(spec, output, engine_factory=factory, progress=False)
     print(report.summary())
 

@@ -20,7 +20,7 @@ import pytest
 from click.testing import CliRunner
 
 from batchjson.cli import main
-from batchjson.engine import EngineWrapper
+from batchjson.engine import EngineWrapper, WrappedEngines
 from batchjson.errors import EngineError, OutputError, SpecError
 from batchjson.engine.fake import FakeEngine, FakeEngines
 from batchjson.job import run_job
@@ -288,11 +288,12 @@ def test_a_failed_engine_start_does_not_claim_the_folder_for_its_spec(tmp_path, 
     write_rows(tmp_path / "in.parquet", 4)
     job = write_job(tmp_path, tiny_model, tmp_path / "in.parquet")
 
-    def broken(*args):
-        raise EngineError("cannot start")
+    class Broken(FakeEngines):
+        def start(self, *args):
+            raise EngineError("cannot start")
 
     with pytest.raises(EngineError):
-        run(job, engine_factory=broken)
+        run(job, engine_factory=Broken())
     job.write_text(job.read_text().replace("max_tokens = 48", "max_tokens = 40"))  # the user's fix
     assert run(job).verified["complete"]
 
@@ -309,9 +310,7 @@ def test_a_stop_never_starts_an_engine(tmp_path, tiny_model):
             runner.stop.set()  # the signal arrived...
             yield from self.inner.stream(prompts)  # ...and the engine dies of it
 
-    def factory(*args):
-        engines(*args)
-        return SignalledEngine(FakeEngine(die_after=2))
+    factory = WrappedEngines(engines, lambda engine: SignalledEngine(FakeEngine(die_after=2)))
 
     from batchjson.job import JobRun
 

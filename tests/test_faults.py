@@ -17,7 +17,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from batchjson.engine import VllmEngine
+from batchjson.engine import VllmEngines
 from batchjson.errors import EngineError, InputError, OutputError, ResumeConflict
 from batchjson.job import run_job
 from batchjson.storage import Storage, location
@@ -43,15 +43,15 @@ def test_runner_killed_at_many_points_across_both_passes(tmp_path, tiny_model):
     assert_exactly_once([f"r{i:05d}" for i in range(30)], out, out / "_rejects")
 
 
-class KillEngineProcess:
+class KillEngineProcess(VllmEngines):
     """An engine factory whose engines have their process SIGKILLed after `after` results, `times` times."""
 
     def __init__(self, after: int, times: int):
         self.after, self.times, self.speculative_seen = after, times, []
 
-    def __call__(self, spec, decoding, speculative):
+    def start(self, spec, decoding, speculative):
         before = set(psutil.Process().children(recursive=True))
-        engine = VllmEngine(spec.model, decoding, spec.schema_doc, speculative)
+        engine = super().start(spec, decoding, speculative)
         self.speculative_seen.append(speculative is not None)
         mine = set(psutil.Process().children(recursive=True)) - before
         if self.times <= 0:

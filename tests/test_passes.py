@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from batchjson import passes
-from batchjson.engine import EngineWrapper
+from batchjson.engine import EngineWrapper, WrappedEngines
 from batchjson.engine.fake import FakeEngines
 from batchjson.errors import SpecError
 from batchjson.job import run_job
@@ -96,7 +96,7 @@ def test_an_engine_death_right_after_the_switch_loses_no_row(tmp_path, tiny_mode
                 self.inner.die_after = 30
             return self.inner.stream(prompts, stop)
 
-    report = run_job(spec, engine_factory=lambda *a: DiesAfterTheSwitch(engines(*a)), progress=False)
+    report = run_job(spec, engine_factory=WrappedEngines(engines, DiesAfterTheSwitch), progress=False)
     out = Path(spec.output.path)
     assert_exactly_once([f"r{i:05d}" for i in range(ROWS)], out, out / "_rejects")
     assert len(engines.started) == 2 and "restarted" in report.passes["pass1"].note

@@ -7,6 +7,7 @@ import collections
 import pyarrow.dataset as ds
 import pytest
 
+from batchjson.engine.fake import FakeEngines
 from batchjson.job import run_job
 from batchjson.source import ParquetSource
 from batchjson.spec import load_spec
@@ -51,10 +52,11 @@ def test_an_empty_shard_starts_no_engine(tmp_path):
     write_rows(tmp_path / "in.parquet", 5)
     spec = load_spec(write_job(tmp_path, "no-model", tmp_path / "in.parquet"))
 
-    def no_engine(*args):
-        raise AssertionError("shard 1/2 of a one-row-group input has no work")
+    class NoEngine(FakeEngines):
+        def start(self, *args):
+            raise AssertionError("shard 1/2 of a one-row-group input has no work")
 
-    report = run_job(spec, shard=(1, 2), engine_factory=no_engine, progress=False)
+    report = run_job(spec, shard=(1, 2), engine_factory=NoEngine(), progress=False)
     assert report.passes == {} and report.valid == report.rejected == 0
 
 

@@ -1,15 +1,19 @@
-"""The Engine contract: what a pass needs from an engine (the ABC), and a wrapper that watches or breaks one."""
+"""The Engine contract: what a pass needs from an engine (the ABC), the factory that starts a run's engines, and a
+wrapper that watches or breaks one."""
 
 from __future__ import annotations
 
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Iterator, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
 
-from batchjson.records import Generation, Prompt
+from batchjson.records import Generation, Prompt, Stage
 from batchjson.schema.grammar import Choice
-from batchjson.spec import DecodingSpec, SpeculativeSpec
+from batchjson.spec import DecodingSpec, JobSpec, SpeculativeSpec
+
+if TYPE_CHECKING:
+    from batchjson.passes import Pass
 
 
 class Engine(ABC):
@@ -36,7 +40,7 @@ class Engine(ABC):
         speculative engine: whether its requests can be decoded without a draft (see `use`)."""
 
     @abstractmethod
-    def use(self, decoding: DecodingSpec, stage: str = "p1", draft: bool = True) -> None:
+    def use(self, decoding: DecodingSpec, stage: Stage = Stage.FIRST, draft: bool = True) -> None:
         """Decode prompts of `stage` (Prompt.stage) with these sampling settings from now on, and on a speculative
         engine with drafts or without (`draft`), so that both passes share one engine."""
 
@@ -55,6 +59,34 @@ class Engine(ABC):
         """Free the engine; a closed engine is not used again."""
 
 
+class EngineFactory(ABC):
+    """Starts a run's engines, and says what they decode: before any starts, whether a speculative one can decode a
+    request without a draft; after each start, which passes it takes.
+
+    VllmEngines (vllm_engine.py) starts VllmEngine, FakeEngines (fake.py) the fake. A factory goes to each replica
+    (pickled), so it holds settings, not engines. Tests and benchmarks that watch or break engines wrap a factory's
+    engines (WrappedEngines) or subclass it.
+    """
+
+    @abstractmethod
+    def start(self, spec: JobSpec, decoding: DecodingSpec, speculative: SpeculativeSpec | None) -> Engine:
+        """A new engine for a pass with these settings (the engine-wide ones: grammar backend, draft); EngineError
+        when it cannot start."""
+
+    @property
+    @abstractmethod
+    def drafts_optional(self) -> bool:
+        """Whether its speculative engines can decode a request without a draft. When they can, pass 2 decodes
+        beside pass 1 on a speculative engine; when not, pass 2 would need an engine start of its own."""
+
+    def takes(self, engine: Engine, passes: Sequence[Pass], speculative: SpeculativeSpec | None) -> tuple[Stage, ...]:
+        """The passes `engine` decodes as it is: the first with `speculative` (its draft now) or without a draft,
+        the others without. Engine-wide settings change only with the engine (auto's switches, deaths)."""
+        first = passes[0]
+        return tuple(p.stage for p in passes
+                     if (p is first and engine.accepts(p.decoding, speculative)) or engine.accepts(p.decoding, None))
+
+
 class EngineWrapper(Engine):
     """An engine around another one, for tests and benchmarks that watch or break it (a subclass overrides what
     it changes, usually stream); everything else is the inner engine's."""
@@ -70,7 +102,7 @@ class EngineWrapper(Engine):
     def accepts(self, decoding: DecodingSpec, speculative: SpeculativeSpec | None) -> bool:
         return self.inner.accepts(decoding, speculative)
 
-    def use(self, decoding: DecodingSpec, stage: str = "p1", draft: bool = True) -> None:
+    def use(self, decoding: DecodingSpec, stage: Stage = Stage.FIRST, draft: bool = True) -> None:
         self.inner.use(decoding, stage, draft)
 
     def stream(self, prompts: Iterable[Prompt], stop: threading.Event | None = None) -> Iterator[Generation]:
@@ -87,3 +119,21 @@ class EngineWrapper(Engine):
             raise AttributeError(name)
         return getattr(self.inner, name)
 
+
+
+class WrappedEngines(EngineFactory):
+    """A factory around another one, for tests and benchmarks that watch or break its engines: each engine it
+    starts goes through `wrap` (usually into an EngineWrapper); everything else is the inner factory's."""
+
+    def __init__(self, inner: EngineFactory, wrap: Callable[[Engine], Engine]):
+        self.inner, self.wrap = inner, wrap
+
+    def start(self, spec: JobSpec, decoding: DecodingSpec, speculative: SpeculativeSpec | None) -> Engine:
+        return self.wrap(self.inner.start(spec, decoding, speculative))
+
+    @property
+    def drafts_optional(self) -> bool:
+        return self.inner.drafts_optional
+
+    def takes(self, engine: Engine, passes: Sequence[Pass], speculative: SpeculativeSpec | None) -> tuple[Stage, ...]:
+        return self.inner.takes(engine, passes, speculative)

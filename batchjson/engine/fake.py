@@ -18,9 +18,9 @@ from collections import Counter, deque
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
-from batchjson.engine.base import Engine
+from batchjson.engine.base import Engine, EngineFactory
 from batchjson.errors import EngineDied
-from batchjson.records import WAIT, Generation, Prompt
+from batchjson.records import WAIT, Generation, Prompt, Stage
 from batchjson.spec import DecodingSpec, SpeculativeSpec
 
 
@@ -71,7 +71,7 @@ class FakeEngine(Engine):
     def accepts(self, decoding: DecodingSpec, speculative: SpeculativeSpec | None) -> bool:
         return (speculative is not None) == self.speculative or (speculative is None and self.no_draft)
 
-    def use(self, decoding: DecodingSpec, stage: str = "p1", draft: bool = True) -> None:
+    def use(self, decoding: DecodingSpec, stage: Stage = Stage.FIRST, draft: bool = True) -> None:
         self.decoding[stage], self.draft[stage] = decoding, draft and self.speculative
 
     def stream(self, prompts: Iterable[Prompt], stop: threading.Event | None = None) -> Iterator[Generation]:
@@ -132,7 +132,7 @@ class FakeEngine(Engine):
         self.closed = True
 
 
-class FakeEngines:
+class FakeEngines(EngineFactory):
     """An engine factory for run_job: a new FakeEngine (with `kwargs`) per engine start, recorded in `started`.
 
     `start_delay`: seconds an engine start takes (signals arrive meanwhile); `start_marker`: a file created when a
@@ -144,11 +144,14 @@ class FakeEngines:
                  **kwargs):
         self.start_delay, self.start_marker, self.spec_delay = start_delay, start_marker, spec_delay
         self.kwargs = kwargs
-        self.no_draft = kwargs.get("no_draft", True)  # the worker asks before it starts an engine
         self.started: list[tuple[DecodingSpec, SpeculativeSpec | None]] = []
         self.engines: list[FakeEngine] = []  # in this process (a replica's are in its own)
 
-    def __call__(self, spec, decoding: DecodingSpec, speculative: SpeculativeSpec | None) -> FakeEngine:
+    @property
+    def drafts_optional(self) -> bool:
+        return self.kwargs.get("no_draft", True)
+
+    def start(self, spec, decoding: DecodingSpec, speculative: SpeculativeSpec | None) -> FakeEngine:
         if self.start_marker:
             open(self.start_marker, "w").close()
         time.sleep(self.start_delay)

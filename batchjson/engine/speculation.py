@@ -26,8 +26,12 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import time
 from dataclasses import dataclass, field
 
+from batchjson.adapt import KEEP, Answer, Policy, Switch
+from batchjson.engine.base import Engine
+from batchjson.records import Generation, Outcome, Stage
 from batchjson.spec import SpeculativeSpec
 
 # Output tokens/s of each speculative method over no speculation, by requests in flight: measured on an H200 with
@@ -95,9 +99,10 @@ class Trial:
 
 
 @dataclass
-class Auto:
-    """The auto policy for one pass on one engine (replica): which speculative config to run now, and when to
-    switch. The caller reports each finished row (`add`) and asks `wanted()` after each."""
+class Auto(Policy):
+    """The auto policy (an adapt.Policy) for pass 1 on one engine (replica): which speculative config to run now,
+    and when to switch. It measures the engines started for pass 1 (its choices), each from its start: every row
+    they finish counts (`add`), and once a choice has its sample, `decide` answers."""
 
     spec: SpeculativeSpec
     in_flight: int | None
@@ -107,6 +112,11 @@ class Auto:
     trials: list[Trial] = field(default_factory=list)
     decided: str = ""
     """Why the current choice is final; empty while measuring."""
+    engine: Engine | None = field(default=None, repr=False)
+    """The engine of the current choice, measured since `since` (time.monotonic(), its steps then)."""
+    since: tuple[float, int] = (0.0, 0)
+    ran: bool = False
+    """Whether an engine for pass 1 started: a worker that never decoded pass 1 has nothing to report."""
 
     def __post_init__(self):
         # A configured draft model is the candidate (judged like the others); else the lookup method installed here.
@@ -127,6 +137,37 @@ class Auto:
     def started(self, seconds: float) -> None:
         self.trials[-1].start_s += seconds
 
+    def engine_started(self, engine: Engine, stage: Stage, seconds: float) -> None:
+        self.engine = engine if stage == Stage.FIRST else None
+        if self.engine is not None:
+            self.ran = True
+            self.started(seconds)
+            self.since = (time.monotonic(), engine.steps)
+
+    def observe(self, engine: Engine, gen: Generation, outcome: Outcome) -> Answer:
+        if engine is not self.engine or not self.add(gen.output_tokens):
+            return KEEP
+        self._measure(engine)
+        answer = self.decide()
+        if answer is not KEEP:
+            self.engine = None  # the next engine's rows are the next choice's
+        return answer
+
+    def stream_ended(self, engine: Engine) -> None:
+        if engine is self.engine:  # its numbers so far are the choice's measurement
+            self._measure(engine)
+
+    def _measure(self, engine: Engine) -> None:
+        self.measure(time.monotonic() - self.since[0], engine.steps - self.since[1], engine.stats())
+
+    def refused(self, reason: str) -> Answer:
+        self.could_not_start(reason)
+        return Switch(None)
+
+    def report(self, stats) -> None:
+        if self.ran:
+            stats.auto = [self.to_dict()]
+
     def add(self, tokens: int) -> bool:
         """One more finished row of the current choice; True when it is time to measure and decide."""
         trial = self.trials[-1]
@@ -141,11 +182,11 @@ class Auto:
         if stats:  # each choice runs on its own engine, whose counters start at zero
             trial.drafted, trial.accepted = stats.get("draft_tokens", 0.0), stats.get("accepted_tokens", 0.0)
 
-    def wanted(self) -> SpeculativeSpec | None | str:
-        """The config to switch to now, or "stay"."""
+    def decide(self) -> Answer:
+        """Switch to the other choice (a trial, or back), or KEEP this one."""
         trial = self.trials[-1]
         if self.decided or trial.rows < self.sample:
-            return "stay"
+            return KEEP
         done = sum(t.rows for t in self.trials)
         if len(self.trials) == 1:
             rest_s = (self.total_rows - done) * trial.seconds / trial.rows
@@ -153,17 +194,17 @@ class Auto:
             if rest_s < TRIAL_PAYS * start_s:
                 self.decided = (f"kept {trial.method}: the rest of the pass (~{rest_s:.0f} s) is too short to pay for "
                                 f"trying the other choice ({start_s:.0f} s per engine start)")
-                return "stay"
+                return KEEP
             other = "none" if trial.method != "none" else self.candidate.method
             self.trials.append(Trial(other))
-            return self.config(other)
+            return Switch(self.config(other))
         first, second = self.trials
         if second.rate > BETTER_BY * first.rate:
             self.decided = f"{second.method}: {second.rate / first.rate:.2f}x the output tokens/s of {first.method}"
-            return "stay"
+            return KEEP
         self.decided = f"{first.method}: {second.method} made {second.rate / first.rate:.2f}x its output tokens/s"
         self.trials.append(dataclasses.replace(first, rows=0, tokens=0, seconds=0.0, steps=0))
-        return self.config(first.method)
+        return Switch(self.config(first.method))
 
     def could_not_start(self, reason: str) -> None:
         """The engine for the current (speculative) choice did not start: decode without speculation from here on."""
@@ -173,7 +214,7 @@ class Auto:
             self.trials.pop()
         self.trials.append(Trial("none"))
 
-    def report(self) -> dict:
+    def to_dict(self) -> dict:
         chosen = self.trials[-1].method
         size = f"{self.in_flight} in flight" if self.in_flight else "a full engine batch"
         why = self.decided or (f"{chosen}: the faster at {size} on a {self.platform} in our "

@@ -1,4 +1,5 @@
-"""VllmEngine, the one place that talks to vLLM's public API: prompts in, generations out, streamed.
+"""VllmEngine, the one place that talks to vLLM's public API: prompts in, generations out, streamed; VllmEngines,
+its factory.
 
 Over 250 lines because it is one adapter: vLLM is imported here only (in `_vllm`, on first use), and a change in
 vLLM's API (as guided decoding becoming StructuredOutputsParams) should touch this file alone; split, the class's
@@ -12,18 +13,19 @@ import gc
 import importlib
 import importlib.util
 import os
+import dataclasses
 import threading
 import time
 from collections.abc import Iterable, Iterator
 from typing import Any
 
 from batchjson.engine import internals
-from batchjson.engine.base import Engine
+from batchjson.engine.base import Engine, EngineFactory
 from batchjson.engine.models import resolve_model
 from batchjson.errors import EngineDied, EngineError
 from batchjson.schema.grammar import choose
-from batchjson.records import WAIT, Generation, Prompt
-from batchjson.spec import DecodingSpec, ModelSpec, SpeculativeSpec
+from batchjson.records import WAIT, Generation, Prompt, Stage
+from batchjson.spec import DecodingSpec, JobSpec, ModelSpec, SpeculativeSpec
 
 INSTALL_HINT = "pip install 'batchjson[cpu]' (CPU) or 'batchjson[gpu]' (NVIDIA GPU)"
 
@@ -179,7 +181,7 @@ class VllmEngine(Engine):
         draft_ok = wanted == self.speculative or (wanted is None and self.no_draft)
         return backend == self.backend and draft_ok and seed_ok
 
-    def use(self, decoding: DecodingSpec, stage: str = "p1", draft: bool = True) -> None:
+    def use(self, decoding: DecodingSpec, stage: Stage = Stage.FIRST, draft: bool = True) -> None:
         """Decode prompts of `stage` with these sampling settings (per request: no engine restart)."""
         if not draft and self.speculative is not None and not self.no_draft:
             raise EngineError("[internal] this engine cannot decode requests without a draft")
@@ -197,7 +199,7 @@ class VllmEngine(Engine):
     def _probe(self, backend: str) -> None:
         """Fail at start, not on every row, when the grammar backend cannot take the schema."""
         try:
-            (request_id,) = self.llm.enqueue("{", self.params["p1"], use_tqdm=False)
+            (request_id,) = self.llm.enqueue("{", self.params[Stage.FIRST], use_tqdm=False)
         except self._refused as e:
             self.close()
             raise EngineError(f"the {backend} structured-output backend cannot use this JSON Schema: {e}. "
@@ -313,3 +315,26 @@ class VllmEngine(Engine):
             pass
         self.llm = None
         gc.collect()
+
+
+class VllmEngines(EngineFactory):
+    """The default engine factory: a VllmEngine per start."""
+
+    def start(self, spec: JobSpec, decoding: DecodingSpec, speculative: SpeculativeSpec | None) -> VllmEngine:
+        return VllmEngine(spec.model, engine_decoding(spec, decoding), spec.schema_doc, speculative)
+
+    @property
+    def drafts_optional(self) -> bool:
+        return internals.no_draft_ready()
+
+
+def engine_decoding(spec: JobSpec, decoding: DecodingSpec) -> DecodingSpec:
+    """The settings an engine starts with for a pass of `spec` with `decoding`. On a CPU the seed is engine-wide
+    (`accepts`): a pass that sets none seeds the engine with the first seed another pass asks for, so that pass's
+    seed holds on this engine and both share it. Elsewhere seeds are per request and this changes nothing."""
+    if decoding.seed is not None:
+        return decoding
+    from batchjson.passes import plan_passes
+
+    seed = next((p.decoding.seed for p in plan_passes(spec) if p.decoding.seed is not None), None)
+    return dataclasses.replace(decoding, seed=seed)

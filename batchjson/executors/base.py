@@ -20,14 +20,14 @@ from collections import defaultdict, deque
 from collections.abc import Callable, Iterable, Iterator
 
 from batchjson.errors import EngineError
-from batchjson.records import WAIT
+from batchjson.records import WAIT, Stage
 
 # A replica that dies is replaced this many times per slot before the run gives up (its units are kept).
 RESPAWNS_PER_SLOT = 2
 TICK = 0.2  # seconds between the driver's looks at its replicas
 IDLE_POLL = 0.05  # seconds a worker waits before asking again when nothing fits now
 
-Work = tuple[str, str]  # (stage, unit key)
+Work = tuple[Stage, str]  # (stage, unit key)
 
 
 class Queue:
@@ -191,7 +191,7 @@ class Pool:
                 lost = work.lost(slot)
                 if slot in reported and not lost:
                     continue  # it finished and then exited: the end of the run, or a crash after it
-                for stage in sorted({stage for stage, _ in lost}) or ["p1"]:
+                for stage in sorted({stage for stage, _ in lost}) or [Stage.FIRST]:
                     count = sum(s == stage for s, _ in lost)
                     on_note(stage, f"replica {slot} died; {count} open unit(s) handed to others")
                 reported.discard(slot)

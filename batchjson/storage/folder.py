@@ -40,6 +40,7 @@ from pathlib import Path
 import pyarrow as pa
 
 from batchjson.errors import InputError, OutputError, ResumeConflict
+from batchjson.records import Stage
 from batchjson.storage.location import Location, Unreadable, glob_match
 from batchjson.storage.locks import Lease, lock_folder, release
 from batchjson.storage.names import STAGED, Kind, PartName, Stage, UnitName, staged
@@ -237,7 +238,7 @@ class Storage:
 
         New files are added work. A file that changed or disappeared is refused when units from it are committed
         (their rows could no longer be matched to the input); otherwise its fingerprint is simply replaced."""
-        used = Counter(r["file"] for r in self._records("p1"))
+        used = Counter(r["file"] for r in self._records(Stage.FIRST))
         known = {p.name[:-5]: p.read_json() for p in self.inputs.glob("*.json")}
         for tag, old in known.items():
             new = fingerprints.get(tag)
@@ -295,7 +296,7 @@ class Storage:
     def begin(self, stage: Stage, key: str) -> None:
         """Start (or restart) a unit: every file an earlier attempt may have left, of every kind, goes."""
         for kind in ("output", "rejects", "requeue"):
-            if kind == "requeue" and stage == "p2":
+            if kind == "requeue" and stage == Stage.SECOND:
                 continue
             path = self.part(stage, key, kind)
             self._hidden(path).unlink(missing_ok=True)
@@ -352,7 +353,7 @@ class Storage:
         The files are read as verify reads them (the id column), so what verify finds unreadable a rerun redoes."""
         out = {}
         for key in keys:
-            for stage in ("p1", "p2"):
+            for stage in Stage:
                 record = self.record(stage, key) if self.done(stage, key) else None
                 for kind in record["files"] if record else ():
                     flaw = self._flaw(record, kind, id_column)
@@ -372,7 +373,7 @@ class Storage:
 
     def drop(self, key: str) -> None:
         """Uncommit a unit in both passes (records first, then files), so that it is redone from scratch."""
-        for stage in ("p2", "p1"):
+        for stage in reversed(Stage):
             self._record(stage, key).unlink(missing_ok=True)
             self._read.pop(self._record(stage, key).name, None)
             self.committed().discard(UnitName(stage, key).unit_id())
@@ -380,11 +381,11 @@ class Storage:
             self.begin(stage, key)
 
     def requeued(self, key: str) -> bool:
-        record = self.record("p1", key)
+        record = self.record(Stage.FIRST, key)
         return bool(record and "requeue" in record["files"])
 
     def read_requeue(self, key: str) -> pa.Table:
-        return self.part("p1", key, "requeue").read_parquet()
+        return self.part(Stage.FIRST, key, "requeue").read_parquet()
 
     def read_ids(self, stage: Stage, key: str, kind: Kind, columns: list[str]) -> pa.Table:
         """Some columns of one committed file, under its final name or, while its commit is being published (by

@@ -14,11 +14,12 @@ folder written so far; a folder written before resumes only while they stay as t
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, get_args
+from typing import Literal
 
-Stage = Literal["p1", "p2"]
+from batchjson.records import Stage
+
 Kind = Literal["output", "rejects", "requeue"]
-STAGES: tuple[Stage, ...] = get_args(Stage)
+STAGES: tuple[Stage, ...] = tuple(Stage)
 STAGED = ".tmp"  # a staged file's suffix (after a leading dot)
 PARQUET, JSON = ".parquet", ".json"
 REJECTS = "rejects-"
@@ -45,7 +46,7 @@ class UnitName:
         stage, dash, key = stem[:2], stem[2:3], stem[3:]
         if stage not in STAGES or dash != "-" or not key:
             raise ValueError(f"not a unit's name: {name!r}")
-        return cls(stage, key)  # type: ignore[arg-type]
+        return cls(Stage(stage), key)
 
 
 @dataclass(frozen=True, slots=True)

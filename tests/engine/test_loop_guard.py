@@ -5,6 +5,7 @@ from __future__ import annotations
 import pyarrow.dataset as ds
 import pytest
 
+from batchjson.engine import WrappedEngines
 from batchjson.job import run_job
 from batchjson.spec import LOOP_GUARD, LOOP_GUARD_BOUNDED, load_spec
 from helpers import write_job, write_rows
@@ -28,10 +29,7 @@ class _Spy:
 
 
 def spying(engines, seen):
-    def factory(spec, decoding, speculative):
-        return _Spy(engines(spec, decoding, speculative), seen)
-
-    return factory
+    return WrappedEngines(engines, lambda engine: _Spy(engine, seen))
 
 
 def guard_of(params):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from batchjson.adapt import KEEP
 from batchjson.engine import speculation
 from batchjson.engine.fake import FakeEngines
 from batchjson.job import run_job
@@ -14,10 +15,12 @@ AUTO = SpeculativeSpec(method="auto")
 
 
 def feed(auto, rows, tokens=100, seconds=1.0, steps=100, stats=None):
+    """The config auto switches to after these rows, or "stay"."""
     for _ in range(rows):
         if auto.add(tokens):
             auto.measure(seconds * auto.trials[-1].rows / rows, steps, stats)
-            return auto.wanted()
+            answer = auto.decide()
+            return "stay" if answer is KEEP else answer.speculative
     return "stay"
 
 
@@ -30,7 +33,7 @@ def test_prior_follows_the_measured_speedups(monkeypatch):
     # The default max_in_flight (None) fills the engine's batch: there no speculation was faster (0.88x)
     full = speculation.Auto(AUTO, None, "gpu", 10_000)
     assert full.current() is None and full.sample == 2048
-    assert "a full engine batch" in full.report()["why"]
+    assert "a full engine batch" in full.to_dict()["why"]
     monkeypatch.setattr(speculation, "draft_method", lambda: "ngram")
     assert speculation.Auto(AUTO, 1, "gpu", 10_000).current() is None  # ngram 0.97x at 1 in flight
 
@@ -39,7 +42,7 @@ def test_a_short_pass_keeps_the_first_choice():
     auto = speculation.Auto(AUTO, 8, "cpu", 100)
     auto.started(30.0)
     assert feed(auto, 64, seconds=10.0) == "stay"
-    assert "too short" in auto.decided and auto.report()["chosen"] == "none"
+    assert "too short" in auto.decided and auto.to_dict()["chosen"] == "none"
 
 
 def test_a_long_pass_tries_the_other_choice_and_keeps_the_faster():
@@ -49,7 +52,7 @@ def test_a_long_pass_tries_the_other_choice_and_keeps_the_faster():
     assert other is not None and other.method in ("ngram", "suffix")
     auto.started(30.0)
     assert feed(auto, 64, seconds=5.0, stats={"draft_tokens": 400, "accepted_tokens": 300}) == "stay"
-    report = auto.report()
+    report = auto.to_dict()
     assert report["chosen"] == other.method and "2.00x" in report["why"]
     assert report["trials"][1]["acceptance"] == 0.75
 
@@ -59,7 +62,7 @@ def test_a_slower_trial_goes_back():
     auto.started(30.0)
     feed(auto, 64, seconds=10.0)
     assert feed(auto, 64, seconds=20.0) is None  # back to no speculation
-    assert auto.report()["chosen"] == "none"
+    assert auto.to_dict()["chosen"] == "none"
 
 
 @pytest.mark.parametrize("spec_delay, chosen", [(0.0005, "ngram"), (0.02, "none")])
@@ -132,7 +135,7 @@ def test_a_speculative_trial_is_kept_only_if_it_is_faster(trial_s, chosen, monke
     assert trial is not None and trial.method == "suffix"
     auto.started(20.0)
     assert feed(auto, 512, seconds=trial_s) == ("stay" if chosen != "none" else None)
-    report = auto.report()
+    report = auto.to_dict()
     assert report["chosen"] == chosen, report
 
 
@@ -142,7 +145,7 @@ def test_a_draft_method_that_cannot_start_gives_way_to_none(monkeypatch):
     assert auto.current().method == "suffix"
     auto.could_not_start("vLLM could not start with model m: no module named arctic_inference")
     assert auto.current() is None and feed(auto, 64) == "stay"  # decided: no trial after that
-    report = auto.report()
+    report = auto.to_dict()
     assert report["chosen"] == "none" and "suffix could not start here" in report["why"]
     assert [t["method"] for t in report["trials"]] == ["none"]
 

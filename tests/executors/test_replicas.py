@@ -29,8 +29,8 @@ class SlowReplicaEngines(FakeEngines):
         super().__init__(**kwargs)
         self.slow_replica = slow_replica
 
-    def __call__(self, spec, decoding, speculative):
-        engine = super().__call__(spec, decoding, speculative)
+    def start(self, spec, decoding, speculative):
+        engine = super().start(spec, decoding, speculative)
         if multiprocessing.current_process().name == f"batchjson-replica-{self.slow_replica}":
             engine.delay *= 50
         return engine
