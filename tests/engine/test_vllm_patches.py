@@ -237,8 +237,8 @@ def test_a_run_on_an_unread_vllm_says_so_once_in_its_summary(tmp_path, tiny_mode
     line = internals.unread(UNREAD)
 
     class Unread(FakeEngines):
-        def __call__(self, *args):
-            engine = super().__call__(*args)
+        def start(self, *args):
+            engine = super().start(*args)
             engine.notice = line
             return engine
 
