@@ -69,8 +69,9 @@ class JobRun:
         storage = self.storage
         report = RunReport(self.spec.hash(), input_rows, str(storage.output), str(storage.rejects),
                            max_reject_rate=self.spec.output.max_reject_rate)
-        report.resumed = storage.open(self.spec.hash(), self.spec.fingerprint(), self.spec.output.if_exists, self.fresh)
-        try:
+        try:  # a failed open (a full disk, a changed spec) drops the folder's locks too
+            report.resumed = storage.open(self.spec.hash(), self.spec.fingerprint(), self.spec.output.if_exists,
+                                          self.fresh)
             with signals(self.stop):
                 storage.check_inputs(scan.fingerprints)
                 for key, why in storage.damaged(list(self.refs), self.spec.input.id_column).items():
