@@ -1,5 +1,11 @@
 """Errors the user can fix. Anything else that escapes is a bug and keeps its traceback."""
 
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+
 
 class BatchjsonError(Exception):
     """A problem the user can fix: the message says what went wrong, where, and what to do."""
@@ -17,6 +23,37 @@ class InputError(BatchjsonError):
 
 class OutputError(BatchjsonError):
     """The output folder cannot be written, or holds something this run must not touch."""
+
+
+class StorageFull(OutputError):
+    """The disk (or the quota) that holds the output folder ran out of space while this run wrote a file."""
+
+    @classmethod
+    def at(cls, path, error: OSError) -> StorageFull:
+        """The error for a write of `path` that failed with `error` (ENOSPC or EDQUOT), with the space left."""
+        return cls(f"cannot write {path}: the disk is full ({os.strerror(error.errno)}; {_free(str(path))}). Free "
+                   "space on it and run the same command again to resume: committed units are kept, and no part "
+                   "of this file was left behind.")
+
+
+def is_full(error: BaseException) -> bool:
+    """Whether an OSError says the disk or the quota is full (pyarrow's OSErrors carry the errno too)."""
+    return isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT)
+
+
+def _free(path: str) -> str:
+    folder = os.path.dirname(os.path.abspath(path))
+    while folder != "/" and not os.path.isdir(folder):
+        folder = os.path.dirname(folder)
+    try:
+        free = shutil.disk_usage(folder).free
+    except OSError:
+        return "free space unknown"
+    for unit in ("bytes", "KiB", "MiB", "GiB"):
+        if free < 1024 or unit == "GiB":
+            return f"{free:.0f} {unit} free" if unit == "bytes" else f"{free:.1f} {unit} free"
+        free /= 1024
+    return ""
 
 
 class ResumeConflict(OutputError):

@@ -69,8 +69,9 @@ class JobRun:
         storage = self.storage
         report = RunReport(self.spec.hash(), input_rows, str(storage.output), str(storage.rejects),
                            max_reject_rate=self.spec.output.max_reject_rate)
-        report.resumed = storage.open(self.spec.hash(), self.spec.fingerprint(), self.spec.output.if_exists, self.fresh)
-        try:
+        try:  # a failed open (a full disk, a changed spec) drops the folder's locks too
+            report.resumed = storage.open(self.spec.hash(), self.spec.fingerprint(), self.spec.output.if_exists,
+                                          self.fresh)
             with signals(self.stop):
                 storage.check_inputs(scan.fingerprints)
                 for key, why in storage.damaged(list(self.refs), self.spec.input.id_column).items():
@@ -153,7 +154,7 @@ class JobRun:
     def _on_replicas(self, work: Queue, layout: list, on_done, on_stats, on_note) -> int:
         """The queue served to engine replicas that pull units from it (executors/local.py, executors/ray.py)."""
         os.environ["BATCHJSON_RUNNER_PID"] = str(os.getpid())  # local replicas die with this process
-        args = (self.spec, str(self.output), self.shard, self.engines, self.owners)
+        args = (self.spec, str(self.output), self.shard, self.engines, self.owners, self.source.stamps)
         if self.ray:
             from batchjson.executors.ray import ray_pool
 
@@ -170,12 +171,13 @@ class JobRun:
 
 
 def serve_replica(spec: JobSpec, output: str, shard: tuple[int, int], engines: EngineFactory, owners: dict,
-                  slot: int, count: int, inbox, outbox) -> None:
+                  stamps: dict, slot: int, count: int, inbox, outbox) -> None:
     """The body of replica `slot` of `count` (a local process or a Ray actor): a worker on the driver's queue. The
     driver holds the folder; a replica never claims it."""
     channel = queue_channel(slot, inbox, outbox)
     try:
         source = ParquetSource(spec.input, spec.prompt.columns)
+        source.stamps.update(stamps)  # the input as the driver found it: a change since is refused at the commit
         refs = {r.key: r for r in source.plan(shard)}
         storage = Storage(output, spec.output.rejects or None, shard)
         stop = threading.Event()

@@ -245,6 +245,7 @@ class Worker:
         meta = {"file": ref.tag, "path": ref.file, "reasons": dict(Counter(o.reason for o in final))}
         if self.slot is not None:
             meta["replica"] = self.slot
+        self.source.check_unchanged(ref)  # the last moment before the commit: nothing mixed is committed
         self.storage.commit(p.stage, key, tables, meta)
         self.channel.send("done", stage, key, len(outcomes), len(retry))
 

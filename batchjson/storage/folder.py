@@ -36,11 +36,11 @@ from __future__ import annotations
 import json
 from collections import Counter
 from collections.abc import Callable
+from contextlib import contextmanager
 from pathlib import Path
 import pyarrow as pa
 
-from batchjson.errors import InputError, OutputError, ResumeConflict
-from batchjson.records import Stage
+from batchjson.errors import InputError, OutputError, ResumeConflict, StorageFull, is_full
 from batchjson.storage.location import Location, Unreadable, glob_match
 from batchjson.storage.locks import Lease, lock_folder, release
 from batchjson.storage.names import STAGED, Kind, PartName, Stage, UnitName, staged
@@ -57,6 +57,19 @@ def _diff(old: dict, new: dict, prefix: str = "") -> list[str]:
         elif a != b:
             out.append(f"{prefix}{k}: {a!r} -> {b!r}")
     return out
+
+
+@contextmanager
+def writing(path: Location, undo: Callable[[], None] = lambda: None):
+    """A full disk while writing `path` becomes StorageFull, naming it, after `undo` (the writer has removed what
+    it began)."""
+    try:
+        yield
+    except OSError as e:
+        if not is_full(e):
+            raise
+        undo()
+        raise StorageFull.at(path, e) from None
 
 
 def hidden_below(inner: Location, outer: Location) -> bool | None:
@@ -145,6 +158,8 @@ class Storage:
             try:
                 d.mkdir()
             except OSError as e:
+                if is_full(e):
+                    raise StorageFull.at(d, e) from None
                 raise OutputError(f"cannot create {d}: {e.strerror}. Check the path and permissions.") from None
         self.claim()
         existing = spec_file.exists()
@@ -162,7 +177,8 @@ class Storage:
                                      "Rerun with --fresh to discard it and start over, or choose another --output.")
         if not existing or spec_file.read_json()["hash"] != spec_hash:
             # Until a unit commits, the folder belongs to no spec: a corrected rerun after a failed start is welcome.
-            spec_file.write_json({"hash": spec_hash, "spec": fingerprint})
+            with writing(spec_file):
+                spec_file.write_json({"hash": spec_hash, "spec": fingerprint})
         self.recover()
         return existing and bool(self.committed())
 
@@ -256,7 +272,8 @@ class Storage:
             return [t for t in fingerprints if t not in known]
         for tag, new in fingerprints.items():
             if known.get(tag) != new:
-                (self.inputs / f"{tag}.json").write_json(new)
+                with writing(self.inputs / f"{tag}.json"):
+                    (self.inputs / f"{tag}.json").write_json(new)
         for tag in set(known) - set(fingerprints):
             (self.inputs / f"{tag}.json").unlink(missing_ok=True)
         return [t for t in fingerprints if t not in known]
@@ -311,13 +328,14 @@ class Storage:
             if table is None or not table.num_rows:
                 continue
             path = self.part(stage, key, kind)
-            self._write(table, self._hidden(path))
+            self._write(table, self._hidden(path), undo=lambda: self._unstage(stage, key))
             files[kind], rows[kind] = path.name, table.num_rows
             self.after(f"staged {kind}", stage)
         record = {"stage": stage, "key": key, "files": files, "rows": rows} | meta
         if self._lease:
             self._lease.check()
-        self._record(stage, key).write_json(record)
+        with writing(self._record(stage, key), undo=lambda: self._unstage(stage, key)):
+            self._record(stage, key).write_json(record)
         self._read[self._record(stage, key).name] = record
         self.committed().add(UnitName(stage, key).unit_id())
         self.after("committed", stage)
@@ -327,7 +345,8 @@ class Storage:
         for kind, name in record["files"].items():
             path = self.part(record["stage"], record["key"], kind)
             try:
-                self._hidden(path).move(path)
+                with writing(path):
+                    self._hidden(path).move(path)
             except FileNotFoundError:
                 pass  # published already (by an earlier try, or by another shard's recovery)
             self.after(f"published {kind}", record["stage"])
@@ -406,13 +425,22 @@ class Storage:
         listed = {(self.part(r["stage"], r["key"], k)) for r in self._records() for k in r["files"]}
         return sorted(found - listed)
 
-    def _write(self, table: pa.Table, path: Location) -> None:
+    def _unstage(self, stage: Stage, key: str) -> None:
+        """Delete the files a unit staged before its record could be written: they are no unit's, and take space."""
+        for kind in ("output", "rejects") if stage == "p2" else ("output", "rejects", "requeue"):
+            self._hidden(self.part(stage, key, kind)).unlink(missing_ok=True)
+
+    def _write(self, table: pa.Table, path: Location, undo: Callable[[], None] = lambda: None) -> None:
         try:
             path.write_parquet(table)
         except OSError as e:
             path.unlink(missing_ok=True)
+            if is_full(e):
+                undo()
+                raise StorageFull.at(path, e) from None
             raise OutputError(f"cannot write {path}: {e.strerror or e}. Free space or fix permissions, then run "
                               "again: finished units are kept and the run resumes.") from None
 
     def write_report(self, data: dict) -> None:
-        self.report_path().write_json(data)
+        with writing(self.report_path()):
+            self.report_path().write_json(data)

@@ -225,8 +225,12 @@ class Location:
             self.write_bytes(text)
             return
         tmp = self.with_name(f".tmp-{os.getpid()}-{self.name}")
-        tmp.write_bytes(text)
-        os.replace(tmp.path, self.path)
+        try:
+            tmp.write_bytes(text)
+            os.replace(tmp.path, self.path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)  # a full disk (or Ctrl-C) leaves no temporary file behind
+            raise
 
     def read_json(self):
         return json.loads(self.read_bytes())

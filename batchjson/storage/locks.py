@@ -26,7 +26,7 @@ import uuid
 from datetime import datetime, timezone
 from pathlib import Path
 
-from batchjson.errors import BatchjsonError, OutputError
+from batchjson.errors import BatchjsonError, OutputError, StorageFull, is_full
 from batchjson.storage.location import Location
 
 
@@ -53,7 +53,13 @@ def lock_folder(state: Path, shard: tuple[int, int], busy: str) -> list:
 
 
 def _flock(held: list, path: Path, mode: int, message: str) -> None:
-    fd = open(path, "a")
+    try:
+        fd = open(path, "a")
+    except OSError as e:
+        if is_full(e):  # no inode left for the lock file
+            release(held)
+            raise StorageFull.at(path, e) from None
+        raise
     try:
         fcntl.flock(fd, mode | fcntl.LOCK_NB)
     except BlockingIOError:

@@ -1,0 +1,79 @@
+"""An input file that changes under a running job: refused before a unit read from it is committed (exit 2, naming
+the file); the units committed before stay whole, and a rerun on the old file, or --fresh on the new, completes."""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import pyarrow.parquet as pq
+import pytest
+from click.testing import CliRunner
+
+from batchjson import api, cli, storage
+from batchjson.engine.fake import FakeEngines
+from helpers import assert_exactly_once, ids_of, write_job, write_rows
+
+
+def change_after_commits(monkeypatch, n: int, change) -> None:
+    """Call `change()` once the n-th unit is committed (the next commit is of rows read before or after it)."""
+    seen = []
+    real_init = storage.Storage.__init__
+
+    def after(name, stage):
+        if name == "committed":
+            seen.append(stage)
+            if len(seen) == n:
+                change()
+
+    def init(self, *args, **kwargs):
+        real_init(self, *args, **kwargs)
+        self.after = after
+
+    monkeypatch.setattr(storage.Storage, "__init__", init)
+
+
+def cli_run(monkeypatch, job, *args):
+    monkeypatch.setattr(cli, "run_job", functools.partial(api.run_job, engine_factory=FakeEngines(valid=0.5)))
+    return CliRunner().invoke(cli.main, ["run", str(job), *args])
+
+
+@pytest.mark.parametrize("how", ["append", "overwrite"])
+def test_an_input_file_changed_mid_run_is_refused_before_its_next_commit(tmp_path, monkeypatch, tiny_model, how):
+    old = [f"r{i:05d}" for i in range(80)]
+    src = write_rows(tmp_path / "in" / "a.parquet", 80, row_group_size=40)
+    kept = src.read_bytes()
+    write_rows(tmp_path / "in" / "b.parquet", 16, start=500)  # unchanged
+    job = write_job(tmp_path, tiny_model, tmp_path / "in", batch_size=8)
+    out = tmp_path / "out"
+    new = tmp_path / "new.parquet"
+    if how == "append":
+        write_rows(new, 88)  # the same rows and 8 more
+    else:
+        write_rows(new, 80, start=1000)  # other rows, same count (likely the same size)
+
+    def change():
+        stat = src.stat()
+        os.replace(new, src)
+        os.utime(src, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000))  # a clock that did not tick meanwhile
+
+    change_after_commits(monkeypatch, 2, change)
+    result = cli_run(monkeypatch, job)
+    assert result.exit_code == 2, result.output
+    assert f"input file {src} changed" in result.output and "was not committed" in result.output, result.output
+    assert "--fresh" in result.output
+    committed = ids_of(out) + ids_of(out / "_rejects")
+    assert committed and len(committed) == len(set(committed))
+    assert set(committed) <= set(old), "rows of the new file were committed"
+    monkeypatch.undo()
+
+    # With the file changed, a rerun refuses (units of it are committed) and says what to do.
+    result = cli_run(monkeypatch, job)
+    assert result.exit_code == 2 and "changed since" in result.output and "--fresh" in result.output, result.output
+    # The old file back: the run resumes and completes, each row once.
+    src.write_bytes(kept)
+    result = cli_run(monkeypatch, job)
+    assert result.exit_code == 0 and "exactly-once check ok" in result.output, result.output
+    assert_exactly_once(old + [f"r{i:05d}" for i in range(500, 516)], out, out / "_rejects")
+    verdict = CliRunner().invoke(cli.main, ["verify", str(job)])
+    assert verdict.exit_code == 0, verdict.output
