@@ -39,6 +39,8 @@ class PassStats:
     """Engines this pass started (all replicas): 0 when it ran on the previous pass's engine."""
     engine_start_s: float = 0.0
     """Their start seconds, added up."""
+    hung: int = 0
+    """Engines taken for hung (no step for model.hang_timeout_s), killed and restarted."""
     first_request_s: float | None = None
     """Seconds from the run's start to this pass's first request to an engine (the earliest replica's; a replica in
     a process of its own counts from its worker's start)."""
@@ -58,6 +60,7 @@ class PassStats:
         for name in ("rows", "valid", "prompt_tokens", "output_tokens", "failed_output_tokens", "engine_starts",
                      "engine_start_s"):
             setattr(self, name, getattr(self, name) + other[name])
+        self.hung += other.get("hung", 0)
         self.reasons.update(other["reasons"])
         firsts = [t for t in (self.first_request_s, other.get("first_request_s")) if t is not None]
         self.first_request_s = min(firsts) if firsts else None

@@ -125,6 +125,11 @@ class ModelSpec:
     """Requests kept inside the engine at once; the engine is refilled as each one finishes. Unset: twice the
     engine's batch (vLLM's max_num_seqs: 1024 on an H100/H200, 256 on most others), so that its scheduler always has
     the next requests waiting while batchjson checks and commits finished ones."""
+    hang_timeout_s: float = 300.0
+    """An engine with requests in flight that returns no step for this long is taken for hung (a deadlocked step, a
+    stuck collective, a stopped process): its processes are killed and it is restarted like a dead engine, its rows
+    decoded again, the death counted and the report noting "hung". The longest step seen on a GPU is well under a
+    second and a CPU's prefill of a full batch a few seconds: raise it only for very long prompts on slow hardware."""
     engine: dict = field(default_factory=dict)
     """Any other vllm.LLM keyword argument, passed through unchanged (e.g. gpu_memory_utilization)."""
     replicas: int | None = None
@@ -135,6 +140,7 @@ class ModelSpec:
                  f"model.structured_output_backend must be one of {list(BACKEND_NAMES)}, "
                  f"got {self.structured_output_backend!r}.")
         _require(self.max_in_flight is None or self.max_in_flight > 0, "model.max_in_flight must be > 0.")
+        _require(self.hang_timeout_s > 0, "model.hang_timeout_s must be > 0.")
         _require(self.replicas is None or self.replicas > 0, "model.replicas must be > 0.")
         _require(self.max_model_len is None or self.max_model_len > 0, "model.max_model_len must be > 0.")
 
@@ -258,6 +264,7 @@ class JobSpec:
         for k in ("output", "source"):
             d.pop(k)
         d["model"].pop("max_in_flight")
+        d["model"].pop("hang_timeout_s")
         d["model"].pop("replicas")  # where decoding runs does not change what a run writes
         for name in ("sampling", "fallback"):  # added later: folders written before resume under the same hash
             d[name].pop("adapt")

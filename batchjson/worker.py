@@ -374,7 +374,11 @@ class Worker:
         elif deaths >= DEATHS_BEFORE_GIVING_UP:
             raise EngineError(f"the engine died {deaths} times ({died}). Finished units are kept: rerun the same "
                               "command to resume.") from died
-        stats.note = stats.note or f"engine restarted after {deaths} death(s)"
+        hung = "hung:" in str(died)
+        if hung:
+            stats.hung += 1
+        stats.note = stats.note or (f"engine hung and was restarted (no step for {self.spec.model.hang_timeout_s:.0f} s, "
+                                    "model.hang_timeout_s)" if hung else f"engine restarted after {deaths} death(s)")
         return deaths
 
 

@@ -186,3 +186,44 @@ def test_engine_processes_die_with_a_killed_runner(tmp_path, tiny_model):
     proc.wait()
     gone, alive = psutil.wait_procs(children, timeout=30)
     assert not alive, f"engine processes outlived the runner: {alive}"
+
+
+class StopEngineProcess(VllmEngines):
+    """An engine factory whose first engine has its processes stopped (SIGSTOP) after `after` results: alive, silent."""
+
+    def __init__(self, after: int):
+        self.after, self.stopped = after, []
+
+    def start(self, spec, decoding, speculative):
+        before = set(psutil.Process().children(recursive=True))
+        engine = super().start(spec, decoding, speculative)
+        if self.stopped:
+            return engine
+        # The engine core and what it started (not multiprocessing's helpers, which are no part of the engine).
+        mine = [p for p in set(psutil.Process().children(recursive=True)) - before if "EngineCore" in p.name()]
+        mine += [c for p in mine for c in p.children(recursive=True)]
+        inner_stream = engine.stream
+
+        def stream(prompts, stop=None):
+            for i, gen in enumerate(inner_stream(prompts, stop), 1):
+                yield gen
+                if i == self.after and not self.stopped:
+                    for p in mine:
+                        p.send_signal(signal.SIGSTOP)
+                    self.stopped = mine
+        engine.stream = stream
+        return engine
+
+
+def test_a_hung_engine_is_killed_restarted_and_its_rows_decoded_again(tmp_path, tiny_model):
+    write_rows(tmp_path / "in.parquet", 24)
+    job = write_job(tmp_path, tiny_model, tmp_path / "in.parquet", speculative="none",
+                    extra="")
+    job.write_text(job.read_text().replace("max_in_flight = 16", "max_in_flight = 16\nhang_timeout_s = 5"))
+    factory = StopEngineProcess(after=4)
+    report = run_job(load_spec(job), engine_factory=factory, progress=False)
+    assert factory.stopped, "the engine was never stopped"
+    assert all(not p.is_running() or p.status() == psutil.STATUS_ZOMBIE for p in factory.stopped)
+    assert report.passes["pass1"].hung == 1 and report.passes["pass1"].engine_starts == 2
+    assert "engine hung and was restarted" in report.passes["pass1"].note
+    assert_exactly_once([f"r{i:05d}" for i in range(24)], tmp_path / "out", tmp_path / "out" / "_rejects")

@@ -36,6 +36,7 @@ import functools
 import re
 import sys
 import threading
+from collections.abc import Callable
 
 
 NO_DRAFT = "batchjson_no_draft"  # the SamplingParams.extra_args key
@@ -201,14 +202,17 @@ def unread(version: str) -> str:
             "and vLLM's own loop guard runs)")
 
 
-def watch_engine_processes(llm, closed: threading.Event, dead_exc: type[Exception]) -> bool:
+def watch_engine_processes(llm, closed: threading.Event, dead_exc: type[Exception],
+                           hung: Callable[[], str] | None = None) -> bool:
     """Turn a killed engine process of `llm` (a vllm.LLM) into `dead_exc` for whoever waits on its outputs; False
     where there is nothing to watch (the engine runs in this process, or the client lacks the names used here).
 
     vLLM's sync client (SyncMPClient) notices the death but only shuts its output thread down, so a caller waiting in
     LLMEngine.step() waits forever. A watcher thread checks the engine processes (BackgroundResources.engine_manager,
     CoreEngineProcManager.processes, and BackgroundResources.engine_dead) every half second until `closed` is set,
-    and puts `dead_exc()` on the client's outputs_queue, which step() raises.
+    and puts `dead_exc()` on the client's outputs_queue, which step() raises. An engine that lives but makes no
+    progress is vLLM's blind spot: when `hung()` returns a reason, the watcher kills the engine processes (and
+    theirs) and puts `dead_exc(reason)` there, so a hang is handled as a death.
     """
     client = llm.llm_engine.engine_core
     resources, outputs = getattr(client, "resources", None), getattr(client, "outputs_queue", None)
@@ -218,13 +222,29 @@ def watch_engine_processes(llm, closed: threading.Event, dead_exc: type[Exceptio
 
     def watch():
         while not closed.wait(0.5):
-            if resources.engine_dead or not all(p.is_alive() for p in processes):
+            reason = hung() if hung else ""
+            if reason:
+                _kill_tree(processes)
+            if reason or resources.engine_dead or not all(p.is_alive() for p in processes):
                 if not closed.is_set():
-                    outputs.put_nowait(dead_exc())
+                    outputs.put_nowait(dead_exc(reason) if reason else dead_exc())
                 return
 
     threading.Thread(target=watch, name="batchjson-engine-watch", daemon=True).start()
     return True
+
+
+def _kill_tree(processes) -> None:
+    """SIGKILL the engine processes and their children (a stopped process dies of SIGKILL too)."""
+    import psutil  # a dependency of vLLM
+
+    for process in processes:
+        try:
+            tree = psutil.Process(process.pid)
+            for p in [*tree.children(recursive=True), tree]:
+                p.kill()
+        except psutil.Error:
+            pass
 
 
 def let_forked_child_load_plugins() -> None:

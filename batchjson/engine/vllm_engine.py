@@ -121,6 +121,7 @@ class VllmEngine(Engine):
                  speculative: SpeculativeSpec | None = None):
         self.llm = None
         self._closed = threading.Event()
+        self._stepping_since: float | None = None  # when the step now waited for began (the hang watchdog)
         vllm = _vllm()
         from vllm.platforms import current_platform
         from vllm.sampling_params import StructuredOutputsParams
@@ -169,7 +170,7 @@ class VllmEngine(Engine):
             self.max_in_flight = 2 * (getattr(scheduler, "max_num_seqs", None) or 256)
         self._probe(kwargs["structured_outputs_config"]["backend"])
         # A killed engine process becomes EngineDeadError in step(), which stream() handles (else step() hangs).
-        internals.watch_engine_processes(self.llm, self._closed, self._dead)
+        internals.watch_engine_processes(self.llm, self._closed, self._dead, self._hung)
 
     def accepts(self, decoding: DecodingSpec, speculative: SpeculativeSpec | None) -> bool:
         """Whether a pass with these settings can run on this engine: sampling is per request, but the grammar
@@ -195,6 +196,14 @@ class VllmEngine(Engine):
                 **self._repetition(decoding.repetition_detection))
         except (TypeError, *self._refused) as e:
             raise EngineError(f"vLLM refuses these sampling settings: {e}. Fix [sampling] or [fallback].") from None
+
+    def _hung(self) -> str:
+        """Why the engine is taken for hung ("" while it is not): one step has not returned for hang_timeout_s.
+        vLLM's engine core answers every step, so with requests in flight a silent engine is a stuck one."""
+        since = self._stepping_since
+        if since is None or time.monotonic() - since <= self._model.hang_timeout_s:
+            return ""
+        return f"hung: no engine step for {self._model.hang_timeout_s:.0f} s (model.hang_timeout_s) with requests in flight"
 
     def _probe(self, backend: str) -> None:
         """Fail at start, not on every row, when the grammar backend cannot take the schema."""
@@ -274,7 +283,10 @@ class VllmEngine(Engine):
                     time.sleep(0.01)
                 continue
             self.steps += 1
-            for out in engine.step():
+            self._stepping_since = time.monotonic()  # the hang watchdog's clock (see _hung)
+            outputs = engine.step()
+            self._stepping_since = None
+            for out in outputs:
                 if not out.finished:
                     continue
                 prompt = in_flight.pop(out.request_id)
