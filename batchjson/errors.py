@@ -19,6 +19,11 @@ class OutputError(BatchjsonError):
     """The output folder cannot be written, or holds something this run must not touch."""
 
 
+class StorageFault(BatchjsonError):
+    """Object storage kept failing (throttling, 5xx, resets, timeouts) after pyarrow's retries: transient, so
+    running the same command again resumes. Exit 2, as the other errors a rerun or a fix deals with."""
+
+
 class ResumeConflict(OutputError):
     """The output folder holds a run of a different spec."""
 
