@@ -56,6 +56,11 @@ def _free(path: str) -> str:
     return ""
 
 
+class StorageFault(BatchjsonError):
+    """Object storage kept failing (throttling, 5xx, resets, timeouts) after pyarrow's retries: transient, so
+    running the same command again resumes. Exit 2, as the other errors a rerun or a fix deals with."""
+
+
 class ResumeConflict(OutputError):
     """The output folder holds a run of a different spec."""
 

@@ -26,7 +26,7 @@ from pyarrow import fs
 
 from batchjson.errors import InputError
 from batchjson.spec import InputSpec
-from batchjson.storage.location import Location, Unreadable, glob_match
+from batchjson.storage.location import Location, Unreadable, glob_match, transient
 
 
 def id_strings(column: pa.Array | pa.ChunkedArray, where: str = "") -> pa.Array | pa.ChunkedArray:
@@ -144,7 +144,7 @@ class ParquetSource:
         try:
             pf = pq.ParquetFile(path.open_input())
         except (OSError, pa.ArrowException) as e:
-            raise InputError(f"{path}: not a readable Parquet file ({e}). Remove or repair it and run again; "
+            raise transient(path, e) or InputError(f"{path}: not a readable Parquet file ({e}). Remove or repair it and run again; "
                              "finished work is kept.") from None
         missing = [c for c in self.columns if c not in pf.schema_arrow.names]
         if missing:
@@ -214,7 +214,7 @@ class ParquetSource:
             try:
                 table = self._open(path).read_row_group(ref.row_group, columns=self.columns)
             except (OSError, pa.ArrowException) as e:
-                raise InputError(f"{path}: row group {ref.row_group} cannot be read ({e}). Repair or remove the "
+                raise transient(path, e) or InputError(f"{path}: row group {ref.row_group} cannot be read ({e}). Repair or remove the "
                                  "file and run again; finished work is kept.") from None
             self._group = ((ref.file, ref.row_group), table)
         return Unit(ref, self._group[1].slice(ref.start, ref.rows))
@@ -273,7 +273,7 @@ class ParquetSource:
         try:
             column = path.read_parquet([self.spec.id_column]).column(0)
         except (OSError, pa.ArrowException, Unreadable) as e:
-            raise InputError(f"{path}: the id column cannot be read ({e}). Repair or remove the file.") from None
+            raise transient(path, e) or InputError(f"{path}: the id column cannot be read ({e}). Repair or remove the file.") from None
         if column.null_count:
             row = pc.index(pc.is_null(column), True).as_py()
             raise InputError(f"{path}: row {row} has a null {self.spec.id_column!r}; every row needs an id. "

@@ -323,15 +323,15 @@ class Storage:
     def commit(self, stage: Stage, key: str, tables: dict[Kind, pa.Table], meta: dict) -> None:
         """Commit one unit of one pass: stage its files, write its record, publish the files."""
         self.begin(stage, key)
-        files, rows = {}, {}
+        files, rows, sizes = {}, {}, {}
         for kind, table in tables.items():
             if table is None or not table.num_rows:
                 continue
             path = self.part(stage, key, kind)
             self._write(table, self._hidden(path), undo=lambda: self._unstage(stage, key))
-            files[kind], rows[kind] = path.name, table.num_rows
+            files[kind], rows[kind], sizes[kind] = path.name, table.num_rows, self._hidden(path).info().size
             self.after(f"staged {kind}", stage)
-        record = {"stage": stage, "key": key, "files": files, "rows": rows} | meta
+        record = {"stage": stage, "key": key, "files": files, "rows": rows, "sizes": sizes} | meta
         if self._lease:
             self._lease.check()
         with writing(self._record(stage, key), undo=lambda: self._unstage(stage, key)):
@@ -369,13 +369,25 @@ class Storage:
     def damaged(self, keys: list[str], id_column: str) -> dict[str, str]:
         """Of these units, the committed ones with a file their record lists that is gone (deleted by hand), does not
         read as Parquet (truncated, emptied, overwritten) or holds another number of rows; unit -> what is wrong.
-        The files are read as verify reads them (the id column), so what verify finds unreadable a rerun redoes."""
+
+        Cheap, as every start runs it: one listing of each folder, whose sizes are compared with those the records
+        keep (`sizes`, written at commit); a file whose size differs is damaged. A file not under its final name
+        (its publish is under way, or it is gone) and any file of a record older than `sizes` are read as verify
+        reads them (the id column), so what verify finds unreadable a rerun redoes. `verify` reads every file."""
+        listed: dict[str, int] = {}
+        for folder in {self.output, self.rejects, self.requeue_dir}:
+            listed |= {i.path: i.size for i in folder.files()}
         out = {}
         for key in keys:
             for stage in Stage:
-                record = self.record(stage, key) if self.done(stage, key) else None
+                record = self.record(stage, key) if self.listed(stage, key) else None
                 for kind in record["files"] if record else ():
-                    flaw = self._flaw(record, kind, id_column)
+                    size, found = record.get("sizes", {}).get(kind), listed.get(self.part(stage, key, kind).path)
+                    if size is not None and found is not None:
+                        flaw = "" if found == size else (f"{record['files'][kind]} held {found} bytes, not the {size} "
+                                                         "its commit record lists")
+                    else:
+                        flaw = self._flaw(record, kind, id_column)
                     if flaw:
                         out.setdefault(key, flaw)
         return out

@@ -9,6 +9,14 @@ no folders and no renames: a folder is a key prefix, `move` is a copy and a dele
 atomic write. Credentials and endpoint come from the standard environment (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY,
 AWS_SESSION_TOKEN, AWS_REGION, AWS_ENDPOINT_URL or AWS_ENDPOINT_URL_S3; for GCS, Google's default credentials),
 or from the URI's query (`s3://bucket/prefix?endpoint_override=host:9000&scheme=http`).
+
+Retries on S3 are pyarrow's (the AWS SDK's): `RETRIES`, the SDK's default strategy with 10 attempts per request
+(exponential backoff from 25 ms, about 13 s in all), for 5xx answers, throttling (503 SlowDown), connection resets and
+timeouts, reads cut mid-body included. Not pyarrow's own default, the standard strategy with 3 attempts: that one also
+keeps a retry quota per filesystem (about 100 retries more than successes), which a long batch run drains in a
+brownout, failing requests that a retry would have served. A fault that outlasts the retries ends the run with
+`StorageFault` (transient: run the same command again to resume); anything else the store answers (no such bucket,
+access denied, bad credentials, an endpoint that does not answer) is the location's `error`, with `HINT`.
 """
 
 from __future__ import annotations
@@ -17,6 +25,7 @@ import fnmatch
 import json
 import os
 import posixpath
+import re
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -24,7 +33,16 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from pyarrow import fs
 
-from batchjson.errors import BatchjsonError, OutputError
+from batchjson.errors import BatchjsonError, OutputError, StorageFault
+
+RETRY_ATTEMPTS = 10
+RETRIES = fs.AwsDefaultS3RetryStrategy(max_attempts=RETRY_ATTEMPTS)
+# What the AWS SDK says of a fault worth retrying (pyarrow's OSError text): its error types for throttling, 5xx and
+# the network; any 5xx status; curl's timeouts, resets and cut transfers (18 partial file, 28 timeout, 52 empty
+# reply, 55 send, 56 receive). Not 6 or 7 (no such host, connection refused: most often a wrong endpoint).
+TRANSIENT = re.compile(r"AWS Error (NETWORK_CONNECTION|SLOW_DOWN|THROTTLING|SERVICE_UNAVAILABLE|INTERNAL_FAILURE|"
+                       r"REQUEST_TIMEOUT)|HTTP status 5\d\d|curlCode: (18|28|52|55|56)\b|[Tt]imed? ?out|"
+                       r"[Cc]onnection reset")
 
 HINT = ("Check the URI, that the bucket exists, and the credentials and endpoint in the environment "
         "(AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_REGION, AWS_ENDPOINT_URL).")
@@ -32,6 +50,26 @@ HINT = ("Check the URI, that the bucket exists, and the credentials and endpoint
 
 def is_uri(where: str | Path) -> bool:
     return "://" in str(where)
+
+
+def s3_with_retries(filesystem: fs.FileSystem) -> fs.FileSystem:
+    """The same S3 filesystem (endpoint, region, credentials as the URI and environment gave them) with `RETRIES`."""
+    if not isinstance(filesystem, fs.S3FileSystem):
+        return filesystem
+    _, (options,) = filesystem.__reduce__()
+    return fs.S3FileSystem(**options, retry_strategy=RETRIES)
+
+
+def transient(where, e: BaseException) -> StorageFault | None:
+    """The error to end the run with when `e`, from object storage at `where`, is a fault that outlasted the
+    retries (throttling, a 5xx, a reset or a timeout); None when it is anything else."""
+    text = " ".join(str(e).split())
+    if not TRANSIENT.search(text):
+        return None
+    cause = re.sub(r"\s*\(Request ID: [^)]*\)", "", text[text.find("AWS Error"):] if "AWS Error" in text else text)
+    return StorageFault(f"{where}: object storage kept failing after {RETRY_ATTEMPTS} attempts ({cause[:200]}). "
+                        "This looks transient: run the same command again; finished units are kept and the run "
+                        "resumes.")
 
 
 class Unreadable(Exception):
@@ -77,7 +115,7 @@ class Location:
         except (pa.ArrowInvalid, pa.ArrowNotImplementedError, OSError) as e:
             raise error(f"{text}: not a usable location ({e}). Use a local path, s3://bucket/prefix or "
                         "gs://bucket/prefix.") from None
-        path = path.strip("/")
+        path, filesystem = path.strip("/"), s3_with_retries(filesystem)
         if isinstance(filesystem, fs.LocalFileSystem):  # file:///x
             return cls(filesystem, "/" + path, "", "/" + path, error)
         if not path:
@@ -157,7 +195,7 @@ class Location:
         except (OSError, pa.ArrowException) as e:
             if self.local:
                 raise
-            raise self.error(f"{self}: {e}. {HINT}") from None
+            raise transient(self, e) or self.error(f"{self}: {e}. {HINT}") from None
 
     def info(self) -> fs.FileInfo:
         with self._io():

@@ -1,0 +1,93 @@
+"""Object storage that fails: a fault-injecting proxy (tests/s3_proxy.py) in front of the test S3 server answers a
+share of requests with 503 SlowDown, 500 InternalError, a connection reset (before the answer, or halfway through
+its body) or a slow answer, commits included. pyarrow's retries ride through them; a fault that outlasts them ends
+the run with one line that says to run again, and the rerun completes. Each id ends up once in output or rejects."""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+from pyarrow import fs
+
+from batchjson.engine.fake import FakeEngines
+from batchjson.errors import StorageFault
+from batchjson.job import run_job
+from batchjson.spec import load_spec
+from batchjson.storage import location
+from helpers import write_job
+from s3_proxy import FaultProxy
+from storage.test_object_storage import ids_at, put_rows
+
+INJECTED: collections.Counter = collections.Counter()  # across this module's tests, by kind
+
+
+@pytest.fixture
+def proxy(s3, s3_server, monkeypatch):
+    """The proxy, faultless until a test sets its rate; runs reach the store through it."""
+    with FaultProxy(s3_server.endpoint) as p:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://{p.endpoint}")
+        yield p
+        INJECTED.update(p.faults)
+
+
+def run(job, out, **kwargs):
+    return run_job(load_spec(job), out, engine_factory=FakeEngines(valid=0.6, seed=1), progress=False, **kwargs)
+
+
+def assert_once(s3, out, n):
+    got = ids_at(out) + ids_at(f"{out}/_rejects")
+    assert not [k for k, v in collections.Counter(got).items() if v > 1], "rows written twice"
+    assert sorted(got) == [f"r{i:05d}" for i in range(n)], "rows lost"
+
+
+def check_fault(e: StorageFault, out: str):
+    message = str(e)
+    assert "\n" not in message and "Traceback" not in message
+    assert message.startswith(out.split("://")[0] + "://") and "This looks transient" in message
+    assert "run the same command again" in message and "Check the URI" not in message
+
+
+@pytest.mark.parametrize("rate", [0.1, 0.3])
+def test_runs_through_faults_on_every_kind_of_request(tmp_path, tiny_model, s3, proxy, rate):
+    put_rows(f"{s3}/in/a.parquet", tmp_path / "a.parquet", 48)
+    job = write_job(tmp_path, tiny_model, f"{s3}/in", batch_size=4)
+    out = f"{s3}/out"
+    proxy.rate, proxy.slow_s = rate, 0.2
+    try:
+        report = run(job, out)
+        assert report.verified["complete"], report.verified
+    except StorageFault as e:  # every attempt of one request failed: the rerun resumes
+        check_fault(e, out)
+        proxy.rate = 0
+        assert run(job, out).verified["complete"]
+    assert proxy.injected() >= 20 and set(proxy.faults) == {"503", "500", "reset", "cut", "slow"}, proxy.faults
+    proxy.rate = 0
+    assert_once(s3, out, 48)
+
+
+def test_a_fault_that_outlasts_the_retries_ends_the_run_and_the_rerun_resumes(tmp_path, tiny_model, s3, proxy,
+                                                                              monkeypatch):
+    monkeypatch.setattr(location, "RETRIES", fs.AwsDefaultS3RetryStrategy(max_attempts=3))  # fail in 0.2 s
+    put_rows(f"{s3}/in/a.parquet", tmp_path / "a.parquet", 24)
+    job = write_job(tmp_path, tiny_model, f"{s3}/in", batch_size=4)
+    run(job, f"{s3}/probe")
+    whole = sum(proxy.requests.values())  # what a run takes
+    # Every part file's upload fails from midway through the run (POST: its multipart upload); the lease's
+    # release (a DELETE) gets through, or the rerun would wait for it to expire.
+    proxy.start_after, proxy.rate, proxy.kinds, proxy.only = whole + whole // 2, 1.0, ("503", "reset"), {"POST"}
+    out = f"{s3}/out"
+    with pytest.raises(StorageFault) as e:
+        run(job, out)
+    check_fault(e.value, out)
+    proxy.rate = 0
+    kept = len(ids_at(out) + ids_at(f"{out}/_rejects"))
+    assert 0 < kept < 24, "units committed before the fault are kept"
+    report = run(job, out)
+    assert report.resumed and report.verified["complete"]
+    assert_once(s3, out, 24)
+
+
+def test_faults_injected_across_these_tests():
+    """Runs last in this module: the faults the tests above injected (at least 100 when they all ran)."""
+    print(f"faults injected: {dict(INJECTED)}, {sum(INJECTED.values())} in all")
