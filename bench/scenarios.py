@@ -12,6 +12,7 @@ import os
 import time
 from pathlib import Path
 
+from batchjson.records import Stage
 from bench.common import Clock, RssMonitor, build_spec, frame, rate, spec_prompts
 
 SPEC_METRICS = {"vllm:spec_decode_num_drafts": "drafts", "vllm:spec_decode_num_draft_tokens": "draft_tokens",
@@ -180,7 +181,7 @@ class _TimedEngine:
         rec["engine_starts"] = rec.get("engine_starts", 0) + 1
         rec["engine_start_s"] = round(rec.get("engine_start_s", 0) + start_s, 2)
         self.timer = StepTimer(engine.llm.llm_engine)
-        rec["params"] = _params_summary(engine.params["p1"])
+        rec["params"] = _params_summary(engine.params[Stage.FIRST])
 
     def __getattr__(self, name):
         return getattr(self.engine, name)

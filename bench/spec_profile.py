@@ -28,6 +28,7 @@ from importlib.metadata import entry_points
 from pathlib import Path
 
 from batchjson.engine.profiler import DUMP_EVERY_S, ENV_PROFILE, ENV_PROFILE_SYNC, read_profile
+from batchjson.records import Stage
 from bench import tasks
 
 LLAMA_8B = {"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
@@ -52,10 +53,10 @@ def _flushed(profile: Path, engine) -> dict:
     from batchjson.records import Prompt
 
     time.sleep(DUMP_EVERY_S + 0.2)
-    params = engine.params["p1"]
-    engine.params["p1"] = engine._sampling(max_tokens=1, temperature=0.0)
+    params = engine.params[Stage.FIRST]
+    engine.params[Stage.FIRST] = engine._sampling(max_tokens=1, temperature=0.0)
     list(engine.stream([Prompt("flush", "flush", "{")]))
-    engine.params["p1"] = params
+    engine.params[Stage.FIRST] = params
     return read_profile(profile)
 
 

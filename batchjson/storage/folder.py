@@ -408,7 +408,7 @@ class Storage:
             self._record(stage, key).unlink(missing_ok=True)
             self._read.pop(self._record(stage, key).name, None)
             self.committed().discard(UnitName(stage, key).unit_id())
-        for stage in ("p2", "p1"):
+        for stage in reversed(Stage):
             self.begin(stage, key)
 
     def requeued(self, key: str) -> bool:
@@ -439,7 +439,7 @@ class Storage:
 
     def _unstage(self, stage: Stage, key: str) -> None:
         """Delete the files a unit staged before its record could be written: they are no unit's, and take space."""
-        for kind in ("output", "rejects") if stage == "p2" else ("output", "rejects", "requeue"):
+        for kind in ("output", "rejects") if stage == Stage.SECOND else ("output", "rejects", "requeue"):
             self._hidden(self.part(stage, key, kind)).unlink(missing_ok=True)
 
     def _write(self, table: pa.Table, path: Location, undo: Callable[[], None] = lambda: None) -> None:
