@@ -132,7 +132,8 @@ def test_full_disk_fails_clearly_then_resumes(tmp_path, tiny_model, engines, mon
             raise OSError(errno.ENOSPC, "No space left on device")
         real_write(table, path, **kw)
     monkeypatch.setattr(location.pq, "write_table", write_until_full)
-    with pytest.raises(OutputError, match="No space left on device. Free space or fix permissions"):
+    with pytest.raises(OutputError, match=r"the disk is full \(No space left on device; .* free\)\. Free space on it "
+                                          "and run the same command again"):
         run_job(spec, engine_factory=engines, progress=False)
     assert not Storage(tmp_path / "out").stray(), "a visible part file always belongs to a committed unit"
     monkeypatch.setattr(location.pq, "write_table", real_write)
