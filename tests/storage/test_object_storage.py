@@ -164,8 +164,12 @@ def test_shards_share_a_layout_and_a_lost_lease_stops_commits(s3, monkeypatch):
         with pytest.raises(OutputError, match="another batchjson run is writing"):
             other.claim()
     time.sleep(1)  # renewals keep the leases
-    shards[0]._lease.file.unlink()  # as a run that took an expired lease over does
-    time.sleep(0.5)
+    # Shard 0 stalls (its renewals stop, as in a suspended process), and another run takes its lease over, deleting
+    # it. Deleting it while renewals go on would race with a renewal's write (nothing takes over a renewed lease).
+    lease = shards[0]._lease
+    lease._stop.set()
+    lease._thread.join()
+    lease.file.unlink()
     with pytest.raises(OutputError, match="taken over by another run"):
         shards[0].commit("p1", "u", {}, {})
     for s in shards:
