@@ -32,9 +32,6 @@ INSTALL_HINT = "pip install 'batchjson[cpu]' (CPU) or 'batchjson[gpu]' (NVIDIA G
 
 def _vllm():
     """Import vLLM on first use, so `batchjson check` works without it; check it is the V1 offline API we need."""
-    # CPU builds refuse to start without a KV cache size, and reserve one of few cores unless told not to.
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
-    os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     try:
         import vllm
@@ -52,6 +49,11 @@ def _vllm():
     from vllm.platforms import current_platform
 
     if current_platform.is_cpu():
+        # CPU builds refuse to start without a KV cache size, and reserve one of few cores unless told not to. Only
+        # here: vLLM hashes its environment variables into the compile cache's key, and on a GPU a variable set for
+        # nothing would keep batchjson's engine from the graphs a plain vLLM run of the same model compiled.
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+        os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
         # The CPU worker runs one OpenMP thread per core; by default they spin between parallel regions, taking the
         # cores from vLLM's scheduler, our front end and any other process on the machine. Sleeping threads decode as
         # fast alone and share a small machine instead of collapsing (BENCHMARKS.md, "The sample job on a CPU").

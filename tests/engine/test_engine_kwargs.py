@@ -53,3 +53,23 @@ def test_speculation_and_engine_options(folder, tmp_path_factory):
 def test_a_missing_model_folder_is_the_users_error(tmp_path):
     with pytest.raises(EngineError, match="no Hugging Face model folder"):
         engine_kwargs(ModelSpec(path=str(tmp_path / "nothing")), DecodingSpec(), "xgrammar", None, cpu=False)
+
+
+def test_on_a_gpu_batchjson_keeps_the_compile_cache_key_of_a_plain_vllm_run(monkeypatch):
+    """vLLM hashes its environment variables into the key of its compile cache: a CPU-only variable set on a GPU
+    host made batchjson's first engine start compile again what a plain vLLM run had compiled (~30 s on an H200)."""
+    import vllm.envs
+    from vllm.platforms import current_platform
+
+    from batchjson.engine.vllm_engine import _vllm
+
+    for name in ("VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_NUM_OF_RESERVED_CPU", "OMP_WAIT_POLICY"):
+        monkeypatch.setenv(name, "")  # recorded, so the test leaves the environment as it found it
+        monkeypatch.delenv(name)
+    plain = vllm.envs.compile_factors()
+    monkeypatch.setattr(current_platform, "is_cpu", lambda: False)
+    _vllm()
+    assert vllm.envs.compile_factors() == plain
+    monkeypatch.setattr(current_platform, "is_cpu", lambda: True)
+    _vllm()  # a CPU build needs them: it refuses to start without a KV cache size
+    assert vllm.envs.compile_factors() != plain
