@@ -15,9 +15,13 @@ Runs, in the order given (compare only runs of one call: machines differ by +-30
                           model, max_tokens, output); "auto" has no [speculative] table (the default), the others set
                           [speculative] method (draft: method "draft_model", draft_model = --draft).
   autodraft               the default with [speculative] draft_model = --draft (auto judges the draft model).
-  <run>@N                 the same with [model] max_in_flight = N (auto@256: the previous default).
+  <run>@N                 the same with [model.engine] max_num_seqs = N: N requests decode at once, as in bare-<method>@N
+                          (batchjson keeps 2N in the engine; before 2026-12 @N set [model] max_in_flight = N instead).
   <run>-noguard           the same with the loop guard off in both passes (repetition_detection = false).
   <run>-noadapt           the same with [sampling] adapt = false (pass 1 keeps its own settings however its rows do).
+  <run>+p2                pass 1 stops every row at 8 tokens, so pass 2 (max_tokens as given, no drafts) decodes all
+                          rows on pass 1's engine: draft+p2 against none+p2 is what the drafter costs requests
+                          without drafts (draft+p2-noadapt: not with -noguard).
   before:<run>            the same job run by an earlier batchjson tree (--before DIR, its package folder's parent).
   warm-none, warm-suffix  a bare run on 64 rows that fills the compile cache for that engine configuration (a first
                           start on a machine compiles for ~20 s more); not in the table.
@@ -90,7 +94,8 @@ def bare(task: str, rows: int, model: str, max_tokens: int, method: str, seqs: i
 def batchjson_run(name: str, args, work: Path, t_launch: float, timeout: float) -> dict:
     tree, _, run = name.rpartition(":")
     base, _, size = run.partition("@")
-    method, *flags = base.split("-no")
+    pass2 = "+p2" in base
+    method, *flags = base.replace("+p2", "").split("-no")
     folder = work / name.replace("@", "-at-").replace(":", "-")
     data, job = write_task(args.task, args.rows, folder, args.model, max_tokens=args.max_tokens)
     text = job.read_text()
@@ -106,8 +111,11 @@ def batchjson_run(name: str, args, work: Path, t_launch: float, timeout: float) 
     if "guard" in flags:  # write_task writes a [sampling] table and no [fallback] one
         text = text.replace("[sampling]\n", "[sampling]\nrepetition_detection = false\n", 1)
         text += "\n[fallback]\nrepetition_detection = false\n"
-    if size:
-        text = text.replace("[model]\n", f"[model]\nmax_in_flight = {int(size)}\n", 1)
+    if pass2:  # pass 1 stops every row at 8 tokens: all of them are retried by pass 2, on the same engine
+        text = text.replace(f"max_tokens = {args.max_tokens}", "max_tokens = 8", 1)
+        text += f"\n[fallback]\nmax_tokens = {args.max_tokens}\ntemperature = 0.0\n"  # greedy: the same tokens in both
+    if size:  # the engine's batch as bare's @N: the same engine configuration, so the same compile cache
+        text += f"\n[model.engine]\nmax_num_seqs = {int(size)}\n"
     job.write_text(text)
     out = folder / "out"
     env = os.environ | {"PYTHONUNBUFFERED": "1"}
@@ -132,7 +140,7 @@ def batchjson_run(name: str, args, work: Path, t_launch: float, timeout: float) 
     return {"first_request_s": p1.get("first_request_s"), "done_s": done, "run_s": report["seconds"],
             "engine_starts": report.get("engine_starts"), "engine_start_s": report.get("engine_start_s"),
             "pass1_valid": p1["valid"], "recipe": recipe.get("recipe", ""), "recipe_why": recipe.get("why", ""),
-            "pass1_s": p1["seconds"], "pass2_rows": p2.get("rows", 0), "pass2_valid": p2.get("valid", 0),
+            "pass1_s": p1["seconds"], "pass2_s": p2.get("seconds"), "pass2_rows": p2.get("rows", 0), "pass2_valid": p2.get("valid", 0),
             "output_tokens": p1["output_tokens"] + p2.get("output_tokens", 0),
             "valid": report["valid"], "correct": correct, "fields": fields, "rejected": report["rejected"],
             "acceptance": p1.get("acceptance"),

@@ -1,29 +1,39 @@
 #!/bin/bash
-# Whole runs of the Qwen2.5-Coder models on a GPU host (after unpack.sh has converted them), detached so that a
-# plan can run while the next files are still coming:
+# Whole runs on a GPU host (after unpack.sh), detached so that plans run while the next files are still coming:
 #   setsid nohup bash bench/gpu/qwen_session.sh PLAN BUDGET_S >/dev/null 2>&1 &
 #   bash bench/gpu/qwen_session.sh collect OUT_DIR          # results so far, as one archive (at most every 10 s)
-# PLAN small: the 0.5B as the target (no smaller draft exists): task C 6,000 rows, then 1,000 rows at 64 in flight.
-# PLAN target: the 1.5B target with the 0.5B as its draft: task C 6,000 rows, 1,000 rows at 64 in flight, the hard
-#   task A at 600 rows, then 30,000 rows of C. Plans run one at a time (a lock), each run in its own process
-#   (bench/whole_runs.py), each table within one call of whole_runs, and each whole_runs call within the plan's budget.
+# Each plan waits for the models it needs (/tmp/res/ready-<model>, written by `convert` below), then runs its
+# whole_runs calls; plans run one at a time (a lock), each run in its own process, each table within one call.
+#   bash bench/gpu/qwen_session.sh convert q15|q05|smol      # unpack.sh's conversion, then the ready mark
+# PLAN small: SmolLM2-135M, the 600-row small job, ABAB against bare vLLM (warm compile caches for both).
+# PLAN target: the 1.5B target, task C, 6,000 rows: the default against bare vLLM, both warm.
+# PLAN inflight: the 1.5B at 16 requests in flight: none / suffix / ngram, bare vLLM then batchjson (which finds the
+#   compile cache bare filled for the same configuration); inflightdraft: the same with the 0.5B draft model.
+# PLAN pass2: what the 0.5B drafter costs pass 2's requests (no drafts) on the 1.5B: every row goes to pass 2.
+# PLAN t30k: the 1.5B, 30,000 rows of task C, the default against bare vLLM.
+# PLAN all: small, target, inflight, pass2, t30k, inflightdraft in that order, within BUDGET_S.
 set -u
 export PYTHONPATH=/tmp/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
 res=/tmp/res
 mkdir -p $res
-if [ "$1" = collect ]; then
-  out=$2
-  while :; do
-    tar -czf $out/.res.tgz -C /tmp res 2>/dev/null && mv $out/.res.tgz $out/res.tgz
-    [ -f $res/done-target ] && break
-    sleep 10
-  done
-  exit 0
-fi
+case "$1" in
+  collect)
+    out=$2
+    while :; do
+      tar -czf $out/.res.tgz -C /tmp res 2>/dev/null && mv $out/.res.tgz $out/res.tgz
+      [ -f $res/done-all ] && break
+      sleep 10
+    done
+    exit 0 ;;
+  convert)
+    { /usr/bin/time -f "convert $2: %e s" bash bench/gpu/unpack.sh $2 && touch $res/ready-$2; } >> $res/convert-$2.log 2>&1
+    exit 0 ;;
+esac
 plan=$1 budget=${2:-600}
 start=$(date +%s)
 exec 9>/tmp/gpu.lock; flock 9
 left() { echo $(( budget - ($(date +%s) - start) )); }
+need() { while [ ! -f $res/ready-$1 ]; do sleep 2; [ "$(left)" -lt 60 ] && return 1; done; }
 wr() {  # name, then whole_runs arguments
   local name=$1; shift
   local b=$(left); [ "$b" -lt 60 ] && return
@@ -31,19 +41,26 @@ wr() {  # name, then whole_runs arguments
   python3 bench/whole_runs.py --out $res/$name --work /tmp/wr/$name --budget $b "$@" > $res/$name.log 2>&1
   nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader >> $res/session.log
 }
-q05=/tmp/models/coder-0.5b q15=/tmp/models/coder-1.5b
-case $plan in
-  small)
-    wr s05-C6000 --task C --rows 6000 --model $q05 --timeout 200 --runs warm-none,bare-none,auto,suffix,bare-suffix
-    wr s05-C1000-64 --task C --rows 1000 --model $q05 --timeout 150 \
-       --runs bare-none@64,none@64,bare-suffix@64,suffix@64 ;;
-  target)
-    wr t15-C6000 --task C --rows 6000 --model $q15 --draft $q05 --timeout 240 \
-       --runs warm-none,bare-none,auto,warm-draft,bare-draft,draft,suffix
-    wr t15-C1000-64 --task C --rows 1000 --model $q15 --draft $q05 --timeout 180 \
-       --runs bare-none@64,bare-draft@64,none@64,draft@64
-    wr t15-A600 --task A --rows 600 --model $q15 --draft $q05 --timeout 200 --runs bare-none,auto,draft
-    wr t15-C30000 --task C --rows 30000 --model $q15 --draft $q05 --timeout 300 --runs bare-none,auto ;;
-esac
+smol=/tmp/models/smollm2 q05=/tmp/models/coder-0.5b q15=/tmp/models/coder-1.5b
+run_plan() {
+  case $1 in
+    small) need smol && wr smol-C600 --task C --rows 600 --model $smol --timeout 120 \
+             --runs warm-none,auto,bare-none,auto,bare-none ;;
+    target) need q15 && wr t15-C6000 --task C --rows 6000 --model $q15 --timeout 200 \
+             --runs warm-none,auto,bare-none,auto ;;
+    inflight) need q15 && wr t15-C320-16 --task C --rows 320 --model $q15 --timeout 150 \
+             --runs bare-none@16,none@16,bare-suffix@16,suffix@16,bare-ngram@16,ngram@16 ;;
+    inflightdraft) need q15 && need q05 && wr t15-C320-16d --task C --rows 320 --model $q15 --draft $q05 \
+             --timeout 150 --runs bare-draft@16,draft@16 ;;
+    pass2) need q15 && need q05 && wr t15-C1000-p2 --task C --rows 1000 --model $q15 --draft $q05 --timeout 200 \
+             --runs none+p2-noadapt,draft+p2-noadapt ;;
+    t30k) need q15 && wr t15-C30000 --task C --rows 30000 --model $q15 --timeout 300 --runs bare-none,auto ;;
+  esac
+}
+if [ "$plan" = all ]; then
+  for p in small target inflight pass2 t30k inflightdraft; do run_plan $p; done
+else
+  run_plan $plan
+fi
 echo "[$(date +%T)] $plan done" >> $res/session.log
 touch $res/done-$plan

