@@ -33,7 +33,7 @@ plan=$1 budget=${2:-600}
 start=$(date +%s)
 exec 9>/tmp/gpu.lock; flock 9
 left() { echo $(( budget - ($(date +%s) - start) )); }
-need() { while [ ! -f $res/ready-$1 ]; do sleep 2; [ "$(left)" -lt 60 ] && return 1; done; }
+need() { while [ ! -f $res/ready-$1 ]; do [ "$(left)" -lt 60 ] && return 1; sleep 2; done; return 0; }
 wr() {  # name, then whole_runs arguments
   local name=$1; shift
   local b=$(left); [ "$b" -lt 60 ] && return
