@@ -104,8 +104,8 @@ class Layout:
     def summary(self) -> str:
         if not self.per_gpu:
             return ""
-        groups = len({p.devices for p in self.placements}) if self.placements[0].devices is not None else None
-        on = f" on {groups} GPU group(s)" if groups else ""
+        gpus = {g for p in self.placements if p.devices is not None for g in p.devices.split(",")}
+        on = f" on {len(gpus)} GPU(s)" if gpus else ""
         memory = self.placements[0].engine.get("gpu_memory_utilization")
         each = f"; each engine gpu_memory_utilization {memory}" if memory else ""
         return f"{len(self.placements)} replica(s){on}, {self.per_gpu} per GPU ({self.why}){each}"
@@ -143,7 +143,7 @@ def auto_per_gpu(weights: int | None, memory: int | None, cores: int, groups: in
     return 1, "auto: no rule applies"
 
 
-def per_gpu(model: ModelSpec, groups: int, per: int, cores: int, memory: int | None) -> tuple[int, str]:
+def choose_per_gpu(model: ModelSpec, groups: int, per: int, cores: int, memory: int | None) -> tuple[int, str]:
     """Replicas per GPU (group of `per` GPUs) for `model` on `groups` groups, and why."""
     if model.replicas_per_gpu != "auto":
         return int(model.replicas_per_gpu), f"model.replicas_per_gpu = {model.replicas_per_gpu}"
@@ -173,8 +173,8 @@ def lay_out(gpus: list[str], engine: dict, per_gpu: int, requested: int | None, 
     groups = [",".join(gpus[i * per:(i + 1) * per]) for i in range(len(gpus) // per)]
     n = replica_count(len(gpus), per, per_gpu, requested, where, hint)
     on = Counter(i % len(groups) for i in range(n))
-    placements = tuple(Placement(groups[i % len(groups)], on[i % len(groups)], memory_share(engine, on[i % len(groups)]))
-                       for i in range(n))
+    placements = tuple(Placement(groups[g], on[g], memory_share(engine, on[g]))
+                       for g in (i % len(groups) for i in range(n)))
     return Layout(placements, max(on.values()), why)
 
 

@@ -305,7 +305,7 @@ def queue_channel(slot: int, inbox, outbox) -> Channel:
             return inbox.get()
 
     def wait_turn(stop: threading.Event) -> bool:
-        with asking:  # the fetch thread waits meanwhile: no engine decodes while this worker starts or closes one
+        with asking:  # the fetch thread waits meanwhile: this worker decodes nothing while it starts or closes one
             outbox.put(("turn", slot, gpus))
             while not stop.is_set():
                 try:

@@ -6,8 +6,8 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 
-from batchjson.engine.devices import (Layout, Placement, gpu_memory, gpus_per_replica, host_cores, lay_out, per_gpu,
-                                      refuse_without_gpus, visible_gpus)
+from batchjson.engine.devices import (Layout, Placement, choose_per_gpu, gpu_memory, gpus_per_replica, host_cores,
+                                      lay_out, refuse_without_gpus, visible_gpus)
 from batchjson.executors.base import Pool
 from batchjson.spec import ModelSpec
 
@@ -24,7 +24,7 @@ def local_layout(requested: int | None, model: ModelSpec) -> Layout:
         refuse_without_gpus(model, "this host")
         return Layout((Placement(),) * (requested or 1))
     per = gpus_per_replica(model.engine)
-    n, why = per_gpu(model, len(gpus) // per, per, host_cores(), gpu_memory())
+    n, why = choose_per_gpu(model, len(gpus) // per, per, host_cores(), gpu_memory())
     return lay_out(gpus, model.engine, n, requested, "this host", "Ask for fewer (--replicas, model.replicas), let "
                    "more share each GPU (model.replicas_per_gpu), or run on a Ray cluster (--ray).", why)
 

@@ -9,7 +9,7 @@ from click.testing import CliRunner
 
 from batchjson.cli import main
 from batchjson.engine import devices
-from batchjson.engine.devices import GIB, Layout, Placement, auto_per_gpu, lay_out, memory_share, per_gpu
+from batchjson.engine.devices import GIB, Layout, Placement, auto_per_gpu, choose_per_gpu, lay_out, memory_share
 from batchjson.errors import SpecError
 from batchjson.executors.base import Turns
 from batchjson.executors.local import local_layout, threads_per_replica
@@ -78,7 +78,7 @@ def test_the_local_layout_reads_the_visible_gpus(monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,5")
     layout = local_layout(None, ModelSpec(replicas_per_gpu=2))
     assert [p.devices for p in layout.placements] == ["2", "5", "2", "5"]
-    assert "model.replicas_per_gpu = 2" in layout.summary() and "4 replica(s) on 2 GPU group(s), 2 per GPU" in layout.summary()
+    assert "model.replicas_per_gpu = 2" in layout.summary() and "4 replica(s) on 2 GPU(s), 2 per GPU" in layout.summary()
     assert local_layout(1, ModelSpec(replicas_per_gpu=2)).placements == (Placement("2"),)
 
 
@@ -149,9 +149,9 @@ def test_auto_reads_the_models_weights(tmp_path, monkeypatch):
     (tmp_path / "config.json").write_text("{}")
     (tmp_path / "model.safetensors").write_bytes(b"\0" * 4096)
     monkeypatch.setattr(devices, "REPLICAS_PER_GPU_RULE", ((0.01, 1, 2), (1.0, 0, 1)))
-    assert per_gpu(ModelSpec(path=str(tmp_path)), 1, 1, 8, 1 << 20)[0] == 2  # 4 KiB of a 1 MiB GPU
-    assert per_gpu(ModelSpec(path=str(tmp_path)), 1, 1, 8, 1 << 18)[0] == 1  # 1.6% of it
-    assert per_gpu(ModelSpec(path=str(tmp_path), replicas_per_gpu=4), 1, 1, 8, None) == (4, "model.replicas_per_gpu = 4")
+    assert choose_per_gpu(ModelSpec(path=str(tmp_path)), 1, 1, 8, 1 << 20)[0] == 2  # 4 KiB of a 1 MiB GPU
+    assert choose_per_gpu(ModelSpec(path=str(tmp_path)), 1, 1, 8, 1 << 18)[0] == 1  # 1.6% of it
+    assert choose_per_gpu(ModelSpec(path=str(tmp_path), replicas_per_gpu=4), 1, 1, 8, None) == (4, "model.replicas_per_gpu = 4")
 
 
 def test_each_replicas_threads_are_its_share_of_the_cores():
@@ -190,7 +190,7 @@ def test_the_report_says_how_many_per_gpu_and_why():
     report = RunReport("h", 10, "out", "rej")
     report.lay_out(lay_out(["0"], {}, 2, None, "this host", HINT, why="model.replicas_per_gpu = 2"))
     assert (report.replicas, report.replicas_per_gpu) == (2, 2)
-    assert ("  replicas: 2 replica(s) on 1 GPU group(s), 2 per GPU (model.replicas_per_gpu = 2); each engine "
+    assert ("  replicas: 2 replica(s) on 1 GPU(s), 2 per GPU (model.replicas_per_gpu = 2); each engine "
             "gpu_memory_utilization 0.45") in report.summary()
     assert report.to_dict()["replicas_per_gpu"] == 2
     cpu = RunReport("h", 10, "out", "rej")
