@@ -16,6 +16,7 @@ from tqdm import tqdm
 from batchjson.errors import BatchjsonError, SpecError
 from batchjson.executors.base import Queue, queue_channel
 from batchjson.executors.inline import run_inline
+from batchjson.engine.devices import Layout, Placement
 from batchjson.executors.local import local_layout
 from batchjson.report import PassStats, RunReport
 from batchjson.source import ParquetSource
@@ -65,7 +66,7 @@ class JobRun:
 
             check_draft(self.spec.model.path, self.spec.speculative.draft_model)
         scan = self.source.scan()  # a null id fails here, before the output folder is claimed
-        layout = [] if self.ray else local_layout(self.replicas, self.spec.model.engine)
+        layout = None if self.ray else local_layout(self.replicas, self.spec.model)  # Ray's: once connected
         storage = self.storage
         report = RunReport(self.spec.hash(), input_rows, str(storage.output), str(storage.rejects),
                            max_reject_rate=self.spec.output.max_reject_rate)
@@ -102,7 +103,7 @@ class JobRun:
             todo[Stage.SECOND] = [k for k in self.refs if storage.requeued(k) and not storage.done(Stage.SECOND, k)]
         return todo
 
-    def _run_passes(self, report: RunReport, layout: list) -> None:
+    def _run_passes(self, report: RunReport, layout: Layout | None) -> None:
         """Both passes through one queue, on this process's engine or on replicas: the same worker body."""
         todo = self._todo()
         if not any(todo.values()):
@@ -135,8 +136,10 @@ class JobRun:
             stats[stage].note = "; ".join(filter(None, (stats[stage].note, text)))
 
         try:
-            if len(layout) > 1 or self.ray:
-                report.replicas = self._on_replicas(work, layout, on_done, on_stats, on_note)
+            if layout:
+                report.lay_out(layout)
+            if self.ray or len(layout.placements) > 1:
+                report.lay_out(self._on_replicas(work, layout, on_done, on_stats, on_note))
             else:
                 worker = Worker(self.spec, self.storage, self.source, self.refs, self.owners, self.engines,
                                 self.stop, started=self.started)
@@ -151,14 +154,15 @@ class JobRun:
                     s.replicas = report.replicas
                     report.passes[p.stage.label] = s
 
-    def _on_replicas(self, work: Queue, layout: list, on_done, on_stats, on_note) -> int:
-        """The queue served to engine replicas that pull units from it (executors/local.py, executors/ray.py)."""
+    def _on_replicas(self, work: Queue, layout: Layout | None, on_done, on_stats, on_note) -> Layout:
+        """The queue served to engine replicas that pull units from it (executors/local.py, executors/ray.py); the
+        layout they ran in."""
         os.environ["BATCHJSON_RUNNER_PID"] = str(os.getpid())  # local replicas die with this process
         args = (self.spec, str(self.output), self.shard, self.engines, self.owners, self.source.stamps)
         if self.ray:
             from batchjson.executors.ray import ray_pool
 
-            pool = ray_pool(serve_replica, args, self.ray, self.replicas, self.spec.model.engine)
+            pool = ray_pool(serve_replica, args, self.ray, self.replicas, self.spec.model)
         else:
             from batchjson.executors.local import LocalPool
 
@@ -167,14 +171,15 @@ class JobRun:
             pool.drive(work, self.stop, on_done, on_stats, on_note)
         finally:
             pool.close()
-        return len(pool.slots)
+        return pool.layout
 
 
 def serve_replica(spec: JobSpec, output: str, shard: tuple[int, int], engines: EngineFactory, owners: dict,
-                  stamps: dict, slot: int, count: int, inbox, outbox) -> None:
-    """The body of replica `slot` of `count` (a local process or a Ray actor): a worker on the driver's queue. The
-    driver holds the folder; a replica never claims it."""
+                  stamps: dict, placement: Placement, slot: int, count: int, inbox, outbox) -> None:
+    """The body of replica `slot` of `count` (a local process or a Ray actor) at `placement`: a worker on the
+    driver's queue. The driver holds the folder; a replica never claims it."""
     channel = queue_channel(slot, inbox, outbox)
+    spec = placement.applied(spec)  # its share of the GPUs' memory
     try:
         source = ParquetSource(spec.input, spec.prompt.columns)
         source.stamps.update(stamps)  # the input as the driver found it: a change since is refused at the commit

@@ -110,6 +110,14 @@ class RunReport:
     verified_summary: str = ""
     replicas: int = 1
     """Engine replicas the passes ran on (one per GPU of the host by default)."""
+    replicas_per_gpu: int = 0
+    """Engine replicas on each GPU (tensor-parallel group); 0 without GPUs."""
+    layout: str = ""
+    """How the replicas sat on the GPUs and why (model.replicas_per_gpu, its "auto" rule): the summary's line."""
+
+    def lay_out(self, layout) -> None:
+        """Record where the replicas ran (an engine/devices.py Layout)."""
+        self.replicas, self.replicas_per_gpu, self.layout = len(layout.placements), layout.per_gpu, layout.summary()
 
     def tally(self, records: list[dict]) -> None:
         """Count what the commit records of the folder say: the truth for the whole run, across resumes and shards."""
@@ -179,6 +187,8 @@ class RunReport:
                              + (f"; measured {measured}" if measured else ""))
             for judged in p.recipe:
                 lines.append(f"    sampling: {judged['why']}")
+        if self.layout:
+            lines.append(f"  replicas: {self.layout}")
         starts = sum(p.engine_starts for p in self.passes.values())
         if starts:
             seconds = sum(p.engine_start_s for p in self.passes.values())

@@ -133,7 +133,13 @@ class ModelSpec:
     engine: dict = field(default_factory=dict)
     """Any other vllm.LLM keyword argument, passed through unchanged (e.g. gpu_memory_utilization)."""
     replicas: int | None = None
-    """Engine replicas; unset: one per GPU of the host (per tensor_parallel_size GPUs), or one on a CPU."""
+    """Engine replicas; unset: one per GPU of the host (per tensor_parallel_size GPUs), or one on a CPU; with
+    replicas_per_gpu, that many per GPU."""
+    replicas_per_gpu: int | str = "auto"
+    """Engine replicas sharing each GPU (each tensor-parallel group of GPUs): each its own engine processes, its share
+    of the GPU's memory (vLLM's gpu_memory_utilization divided among them, unless [model.engine] sets it) and of the
+    host's cores. A small model leaves one engine CPU-bound and the GPU mostly idle. "auto": a count measured to pay
+    for the model's size and the host's cores (engine/devices.py, REPLICAS_PER_GPU_RULE), else one."""
 
     def __post_init__(self):
         _require(self.structured_output_backend in BACKEND_NAMES,
@@ -142,6 +148,9 @@ class ModelSpec:
         _require(self.max_in_flight is None or self.max_in_flight > 0, "model.max_in_flight must be > 0.")
         _require(self.hang_timeout_s > 0, "model.hang_timeout_s must be > 0.")
         _require(self.replicas is None or self.replicas > 0, "model.replicas must be > 0.")
+        _require(self.replicas_per_gpu == "auto" or (isinstance(self.replicas_per_gpu, int)
+                                                     and self.replicas_per_gpu >= 1),
+                 f'model.replicas_per_gpu must be "auto" or a whole number >= 1, got {self.replicas_per_gpu!r}.')
         _require(self.max_model_len is None or self.max_model_len > 0, "model.max_model_len must be > 0.")
 
 
@@ -266,6 +275,7 @@ class JobSpec:
         d["model"].pop("max_in_flight")
         d["model"].pop("hang_timeout_s")
         d["model"].pop("replicas")  # where decoding runs does not change what a run writes
+        d["model"].pop("replicas_per_gpu")
         for name in ("sampling", "fallback"):  # added later: folders written before resume under the same hash
             d[name].pop("adapt")
         # The model's schema counts (schema_doc), not where the class lives: a model moved out of a notebook into

@@ -273,14 +273,19 @@ class Worker:
 
         return "gpu" if visible_gpus() else "cpu"
 
-    def _engine_for(self, stage: Stage) -> Engine:
-        """The engine for a unit of `stage`: the current one when it decodes the stage, else a new one."""
+    def _engine_for(self, stage: Stage) -> Engine | None:
+        """The engine for a unit of `stage`: the current one when it decodes the stage, else a new one, started in
+        this replica's turn on its GPUs (executors/base.py, Turns); None if a stop came first."""
         stats = self.stats[stage]
         if self.engine is None or not self._fits(stage):
             self._close_engine()
-            p, t0 = self.by_stage[stage], time.monotonic()
-            engine = self.engines.start(self.spec, p.decoding, self.speculative if p is self.passes[0] else None)
-            seconds = time.monotonic() - t0
+            p = self.by_stage[stage]
+            with self.channel.turn(self.stop) as go:
+                if not go:
+                    return None
+                t0 = time.monotonic()
+                engine = self.engines.start(self.spec, p.decoding, self.speculative if p is self.passes[0] else None)
+                seconds = time.monotonic() - t0
             self.engine, self.decodes = engine, self.engines.takes(engine, self.passes, self.speculative)
             for q in self.passes:  # each pass it decodes, with its sampling settings now: pass 1 with drafts
                 if q.stage in self.decodes:
@@ -294,9 +299,12 @@ class Worker:
         return self.engine
 
     def _close_engine(self) -> None:
+        """Close the engine in this replica's turn on its GPUs: memory freed under another engine's profiling is
+        miscounted as much as memory taken (at once on a stop)."""
         if self.engine is not None:
             engine, self.engine = self.engine, None
-            engine.close()
+            with self.channel.turn(self.stop):
+                engine.close()
 
     def _decode(self, tracker: Tracker, stage: Stage, pairs: Iterator[Work]) -> None:
         """Decode, check and commit the units of `pairs` on an engine for `stage`, until the channel has no more
@@ -312,6 +320,8 @@ class Worker:
             except EngineError as e:
                 self._refused(stage, e)
                 continue
+            if engine is None:
+                return
             ends, ending = threading.Event(), None  # an answer that ends this stream: Switch, or Resample again
             # itertools.chain, not a generator: a dead engine's stream must not close `feed` as it goes. What it has
             # not taken of `retry` when it ends stays in `again`.

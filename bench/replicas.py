@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -37,6 +38,48 @@ def gpu_sample() -> list[dict]:
         return []
     gpus = [dict(zip(("gpu", "util", "mem_mb"), map(int, line.split(", ")))) for line in out.splitlines() if line]
     return gpus + [{"app": line} for line in apps.splitlines() if line]
+
+
+def cpu_times() -> tuple[int, int] | None:
+    """(busy, total) jiffies of the host's CPUs since boot (/proc/stat), or None where there is none."""
+    try:
+        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    return sum(fields) - idle, sum(fields)
+
+
+class HostSampler(threading.Thread):
+    """Every second while a run goes: each GPU's utilisation and memory in use (nvidia-smi, where there is one) and
+    the host's CPU busy fraction over that second (/proc/stat). `summary()` gives the means and peaks."""
+
+    def __init__(self):
+        super().__init__(daemon=True)
+        self.samples: list[dict] = []
+        self.done = threading.Event()
+        self.has_smi = shutil.which("nvidia-smi") is not None
+
+    def run(self):
+        last = cpu_times()
+        while not self.done.wait(1.0):
+            now = cpu_times()
+            busy = (round((now[0] - last[0]) / (now[1] - last[1]), 3) if now and last and now[1] > last[1] else None)
+            last = now
+            self.samples.append({"t": time.time(), "cpu_busy": busy,
+                                 "gpus": [g for g in gpu_sample() if "gpu" in g] if self.has_smi else []})
+
+    def summary(self) -> dict:
+        self.done.set()
+        self.join()
+        busy = [s["cpu_busy"] for s in self.samples if s["cpu_busy"] is not None]
+        util = [g["util"] for s in self.samples for g in s["gpus"]]
+        mem = [sum(g["mem_mb"] for g in s["gpus"]) for s in self.samples if s["gpus"]]
+        return {"cpu_busy_mean": round(sum(busy) / len(busy), 3) if busy else None,
+                "cpu_busy_max": max(busy, default=None),
+                "gpu_util_mean": round(sum(util) / len(util), 1) if util else None,
+                "gpu_util_max": max(util, default=None), "gpu_mem_used_max_mb": max(mem, default=None),
+                "samples": self.samples}
 
 
 class Sampler(threading.Thread):

@@ -7,8 +7,9 @@ Two parts. First a static check of every module in bench/: each name it takes fr
 also those inside functions, and attribute chains on them such as `job.JobRun.run`) must exist, so the parts that
 only run beside a real engine are checked too. Then each subcommand runs in its own process: those that run
 batchjson do so on the fake engine (BATCHJSON_BENCH_FAKE: `batchjson run` is bench/fakerun.py), with a model folder
-that holds only a tokenizer; those that need a real vLLM engine (compare, sweep, scale, gpu, spec-profile,
-whole-runs) show their --help. About a minute on 2 cores.
+that holds only a tokenizer; those that need a real vLLM engine (compare, sweep, scale, gpu, spec-profile) show
+their --help, and whole-runs runs only its batchjson side (two replicas sharing a pretended GPU among them). About a
+minute on 2 cores.
 """
 
 from __future__ import annotations
@@ -132,13 +133,18 @@ def schemastore_checkout(folder: Path) -> Path:
     return folder
 
 
-def plan(w: Path, model: Path) -> list[tuple[str, list[str]]]:
-    """(subcommand, its arguments) in order; a run may read what an earlier one wrote."""
+def plan(w: Path, model: Path) -> list[tuple]:
+    """(subcommand, its arguments[, its environment's changes]) in order; a run may read what an earlier one
+    wrote."""
     m = ["--model", str(model)]
     return [
         ("overhead", ["--rows", "200", "--max-in-flight", "16", "--timeout", "120", "--out", str(w / "thr"), *m]),
         ("report", [str(w / "thr" / "overhead.json")]),
-        *[(name, ["--help"]) for name in ("compare", "sweep", "scale", "gpu", "spec-profile", "whole-runs")],
+        *[(name, ["--help"]) for name in ("compare", "sweep", "scale", "gpu", "spec-profile")],
+        # Two replicas on one (pretended) GPU: the fake engine needs none, the layout only CUDA_VISIBLE_DEVICES.
+        ("whole-runs", ["--task", "A", "--rows", "24", "--runs", "none", "--replicas-per-gpu", "1,2", "--timeout", "120",
+                        "--budget", "230", "--out", str(w / "whole"), "--work", str(w / "whole-work"), *m],
+         {"CUDA_VISIBLE_DEVICES": "0"}),
         ("auto-runs", ["--tasks", "A", "--in-flight", "4", "--min-rows", "4", "--timeout", "90",
                        "--out", str(w / "auto"), "--work", str(w / "auto-work"), *m]),
         ("cpu-sample", ["--sides", "batchjson", "--out", str(w / "cpu-sample.jsonl")]),
@@ -173,18 +179,18 @@ def main(argv: list[str] | None = None) -> int:
     env = os.environ | {FAKE: str(model), "BATCHJSON_BENCH_WORK": str(w / "work"), "CUDA_VISIBLE_DEVICES": "",
                         "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     runs = plan(w, model)
-    steps = [(name, [sys.executable, "-m", "bench", name, *a]) for name, a in runs]
+    steps = [(name, [sys.executable, "-m", "bench", name, *a], more[0] if more else {}) for name, a, *more in runs]
     missing = [n for n, (_, what) in COMMANDS.items() if what and n != "smoke" and n not in {r[0] for r in runs}]
     failures += [f"{n}: no smoke run (add one to bench/smoke.py's plan)" for n in missing]
     rows = []
-    for name, cmd in steps:
+    for name, cmd, changes in steps:
         cmd = [next(iter(sorted(w.glob(str(Path(a).relative_to(w))))), a) if "*" in a else a for a in cmd]
         cmd = [str(a) for a in cmd]
         t = time.monotonic()
         log = w / "logs" / f"{len(rows):02d}-{name}.log"
         log.parent.mkdir(exist_ok=True)
         try:
-            p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+            p = subprocess.run(cmd, cwd=ROOT, env=env | changes, capture_output=True, text=True, timeout=240)
             rc, out = p.returncode, p.stdout + p.stderr
         except subprocess.TimeoutExpired as e:
             rc, out = "timeout", str(e.stdout or "") + str(e.stderr or "")

@@ -22,13 +22,23 @@ Runs, in the order given (compare only runs of one call: machines differ by +-30
   <run>+p2                pass 1 stops every row at 8 tokens, so pass 2 (max_tokens as given, no drafts) decodes all
                           rows on pass 1's engine: draft+p2 against none+p2 is what the drafter costs requests
                           without drafts (draft+p2-noadapt: not with -noguard).
+  <run>+rpgN              the same with [model] replicas_per_gpu = N (N engine replicas share each GPU); last in
+                          the name (none@512+rpg2, none+p2+rpg2). --replicas-per-gpu 1,2,3,4 runs each batchjson run of --runs so.
   before:<run>            the same job run by an earlier batchjson tree (--before DIR, its package folder's parent).
   warm-none, warm-suffix  a bare run on 64 rows that fills the compile cache for that engine configuration (a first
                           start on a machine compiles for ~20 s more); not in the table.
 
 Wall seconds count from the run's process launch to its exit. `first_request_s` is the time to the engine's first
 request: bare vLLM's after `import vllm` + `LLM()` + rendering, batchjson's from the report (from batchjson's import).
-Results go to OUT/whole-<task>-<rows>.json after each run, so a call cut short keeps what finished.
+Each run also gets its rows/s and output tok/s over the wall, and what a sampler saw every second meanwhile: GPU
+utilisation and memory in use (nvidia-smi, where there is one) and the host's CPU busy fraction (/proc/stat).
+Results go to OUT/whole-<task>-<rows>.json after each run, so a call cut short keeps what finished; the call exits 1
+when a run failed.
+
+Replicas per GPU (BENCHMARKS.md, "Replicas per GPU"), one model, each run its own call (a run of 30,000 rows takes
+minutes):
+    for n in 1 2 3 4; do python3 -m bench whole-runs --task C --rows 30000 --runs none+rpg$n --timeout 580 \
+        --budget 590 --model /tmp/models/smollm2 --out OUT/rpg-smollm2-$n; done
 """
 
 from __future__ import annotations
@@ -41,6 +51,8 @@ import sys
 import time
 from pathlib import Path
 
+from bench.common import cli
+from bench.replicas import HostSampler
 from bench.tasks import TASKS, schema, score, write_task
 
 SPECULATIVE = {"suffix": {"method": "suffix", "num_speculative_tokens": 8},
@@ -93,6 +105,7 @@ def bare(task: str, rows: int, model: str, max_tokens: int, method: str, seqs: i
 
 def batchjson_run(name: str, args, work: Path, t_launch: float, timeout: float) -> dict:
     tree, _, run = name.rpartition(":")
+    run, _, per_gpu = run.partition("+rpg")
     base, _, size = run.partition("@")
     pass2 = "+p2" in base
     method, *flags = base.replace("+p2", "").split("-no")
@@ -116,12 +129,14 @@ def batchjson_run(name: str, args, work: Path, t_launch: float, timeout: float) 
         text += f"\n[fallback]\nmax_tokens = {args.max_tokens}\ntemperature = 0.0\n"  # greedy: the same tokens in both
     if size:  # the engine's batch as bare's @N: the same engine configuration, so the same compile cache
         text += f"\n[model.engine]\nmax_num_seqs = {int(size)}\n"
+    if per_gpu:
+        text = text.replace("[model]\n", f"[model]\nreplicas_per_gpu = {int(per_gpu)}\n", 1)
     job.write_text(text)
     out = folder / "out"
     env = os.environ | {"PYTHONUNBUFFERED": "1"}
     if tree:  # the earlier tree first on the path, and not this one's from the working folder
         env["PYTHONPATH"] = os.pathsep.join(filter(None, (args.before, env.get("PYTHONPATH"))))
-    proc = subprocess.run([sys.executable, "-m", "batchjson", "run", str(job), "--output", str(out), "--fresh"],
+    proc = subprocess.run(cli("run", str(job), "--output", str(out), "--fresh"),
                           capture_output=True, text=True, timeout=timeout, env=env, cwd=folder)
     done = round(time.time() - t_launch, 2)
     report_file = out / "_report.json"
@@ -143,7 +158,9 @@ def batchjson_run(name: str, args, work: Path, t_launch: float, timeout: float) 
             "pass1_s": p1["seconds"], "pass2_s": p2.get("seconds"), "pass2_rows": p2.get("rows", 0), "pass2_valid": p2.get("valid", 0),
             "output_tokens": p1["output_tokens"] + p2.get("output_tokens", 0),
             "valid": report["valid"], "correct": correct, "fields": fields, "rejected": report["rejected"],
-            "acceptance": p1.get("acceptance"),
+            "acceptance": p1.get("acceptance"), "pass1_output_tokens_per_s": p1.get("output_tokens_per_s"),
+            "replicas": report.get("replicas"), "replicas_per_gpu": report.get("replicas_per_gpu"),
+            "layout": report.get("layout", ""),
             "chosen": auto.get("chosen", method), "why": auto.get("why", ""), "summary": proc.stdout[-2500:]}
 
 
@@ -162,6 +179,7 @@ def main() -> int:
     ap.add_argument("--work", default="/tmp/whole-runs")
     ap.add_argument("--draft", help="the draft model folder for draft, autodraft and bare-draft runs")
     ap.add_argument("--before", help="an earlier batchjson tree (the folder holding its batchjson/), for before:<run>")
+    ap.add_argument("--replicas-per-gpu", help="e.g. 1,2,3,4: each batchjson run of --runs once per count (+rpgN)")
     ap.add_argument("--_bare", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args._bare:  # the child side of a bare run
@@ -173,7 +191,13 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     began, results = time.time(), []
     result_file = out / f"whole-{args.task}-{args.rows}.json"
+    runs = []
     for name in args.runs.split(","):
+        if args.replicas_per_gpu and not name.startswith(("bare-", "warm-")):
+            runs += [f"{name}+rpg{n}" for n in args.replicas_per_gpu.split(",")]
+        else:
+            runs.append(name)
+    for name in runs:
         left = args.budget - (time.time() - began)
         if left < 30:
             results.append({"run": name, "error": "skipped: the call's budget is spent"})
@@ -181,6 +205,8 @@ def main() -> int:
         timeout = min(args.timeout, left)
         t_launch = time.time()
         print(f"[whole] {name}: start ({timeout:.0f} s at most)", flush=True)
+        sampler = HostSampler()
+        sampler.start()
         try:
             if name.startswith(("bare-", "warm-")):
                 rows = 64 if name.startswith("warm-") else args.rows
@@ -197,23 +223,29 @@ def main() -> int:
                 r = batchjson_run(name, args, work, t_launch, timeout)
         except subprocess.TimeoutExpired:
             r = {"error": f"timed out after {timeout:.0f} s"}
-        r = {"run": name, "rows": 64 if name.startswith("warm-") else args.rows,
-             "wall_s": round(time.time() - t_launch, 1)} | r
+        rows = 64 if name.startswith("warm-") else args.rows
+        r = {"run": name, "rows": rows, "wall_s": round(time.time() - t_launch, 1)} | r | sampler.summary()
         if "valid" in r:
             r["valid_per_s"] = round(r["valid"] / r["wall_s"], 1)
+            r["rows_per_s"] = round(rows / r["wall_s"], 1)
+            r["output_tokens_per_s"] = round(r["output_tokens"] / r["wall_s"], 1)
         results.append(r)
-        print(f"[whole] {name}: {json.dumps({k: v for k, v in r.items() if k != 'summary'})}", flush=True)
+        print(f"[whole] {name}: {json.dumps({k: v for k, v in r.items() if k not in ('summary', 'samples')})}",
+              flush=True)
         result_file.write_text(json.dumps({"task": args.task, "rows": args.rows, "max_tokens": args.max_tokens,
                                            "runs": results}, indent=1))
-    print(f"\n| run | wall s | first request s | engine starts | valid | correct | fields | valid/s | chosen |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("\n| run | wall s | first request s | engine starts | valid | correct | fields | valid/s | rows/s | output tok/s "
+          "| GPU util % mean (max) | host CPU busy mean | chosen |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in results:
         if r["run"].startswith("warm-"):
             continue
         print(f"| {r['run']} | {r.get('wall_s')} | {r.get('first_request_s')} | {r.get('engine_starts')} | "
-              f"{r.get('valid')} | {r.get('correct')} | {r.get('fields')} | {r.get('valid_per_s')} | {r.get('chosen', '')} "
-              f"{r.get('error', '')[:120]} |")
-    return 0
+              f"{r.get('valid')} | {r.get('correct')} | {r.get('fields')} | {r.get('valid_per_s')} | {r.get('rows_per_s')} | "
+              f"{r.get('output_tokens_per_s')} | {r.get('gpu_util_mean')} ({r.get('gpu_util_max')}) | "
+              f"{r.get('cpu_busy_mean')} | {r.get('chosen', '')} {r.get('error', '')[:120]} |")
+    failed = [r["run"] for r in results if "error" in r and not r["error"].startswith("skipped")]
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

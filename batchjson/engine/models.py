@@ -63,6 +63,16 @@ def resolve_model(path: str) -> str:
     return str(out)
 
 
+def weight_bytes(folder: str) -> int | None:
+    """Bytes of a model folder's weight files (safetensors, else PyTorch's), about what its weights take on the GPUs;
+    None for a folder without either."""
+    root = Path(folder)
+    for pattern in ("*.safetensors", "*.bin", "*.pt", "*.pth"):
+        files = [f for f in root.glob(pattern) if f.is_file()]
+        if files:
+            return sum(f.stat().st_size for f in files)
+    return None
+
 
 def vocabulary(folder: str) -> tuple[int | None, str | None]:
     """A model folder's vocabulary: config.json's vocab_size and a digest of its tokenizer's token -> id map (with

@@ -7,8 +7,19 @@ between them. A pass-2 pair is handed out only after its pass-1 commit is accept
 handed out again after that, so pass 2 always reads the requeue file of the unit's final pass-1 commit.
 
 Messages, worker -> driver: ("want", slot, stages), ("done", slot, stage, key, rows, requeued),
-("stats", slot, {stage: PassStats dict}), ("error", slot, message). Driver -> worker: the queue's replies,
-("unit", stage, key) | ("idle", others) | ("end",).
+("stats", slot, {stage: PassStats dict}), ("error", slot, message), and around each engine start or close,
+("turn", slot, gpus) then ("turned", slot). Driver -> worker: the queue's replies, ("unit", stage, key) |
+("idle", others) | ("end",), and ("go",) when it is the worker's turn.
+
+Turns: replicas that share a GPU start (and close) their engines one at a time. vLLM sizes an engine's KV cache by
+profiling: it measures the GPU's memory before and after a dummy forward pass and charges every change to itself,
+another process's allocations included (vllm/v1/worker/gpu_worker.py, determine_available_memory, in 0.26 as in
+0.32). Two engines starting side by side each count the other's weights and cache as their own, and the second finds
+no memory for its cache ("No available memory for the cache blocks"). Started one after the other, each profiles a
+GPU whose other engines hold still, and gets its gpu_memory_utilization share (engine/devices.py). An explicit
+kv_cache_memory_bytes per replica would skip the profiling, but only a guess of each engine's other memory
+(activations, CUDA graphs, per model and vLLM version) could size it: too large runs out of memory mid-run, too small
+decodes fewer rows at once.
 """
 
 from __future__ import annotations
@@ -18,6 +29,7 @@ import threading
 import time
 from collections import defaultdict, deque
 from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 
 from batchjson.errors import EngineError
 from batchjson.records import WAIT, Stage
@@ -96,9 +108,21 @@ class Channel:
     `prefetch=False` (the queue is in this process, and answers at once): ask when the engine wants work.
     """
 
-    def __init__(self, ask: Callable[[tuple], tuple], send: Callable[..., None], prefetch: bool = True):
-        self.ask, self.send, self.prefetch = ask, send, prefetch
+    def __init__(self, ask: Callable[[tuple], tuple], send: Callable[..., None], prefetch: bool = True,
+                 wait_turn: Callable[[threading.Event], bool] | None = None):
+        self.ask, self.send, self.prefetch, self.wait_turn = ask, send, prefetch, wait_turn
         self.ended = ""  # how the last `work` ended: "end" (the run is over) or "idle" (other stages have work)
+
+    @contextmanager
+    def turn(self, stop: threading.Event) -> Iterator[bool]:
+        """This worker's turn to start or close an engine on its GPUs: other replicas on them do neither meanwhile
+        (see Turns). True once it is; False on a stop first. A worker alone on its GPUs (or on none) goes at once."""
+        go = self.wait_turn(stop) if self.wait_turn else True
+        try:
+            yield go
+        finally:
+            if self.wait_turn:
+                self.send("turned")  # also withdraws a wait a stop cut short
 
     def work(self, stages: Callable[[], tuple], hold: Callable[[], bool] = lambda: False) -> Iterator[Work]:
         """(stage, key) pairs of the stages `stages()` names (asked anew each time); WAIT while none is ready. Ends
@@ -139,16 +163,54 @@ class Channel:
             yield reply[1], reply[2]
 
 
-class Pool:
-    """Workers in other processes and their mailboxes; subclasses start them as processes or as Ray actors."""
+class Turns:
+    """Whose turn it is to start or close an engine on each GPU (group): one replica at a time, in the order asked.
+    A replica that dies in its turn passes it on."""
 
-    def __init__(self, target: Callable, args: tuple, slots: list):
-        self.target, self.args, self.slots = target, args, slots
-        self.respawns = [0] * len(slots)
+    def __init__(self):
+        self.holder: dict[str, int] = {}
+        self.waiting: dict[str, deque[int]] = defaultdict(deque)
+        self.where: dict[int, str] = {}
+
+    def ask(self, slot: int, gpus: str) -> bool:
+        """Whether `slot` may go now (else it waits for release to name it)."""
+        self.where[slot] = gpus
+        if gpus not in self.holder:
+            self.holder[gpus] = slot
+            return True
+        self.waiting[gpus].append(slot)
+        return False
+
+    def release(self, slot: int) -> int | None:
+        """`slot` is done (or dead, or gave up waiting): the slot whose turn it is now, if any."""
+        gpus = self.where.pop(slot, None)
+        if gpus is None:
+            return None
+        if slot in self.waiting[gpus]:
+            self.waiting[gpus].remove(slot)
+            return None
+        if self.holder.get(gpus) != slot:
+            return None
+        del self.holder[gpus]
+        if not self.waiting[gpus]:
+            return None
+        self.holder[gpus] = after = self.waiting[gpus].popleft()
+        return after
+
+
+class Pool:
+    """Workers in other processes and their mailboxes; subclasses start them as processes or as Ray actors. Each
+    replica gets its placement (engine/devices.py): the GPUs it sees, its share of their memory."""
+
+    def __init__(self, target: Callable, args: tuple, layout):
+        self.target, self.args, self.layout = target, args, layout
+        self.slots = list(layout.placements)
+        self.turns = Turns()
+        self.respawns = [0] * len(self.slots)
         self.live: dict[int, object] = {}
         self.inboxes: dict[int, object] = {}
         self.outbox = self._queue()
-        for slot in range(len(slots)):
+        for slot in range(len(self.slots)):
             self._spawn(slot)
 
     def _queue(self): ...
@@ -188,6 +250,7 @@ class Pool:
                 self.stop()
                 return
             for slot in self.dead():
+                self._go(self.turns.release(slot))
                 lost = work.lost(slot)
                 if slot in reported and not lost:
                     continue  # it finished and then exited: the end of the run, or a crash after it
@@ -218,13 +281,38 @@ class Pool:
             elif kind == "stats":
                 reported.add(slot)
                 on_stats(payload[0])
+            elif kind == "turn":
+                self._go(slot if self.turns.ask(slot, payload[0]) else None)
+            elif kind == "turned":
+                self._go(self.turns.release(slot))
+
+    def _go(self, slot: int | None) -> None:
+        if slot is not None and slot in self.live:
+            self.put(slot, ("go",))
 
 
 def queue_channel(slot: int, inbox, outbox) -> Channel:
-    """A worker's channel over two queues (a local process's or a Ray actor's)."""
+    """A worker's channel over two queues (a local process's or a Ray actor's). One question at a time: a reply is
+    the answer to the question just asked, whichever thread asked it (the fetch thread's wants, the worker's turn)."""
+    from batchjson.engine.devices import gpus_here
+
+    asking = threading.Lock()
+    gpus = gpus_here()
 
     def ask(stages: tuple) -> tuple:
-        outbox.put(("want", slot, stages))
-        return inbox.get()
+        with asking:
+            outbox.put(("want", slot, stages))
+            return inbox.get()
 
-    return Channel(ask, lambda kind, *payload: outbox.put((kind, slot, *payload)))
+    def wait_turn(stop: threading.Event) -> bool:
+        with asking:  # the fetch thread waits meanwhile: this worker decodes nothing while it starts or closes one
+            outbox.put(("turn", slot, gpus))
+            while not stop.is_set():
+                try:
+                    return inbox.get(timeout=TICK)[0] == "go"
+                except queue.Empty:  # ray.util.queue.Empty is one too
+                    continue
+            return False
+
+    return Channel(ask, lambda kind, *payload: outbox.put((kind, slot, *payload)),
+                   wait_turn=wait_turn if gpus else None)

@@ -1,28 +1,37 @@
-"""Workers as local processes, one per GPU (or tensor-parallel group) of this host, each seeing only its own GPUs.
-They die with the runner."""
+"""Workers as local processes, one per replica: by default one per GPU (or tensor-parallel group) of this host,
+model.replicas_per_gpu per GPU when set, each seeing only its own GPUs. They die with the runner."""
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable
 
-from batchjson.engine.devices import gpus_per_replica, replica_count, visible_gpus
+from batchjson.engine.devices import (Layout, Placement, choose_per_gpu, gpu_memory, gpus_per_replica, host_cores,
+                                      lay_out, refuse_without_gpus, visible_gpus)
 from batchjson.executors.base import Pool
+from batchjson.spec import ModelSpec
 
 # torch's thread pool per GPU replica, unless OMP_NUM_THREADS says otherwise (BENCHMARKS.md, "Scaling over the GPUs
-# of one host", "5,000 rows, no speculation").
+# of one host", "5,000 rows, no speculation"); fewer where the host's cores, split among its replicas, give fewer.
 THREADS_PER_REPLICA = 4
 
 
-def local_layout(requested: int | None, engine: dict) -> list[str | None]:
-    """The device list of each local replica: every GPU of the host in groups of gpus_per_replica, or as many as
-    asked for. Without GPUs (a CPU build) one replica, or as many CPU replicas as asked for."""
-    gpus, per = visible_gpus(), gpus_per_replica(engine)
+def local_layout(requested: int | None, model: ModelSpec) -> Layout:
+    """Each local replica's placement: every GPU of the host in groups of gpus_per_replica, replicas_per_gpu on each
+    group, or as many as asked for. Without GPUs (a CPU build) one replica, or as many CPU replicas as asked for."""
+    gpus = visible_gpus()
     if not gpus:
-        return [None] * (requested or 1)
-    n = replica_count(len(gpus), per, requested, "this host",
-                      "Ask for fewer (--replicas, [model.engine]), or run on a Ray cluster (--ray).")
-    return [",".join(gpus[i * per:(i + 1) * per]) for i in range(n)]
+        refuse_without_gpus(model, "this host")
+        return Layout((Placement(),) * (requested or 1))
+    per = gpus_per_replica(model.engine)
+    n, why = choose_per_gpu(model, len(gpus) // per, per, host_cores(), gpu_memory())
+    return lay_out(gpus, model.engine, n, requested, "this host", "Ask for fewer (--replicas, model.replicas), let "
+                   "more share each GPU (model.replicas_per_gpu), or run on a Ray cluster (--ray).", why)
+
+
+def threads_per_replica(replicas: int, cores: int) -> int:
+    """torch's threads for each of `replicas` GPU replicas on `cores` cores."""
+    return max(1, min(THREADS_PER_REPLICA, cores // replicas))
 
 
 class LocalPool(Pool):
@@ -36,7 +45,7 @@ class LocalPool(Pool):
 
     def _spawn(self, slot: int) -> None:
         inbox = self.inboxes[slot] = self.mp.Queue()
-        process = self.mp.Process(target=_local, args=(self.target, self.slots[slot], *self.args, slot,
+        process = self.mp.Process(target=_local, args=(self.target, self.slots[slot], self.args, slot,
                                                        len(self.slots), inbox, self.outbox),
                                   name=f"batchjson-replica-{slot}", daemon=False)
         process.start()
@@ -58,13 +67,13 @@ class LocalPool(Pool):
                 p.join()
 
 
-def _local(target: Callable, devices: str | None, *args) -> None:
-    """A local replica process: it sees only its own GPUs (its engine processes inherit them, and a small torch
-    thread pool), and dies with the runner however the runner dies."""
-    if devices is not None:
-        os.environ["CUDA_VISIBLE_DEVICES"] = devices
-        os.environ.setdefault("OMP_NUM_THREADS", str(THREADS_PER_REPLICA))
+def _local(target: Callable, placement: Placement, args: tuple, slot: int, count: int, inbox, outbox) -> None:
+    """A local replica process: it sees only its own GPUs (its engine processes inherit them, and its share of the
+    host's cores for torch's threads), and dies with the runner however the runner dies."""
+    if placement.devices is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = placement.devices
+        os.environ.setdefault("OMP_NUM_THREADS", str(threads_per_replica(count, host_cores())))
     from batchjson.engine.plugin import register
 
     register()  # BATCHJSON_RUNNER_PID is the runner's here (see engine/plugin.py)
-    target(*args)
+    target(*args, placement, slot, count, inbox, outbox)

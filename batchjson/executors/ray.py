@@ -1,26 +1,30 @@
-"""Workers as Ray actors over a cluster, placed by Ray on its nodes (num_gpus GPUs each)."""
+"""Workers as Ray actors over a cluster, placed by Ray on its nodes (num_gpus GPUs each, a fraction of one where
+model.replicas_per_gpu shares each GPU)."""
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable
 
-from batchjson.engine.devices import gpus_per_replica, replica_count
+from batchjson.engine.devices import (Layout, Placement, gpus_per_replica, memory_share, refuse_without_gpus,
+                                      replica_count)
 from batchjson.errors import SpecError
 from batchjson.executors.base import Pool
+from batchjson.spec import ModelSpec
 
 
 class RayPool(Pool):
     """One Ray actor per replica."""
 
-    def __init__(self, target: Callable, args: tuple, slots: list, gpus: int, cpus: float):
+    def __init__(self, target: Callable, args: tuple, layout: Layout, gpus: float, cpus: float):
         import ray
         from ray.util.queue import Empty, Queue
 
         self.ray, self.Queue, self.empty = ray, Queue, Empty
         self.actor_class = ray.remote(num_gpus=gpus, num_cpus=cpus, max_restarts=0)(RayReplica)
         self.actors: dict[int, object] = {}
-        super().__init__(target, args, slots)
+        super().__init__(target, args, layout)
 
     def _queue(self):
         return self.Queue()
@@ -28,7 +32,8 @@ class RayPool(Pool):
     def _spawn(self, slot: int) -> None:
         inbox = self.inboxes[slot] = self.Queue()
         actor = self.actors[slot] = self.actor_class.remote()
-        self.live[slot] = actor.serve.remote(self.target, (*self.args, slot, len(self.slots), inbox, self.outbox))
+        self.live[slot] = actor.serve.remote(self.target, (*self.args, self.slots[slot], slot, len(self.slots), inbox,
+                                                            self.outbox))
 
     def dead(self) -> list[int]:
         refs = list(self.live.values())
@@ -54,7 +59,28 @@ class RayReplica:
         target(*args)
 
 
-def ray_pool(target: Callable, args: tuple, address: str, requested: int | None, engine: dict) -> RayPool:
+def ray_layout(gpus: int, model: ModelSpec, requested: int | None) -> tuple[Layout, float]:
+    """The replicas on a cluster of `gpus` GPUs, and the GPUs each actor asks Ray for. Ray places the actors, so a
+    GPU's replicas are known only by count: each gets 1/replicas_per_gpu of a GPU (Ray takes fractions below 1 only,
+    to 4 decimals, and packs that many actors on each GPU) and the memory share of that many. "auto" is one per GPU
+    here: the cluster's GPU memory is not known from the driver."""
+    if not gpus:
+        refuse_without_gpus(model, "the Ray cluster")
+        return Layout((Placement(),) * (requested or 1)), 0
+    per = gpus_per_replica(model.engine)
+    k = 1 if model.replicas_per_gpu == "auto" else int(model.replicas_per_gpu)
+    if k > 1 and per > 1:
+        raise SpecError(f"model.replicas_per_gpu = {k} with {per} GPUs per replica (tensor_parallel_size x "
+                        "pipeline_parallel_size): Ray gives an actor either whole GPUs or a fraction of one. Run such "
+                        "replicas on one host (without --ray), or one per GPU group.")
+    why = f"model.replicas_per_gpu = {k}" if model.replicas_per_gpu != "auto" else "auto: one per GPU on a Ray cluster"
+    n = replica_count(gpus, per, k, requested, "the Ray cluster", "Ask for fewer replicas, or let more share each "
+                      "GPU (model.replicas_per_gpu).")
+    layout = Layout((Placement(None, k, memory_share(model.engine, k)),) * n, k, why)
+    return layout, per if k == 1 else math.floor(10_000 / k) / 10_000
+
+
+def ray_pool(target: Callable, args: tuple, address: str, requested: int | None, model: ModelSpec) -> RayPool:
     """Connect to the Ray cluster at `address` ("auto": RAY_ADDRESS or a new local one) and place the replicas."""
     try:
         import ray
@@ -67,9 +93,5 @@ def ray_pool(target: Callable, args: tuple, address: str, requested: int | None,
                                                if k.startswith(("BATCHJSON_", "VLLM_", "HF_", "AWS_"))}})
         except (ConnectionError, ValueError, RuntimeError) as e:
             raise SpecError(f"--ray {address}: cannot connect to a Ray cluster ({e}).") from None
-    per = gpus_per_replica(engine)
-    gpus = int(ray.cluster_resources().get("GPU", 0))
-    if gpus:
-        n = replica_count(gpus, per, requested, "the Ray cluster", "Ask for fewer replicas.")
-        return RayPool(target, args, [None] * n, gpus=per, cpus=1)
-    return RayPool(target, args, [None] * (requested or 1), gpus=0, cpus=1)
+    layout, gpus = ray_layout(int(ray.cluster_resources().get("GPU", 0)), model, requested)
+    return RayPool(target, args, layout, gpus=gpus, cpus=1)

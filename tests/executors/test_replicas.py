@@ -7,6 +7,7 @@ from __future__ import annotations
 import collections
 import json
 import multiprocessing
+import os
 import signal
 import subprocess
 import sys
@@ -123,4 +124,104 @@ def test_the_runner_killed_or_stopped_takes_its_replicas_with_it_and_a_rerun_fin
     stdout, stderr = again.communicate(timeout=300)
     assert again.returncode == 0, stderr[-3000:]
     assert "exactly-once check ok" in stdout
+    assert_exactly_once([f"r{i:05d}" for i in range(200)], out, out / "_rejects")
+
+
+# -- several replicas on one GPU (CUDA_VISIBLE_DEVICES fakes the GPUs: the fake engine uses none) -------------------
+
+class RecordingEngines(FakeEngines):
+    """Fake engines that log each start and close (when, which replica, what it saw) to a file, one JSON line each."""
+
+    def __init__(self, log: str, **kwargs):
+        super().__init__(**kwargs)
+        self.log = log
+
+    def _write(self, event: str, t0: float, spec=None) -> None:
+        line = {"event": event, "t0": t0, "t1": time.time(), "replica": multiprocessing.current_process().name,
+                "gpus": os.environ.get("CUDA_VISIBLE_DEVICES"), "threads": os.environ.get("OMP_NUM_THREADS")}
+        if spec is not None:
+            line["memory"] = spec.model.engine.get("gpu_memory_utilization")
+        with open(self.log, "a") as f:
+            f.write(json.dumps(line) + "\n")
+
+    def start(self, spec, decoding, speculative):
+        t0 = time.time()
+        engine = super().start(spec, decoding, speculative)
+        self._write("start", t0, spec)
+        close = engine.close
+
+        def closing():
+            t = time.time()
+            time.sleep(self.start_delay / 2)
+            close()
+            self._write("close", t)
+
+        engine.close = closing
+        return engine
+
+
+def shared_gpu_job(tmp_path, tiny_model, rows: int, per_gpu: int, extra: str = "") -> Path:
+    write_rows(tmp_path / "in.parquet", rows)
+    job = write_job(tmp_path, tiny_model, tmp_path / "in.parquet", batch_size=4, speculative="none", extra=extra)
+    job.write_text(job.read_text().replace("[model]\n", f"[model]\nreplicas_per_gpu = {per_gpu}\n"))
+    return job
+
+
+def events(log: Path) -> list[dict]:
+    return [json.loads(line) for line in log.read_text().splitlines()]
+
+
+def test_three_replicas_on_one_gpu_start_one_at_a_time_each_with_a_third_of_its_memory(tmp_path, tiny_model,
+                                                                                        monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    job = shared_gpu_job(tmp_path, tiny_model, 120, 3)
+    log = tmp_path / "engines.jsonl"
+    report = run_job(load_spec(job), progress=False,
+                     engine_factory=RecordingEngines(str(log), valid=0.7, delay=0.01, start_delay=0.4))
+    assert report.replicas == 3 and report.replicas_per_gpu == 3
+    assert "3 per GPU (model.replicas_per_gpu = 3)" in report.summary()
+    assert report.verified["ok"] and report.verified["complete"], report.verified
+    assert_exactly_once([f"r{i:05d}" for i in range(120)], tmp_path / "out", tmp_path / "out" / "_rejects")
+    seen = events(log)
+    starts = [e for e in seen if e["event"] == "start"]
+    assert len({e["replica"] for e in starts}) == 3
+    assert {(e["gpus"], e["memory"]) for e in starts} == {("0", 0.3)}
+    assert all(e["threads"] for e in starts)  # each its share of the cores for torch
+    # Starts and closes on the GPU never overlap: each one profiles a GPU whose other engines hold still.
+    spans = sorted((e["t0"], e["t1"]) for e in seen)
+    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])), spans
+    by_replica = collections.Counter(r["replica"] for r in records(tmp_path / "out") if r["stage"] == "p1")
+    assert len(by_replica) == 3, by_replica  # all three pulled units from the one queue
+
+
+def test_the_users_gpu_memory_utilization_is_kept_on_a_shared_gpu(tmp_path, tiny_model, monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    job = shared_gpu_job(tmp_path, tiny_model, 160, 2, extra="[model.engine]\ngpu_memory_utilization = 0.3\n")
+    log = tmp_path / "engines.jsonl"
+    report = run_job(load_spec(job), progress=False,
+                     engine_factory=RecordingEngines(str(log), valid=1.0, delay=0.03, start_delay=0.2))
+    assert report.replicas == 4 and report.verified["ok"] and report.verified["complete"]
+    starts = [e for e in events(log) if e["event"] == "start"]
+    assert sorted(e["gpus"] for e in starts) == ["0", "0", "1", "1"]
+    assert {e["memory"] for e in starts} == {0.3}
+
+
+def test_a_replica_killed_among_replicas_sharing_a_gpu_has_its_units_redone(tmp_path, tiny_model):
+    job = shared_gpu_job(tmp_path, tiny_model, 200, 3)
+    out = tmp_path / "out"
+    runner = subprocess.Popen([sys.executable, str(HERE / "fake_runner.py"), str(job), str(out), "none", "0"],
+                              env=ENV | {"FAKE_DELAY": "0.02", "FAKE_START_DELAY": "0.2", "CUDA_VISIBLE_DEVICES": "0"},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_for_commits(out, 8, runner)
+        replicas = [c for c in psutil.Process(runner.pid).children() if "spawn_main" in " ".join(c.cmdline())]
+        assert len(replicas) == 3, replicas
+        replicas[1].send_signal(signal.SIGKILL)
+        stdout, stderr = runner.communicate(timeout=300)
+    finally:
+        runner.kill()
+    assert runner.returncode == 0, stderr[-3000:]
+    assert "exactly-once check ok" in stdout and "died" in stdout, stdout
+    assert "3 per GPU" in stdout, stdout
     assert_exactly_once([f"r{i:05d}" for i in range(200)], out, out / "_rejects")
