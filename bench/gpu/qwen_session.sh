@@ -11,6 +11,7 @@
 #   compile cache bare filled for the same configuration); inflightdraft: the same with the 0.5B draft model.
 # PLAN pass2: what the 0.5B drafter costs pass 2's requests (no drafts) on the 1.5B: every row goes to pass 2.
 # PLAN t30k: the 1.5B, 30,000 rows of task C, the default against bare vLLM.
+# PLAN replicas: 1-4 engine replicas on one GPU (model.replicas_per_gpu), SmolLM2 and the 1.5B, 30,000 rows.
 # PLAN all: small, target, inflight, pass2, t30k, inflightdraft in that order, within BUDGET_S.
 set -u
 export PYTHONPATH=/tmp/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
@@ -54,6 +55,10 @@ run_plan() {
              --timeout 150 --runs bare-draft@16,draft@16 ;;
     pass2) need q15 && need q05 && wr t15-C1000-p2 --task C --rows 1000 --model $q15 --draft $q05 --timeout 200 \
              --runs none+p2-noadapt,draft+p2-noadapt ;;
+    replicas) need smol && wr rpg-smol-C30000 --task C --rows 30000 --model $smol --timeout 300 \
+             --runs warm-none,bare-none,none+rpg1,none+rpg2,none+rpg3,none+rpg4
+           need q15 && wr rpg-t15-C30000 --task C --rows 30000 --model $q15 --timeout 300 \
+             --runs none+rpg1,none+rpg2 ;;
     t30k) need q15 && wr t15-C30000 --task C --rows 30000 --model $q15 --timeout 300 --runs bare-none,auto ;;
   esac
 }
