@@ -13,10 +13,10 @@ import time
 
 from tqdm import tqdm
 
-from batchjson.errors import BatchjsonError, SpecError
-from batchjson.executors.base import Queue, queue_channel
+from batchjson.errors import SpecError
+from batchjson.executors.base import Queue
 from batchjson.executors.inline import run_inline
-from batchjson.engine.devices import Layout, Placement
+from batchjson.engine.devices import Layout
 from batchjson.executors.local import local_layout
 from batchjson.report import PassStats, RunReport
 from batchjson.source import ParquetSource
@@ -26,7 +26,7 @@ from batchjson.storage import Storage
 from batchjson.verify import verify
 from batchjson.passes import plan_passes
 from batchjson.records import Stage
-from batchjson.worker import Worker, signals
+from batchjson.worker import Worker, serve_replica, signals
 
 
 class JobRun:
@@ -172,27 +172,6 @@ class JobRun:
         finally:
             pool.close()
         return pool.layout
-
-
-def serve_replica(spec: JobSpec, output: str, shard: tuple[int, int], engines: EngineFactory, owners: dict,
-                  stamps: dict, placement: Placement, slot: int, count: int, inbox, outbox) -> None:
-    """The body of replica `slot` of `count` (a local process or a Ray actor) at `placement`: a worker on the
-    driver's queue. The driver holds the folder; a replica never claims it."""
-    channel = queue_channel(slot, inbox, outbox)
-    spec = placement.applied(spec)  # its share of the GPUs' memory
-    try:
-        source = ParquetSource(spec.input, spec.prompt.columns)
-        source.stamps.update(stamps)  # the input as the driver found it: a change since is refused at the commit
-        refs = {r.key: r for r in source.plan(shard)}
-        storage = Storage(output, spec.output.rejects or None, shard)
-        stop = threading.Event()
-        with signals(stop):
-            Worker(spec, storage, source, refs, owners, engines, stop, slot=slot, share=count).serve(channel)
-    except BatchjsonError as e:
-        channel.send("error", str(e))
-    except BaseException as e:
-        channel.send("error", f"[internal] {type(e).__name__}: {e}")
-        raise
 
 
 def run_job(spec: JobSpec, output: str | None = None, **kwargs) -> RunReport:

@@ -1,6 +1,7 @@
 """One engine's share of a job: take units of either pass from the queue, load and render them, decode, check and
 commit each one; recover from engine deaths; apply the answers of the adaptive policies (adapt.py: pass 1's
-recipe, auto's engine switches). Every executor runs this body.
+recipe, auto's engine switches). Every executor runs this body: inline in the runner's process, or as a replica's
+whole life (`serve_replica`, at the end).
 
 Both passes share the worker's engine where it decodes both (sampling is per request; pass 2's requests go
 without a draft on a speculative engine, see engine/internals.py), so a unit's pass 2 decodes beside other units'
@@ -27,8 +28,9 @@ from itertools import chain
 
 from batchjson.adapt import Answer, Policy, Resample, Switch
 from batchjson.engine.base import Engine, EngineFactory
-from batchjson.errors import EngineDied, EngineError
-from batchjson.executors.base import Channel, Work
+from batchjson.engine.devices import Placement
+from batchjson.errors import BatchjsonError, EngineDied, EngineError
+from batchjson.executors.base import Channel, Work, queue_channel
 from batchjson.passes import Recipe, plan_passes
 from batchjson.prompts import Renderer, chat_frame
 from batchjson.records import FINAL, WAIT, Generation, Outcome, Prompt, Stage
@@ -409,3 +411,24 @@ def _first(pairs: Iterator[Work]) -> Work | None:
             return pair
         time.sleep(0.01)
     return None
+
+
+def serve_replica(spec: JobSpec, output: str, shard: tuple[int, int], engines: EngineFactory, owners: dict,
+                  stamps: dict, placement: Placement, slot: int, count: int, inbox, outbox) -> None:
+    """The body of replica `slot` of `count` (a local process or a Ray actor) at `placement`: a worker on the
+    driver's queue. The driver holds the folder; a replica never claims it."""
+    channel = queue_channel(slot, inbox, outbox)
+    spec = placement.applied(spec)  # its share of the GPUs' memory
+    try:
+        source = ParquetSource(spec.input, spec.prompt.columns)
+        source.stamps.update(stamps)  # the input as the driver found it: a change since is refused at the commit
+        refs = {r.key: r for r in source.plan(shard)}
+        storage = Storage(output, spec.output.rejects or None, shard)
+        stop = threading.Event()
+        with signals(stop):
+            Worker(spec, storage, source, refs, owners, engines, stop, slot=slot, share=count).serve(channel)
+    except BatchjsonError as e:
+        channel.send("error", str(e))
+    except BaseException as e:
+        channel.send("error", f"[internal] {type(e).__name__}: {e}")
+        raise
