@@ -66,26 +66,31 @@ def test_a_slow_replica_does_not_hold_the_others_up(tmp_path, tiny_model):
     assert report.verified["ok"] and report.verified["complete"]
 
 
+def kill_a_replica(out: Path, args: list[str], env: dict, count: int, which: int, after: int) -> dict:
+    """Run fake_runner.py with `args`, SIGKILL replica `which` of `count` once `after` units are committed; the report
+    of the run, which must finish exactly once all the same."""
+    runner = subprocess.Popen([sys.executable, str(HERE / "fake_runner.py"), *args], env=ENV | env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_for_commits(out, after, runner)
+        replicas = [c for c in psutil.Process(runner.pid).children() if "spawn_main" in " ".join(c.cmdline())]
+        assert len(replicas) == count, replicas
+        replicas[which].send_signal(signal.SIGKILL)
+        _, stderr = runner.communicate(timeout=300)
+    finally:
+        runner.kill()
+    assert runner.returncode == 0, stderr[-3000:]
+    report = json.loads((out / "_report.json").read_text())
+    assert report["verified"]["ok"] and report["verified"]["complete"], report["verified"]
+    assert "died" in report["passes"]["pass1"]["note"], report["passes"]["pass1"]  # its units went to the others
+    return report
+
+
 def test_a_replica_killed_mid_run_has_its_units_redone(tmp_path, tiny_model):
     write_rows(tmp_path / "in.parquet", 200)
     job = write_job(tmp_path, tiny_model, tmp_path / "in.parquet", batch_size=4)
     out = tmp_path / "out"
-    runner = subprocess.Popen([sys.executable, str(HERE / "fake_runner.py"), str(job), str(out), "none", "0", "",
-                               "2"], env=ENV | {"FAKE_DELAY": "0.02"}, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.monotonic() + 120
-        while len(records(out)) < 5 and time.monotonic() < deadline:
-            time.sleep(0.1)
-        replicas = [c for c in psutil.Process(runner.pid).children() if "spawn_main" in " ".join(c.cmdline())]
-        assert len(replicas) == 2, replicas
-        replicas[0].send_signal(signal.SIGKILL)
-        stdout, stderr = runner.communicate(timeout=300)
-    finally:
-        runner.kill()
-    assert runner.returncode == 0, stderr[-3000:]
-    assert "exactly-once check ok" in stdout, stdout
-    assert "died" in stdout, stdout  # the report says a replica died and its units went to others
+    kill_a_replica(out, [str(job), str(out), "none", "0", "", "2"], {"FAKE_DELAY": "0.02"}, count=2, which=0, after=5)
     assert_exactly_once([f"r{i:05d}" for i in range(200)], out, out / "_rejects")
 
 
@@ -210,18 +215,7 @@ def test_the_users_gpu_memory_utilization_is_kept_on_a_shared_gpu(tmp_path, tiny
 def test_a_replica_killed_among_replicas_sharing_a_gpu_has_its_units_redone(tmp_path, tiny_model):
     job = shared_gpu_job(tmp_path, tiny_model, 200, 3)
     out = tmp_path / "out"
-    runner = subprocess.Popen([sys.executable, str(HERE / "fake_runner.py"), str(job), str(out), "none", "0"],
-                              env=ENV | {"FAKE_DELAY": "0.02", "FAKE_START_DELAY": "0.2", "CUDA_VISIBLE_DEVICES": "0"},
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        _wait_for_commits(out, 8, runner)
-        replicas = [c for c in psutil.Process(runner.pid).children() if "spawn_main" in " ".join(c.cmdline())]
-        assert len(replicas) == 3, replicas
-        replicas[1].send_signal(signal.SIGKILL)
-        stdout, stderr = runner.communicate(timeout=300)
-    finally:
-        runner.kill()
-    assert runner.returncode == 0, stderr[-3000:]
-    assert "exactly-once check ok" in stdout and "died" in stdout, stdout
-    assert "3 per GPU" in stdout, stdout
+    report = kill_a_replica(out, [str(job), str(out), "none", "0"], {"FAKE_DELAY": "0.02", "FAKE_START_DELAY": "0.2",
+                            "CUDA_VISIBLE_DEVICES": "0"}, count=3, which=1, after=8)
+    assert (report["replicas"], report["replicas_per_gpu"]) == (3, 3)
     assert_exactly_once([f"r{i:05d}" for i in range(200)], out, out / "_rejects")
