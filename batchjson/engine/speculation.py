@@ -49,6 +49,8 @@ from batchjson.spec import SpeculativeSpec
 # "A real target"): 17.3 s vs 12.3 s at 64 in flight, 39.5 s vs 28.3 s at a full batch. A draft of 24 layers costs
 # a 28-layer target about a target step per drafted token when both are bound by per-step overheads, as on an H200.
 # The same run put suffix decoding at 0.57 at a full batch on the 1.5B (0.65 on the 0.5B as the target).
+# The 1.5B target confirms suffix's prior with few in flight: x1.48 of no speculation's pass-1 decode at 16
+# (bare vLLM x1.37), and ngram lost in bare vLLM (x0.90; BENCHMARKS.md, "The 1.5B target at 16 requests in flight").
 MEASURED_SPEEDUP = {
     "gpu": {"ngram": {1: 0.97, 8: 0.64, 32: 1.15, 128: 0.83, 512: 0.86},
             "suffix": {1: 1.34, 8: 1.65, 32: 2.29, 128: 1.57, 512: 1.38, 1024: 0.88},
