@@ -1,9 +1,9 @@
-"""Rows -> prompts: the user template filled per row, framed by the model's chat template (from its tokenizer,
-before any engine starts)."""
+"""Rows -> prompts: the user template filled per row, or a row's own chat messages, framed by the model's chat template
+(from its tokenizer, before any engine starts)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pyarrow as pa
 
@@ -15,24 +15,52 @@ from batchjson.spec import PromptSpec
 MARK = "\x00BATCHJSON_USER\x00"
 
 
+def _tokenizer(model_dir: str):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(model_dir)
+    except (OSError, ValueError) as e:
+        raise EngineError(f"model.path: cannot load the tokenizer of {model_dir} ({e}). Point model.path at a "
+                          "Hugging Face model folder with its tokenizer files.") from None
+
+
 def chat_frame(model_dir: str, system: str) -> tuple[str, str]:
     """The model's chat template rendered around a marker: (text before the user message, text after it).
 
     Read from the tokenizer files alone, so prompts are plain data before an engine starts. A model without a
     chat template gets the system text as a plain preamble."""
-    from transformers import AutoTokenizer
-
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    except (OSError, ValueError) as e:
-        raise EngineError(f"model.path: cannot load the tokenizer of {model_dir} ({e}). Point model.path at a "
-                          "Hugging Face model folder with its tokenizer files.") from None
+    tokenizer = _tokenizer(model_dir)
     if not getattr(tokenizer, "chat_template", None):
         return (f"{system}\n\n" if system else ""), ""
     messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": MARK}]
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     prefix, _, suffix = text.partition(MARK)
     return prefix, suffix
+
+
+def chat_messages(model_dir: str) -> Callable[[list], str]:
+    """The model's chat template as a function of one row's messages (prompt.messages), rendered whole per row:
+    a conversation has no fixed frame to cut once. ValueError for messages it cannot render (not a list of
+    {role, content} strings, or refused by the template, e.g. roles that do not alternate); the row is then
+    rejected as invalid_input. A model without a chat template gets the turns' texts one after another."""
+    import jinja2
+
+    tokenizer = _tokenizer(model_dir)
+    template = getattr(tokenizer, "chat_template", None)
+
+    def render(messages: list) -> str:
+        for i, m in enumerate(messages):
+            if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+                raise ValueError(f"message {i} is not a {{role, content}} pair of strings")
+        if not template:
+            return "".join(f"{m['content']}\n\n" for m in messages)
+        try:
+            return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except jinja2.TemplateError as e:
+            raise ValueError(f"the model's chat template refused them: {e}") from None
+
+    return render
 
 
 class _Undecodable:
@@ -46,6 +74,14 @@ def _values(column: pa.ChunkedArray | pa.Array) -> list:
     try:
         return column.to_pylist()
     except UnicodeDecodeError:  # Parquet does not check UTF-8; one bad cell must not sink the whole unit
+        if not pa.types.is_string(column.type):  # a nested column (messages): cell by cell
+            out = []
+            for cell in column:
+                try:
+                    out.append(cell.as_py())
+                except UnicodeDecodeError:
+                    out.append(BAD)
+            return out
         out = []
         for raw in column.cast(pa.binary()).to_pylist():
             try:
@@ -63,8 +99,9 @@ class Renderer:
     """
 
     def __init__(self, spec: PromptSpec, frame: tuple[str, str], id_column: str, passthrough: tuple[str, ...],
-                 owners: dict[str, tuple[str, int]] | None = None):
+                 owners: dict[str, tuple[str, int]] | None = None, chat: Callable[[list], str] | None = None):
         self.spec = spec
+        self.chat = chat  # prompt.messages: the chat template per row (chat_messages), instead of the frame
         self.columns = spec.columns  # parsed from the template once, not per row
         self.owners = owners or {}  # a repeated id -> the (unit, row) that is processed; the others are rejected
         self.prefix, self.suffix = frame
@@ -89,9 +126,17 @@ class Renderer:
                 yield Generation(prompt, error="invalid_input", detail=f"column {bad[0]!r} of {unit.ref.file} row "
                                  f"{unit.ref.offset + i} is not valid UTF-8")
                 continue
-            empty = [c for c, v in values.items() if v is None or (isinstance(v, str) and not v.strip())]
+            empty = [c for c, v in values.items() if v is None or v == [] or (isinstance(v, str) and not v.strip())]
             if empty:
                 yield Generation(prompt, error="empty_prompt", detail=f"column {empty[0]!r} is null or empty")
                 continue
-            prompt.text = self.prefix + self.spec.template.format_map(values) + self.suffix
+            if self.chat is None:
+                prompt.text = self.prefix + self.spec.template.format_map(values) + self.suffix
+            else:
+                try:
+                    prompt.text = self.chat(values[self.spec.messages])
+                except ValueError as e:
+                    yield Generation(prompt, error="invalid_input", detail=f"column {self.spec.messages!r} of "
+                                     f"{unit.ref.file} row {unit.ref.offset + i}: {e}")
+                    continue
             yield prompt

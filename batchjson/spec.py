@@ -70,15 +70,28 @@ class InputSpec:
 
 @dataclass(frozen=True)
 class PromptSpec:
-    template: str
+    template: str = ""
     """User message with {column} placeholders, rendered through the model's chat template."""
     system: str = ""
+    messages: str | None = None
+    """Instead of template and system: a column whose rows are whole conversations, a list of {role, content}
+    (system, user and assistant turns), rendered through the model's chat template as they are. For prompts written
+    elsewhere, e.g. an OpenAI Batch file (`batchjson import-openai`)."""
 
     @property
     def columns(self) -> tuple[str, ...]:
+        if self.messages:
+            return (self.messages,)
         return tuple(dict.fromkeys(f for _, f, _, _ in string.Formatter().parse(self.template) if f is not None))
 
     def __post_init__(self):
+        if self.messages is not None:
+            _require(self.messages, "prompt.messages must name a column.")
+            _require(not self.template and not self.system, "prompt.messages is the whole prompt: leave out "
+                     "prompt.template and prompt.system (put a system turn in the messages instead).")
+            return
+        _require(self.template, "[prompt] needs template (a user message with {column} placeholders) or messages "
+                 "(a column of chat messages).")
         braces = "Write literal braces as {{ and }} (e.g. a JSON example: {{\"vendor\": \"...\"}})."
         try:
             fields = [(f, conv, fmt) for _, f, fmt, conv in string.Formatter().parse(self.template) if f is not None]
@@ -281,6 +294,8 @@ class JobSpec:
         # The model's schema counts (schema_doc), not where the class lives: a model moved out of a notebook into
         # a module keeps its job's hash.
         d["schema"].pop("pydantic")
+        if d["prompt"]["messages"] is None:  # added later: template jobs keep the hash they had
+            d["prompt"].pop("messages")
         return d
 
 

@@ -32,7 +32,7 @@ from batchjson.engine.devices import Placement
 from batchjson.errors import BatchjsonError, EngineDied, EngineError
 from batchjson.executors.base import Channel, Work, queue_channel
 from batchjson.passes import Recipe, plan_passes
-from batchjson.prompts import Renderer, chat_frame
+from batchjson.prompts import Renderer, chat_frame, chat_messages
 from batchjson.records import FINAL, WAIT, Generation, Outcome, Prompt, Stage
 from batchjson.report import PassStats
 from batchjson.tables import PartSink
@@ -162,8 +162,12 @@ class Worker:
         """Made on first use: a run with nothing to render never loads the model's tokenizer."""
         from batchjson.engine import resolve_model
 
-        frame = chat_frame(resolve_model(self.spec.model.path), self.spec.prompt.system)
-        return Renderer(self.spec.prompt, frame, self.spec.input.id_column, self.spec.input.passthrough, self.owners)
+        model, prompt = resolve_model(self.spec.model.path), self.spec.prompt
+        if prompt.messages:
+            return Renderer(prompt, ("", ""), self.spec.input.id_column, self.spec.input.passthrough, self.owners,
+                            chat=chat_messages(model))
+        frame = chat_frame(model, prompt.system)
+        return Renderer(prompt, frame, self.spec.input.id_column, self.spec.input.passthrough, self.owners)
 
     def serve(self, channel: Channel) -> None:
         """Work until the queue says the run is over (or a stop); then report this worker's counts per pass."""

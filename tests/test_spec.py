@@ -347,3 +347,24 @@ def test_a_removed_key_is_ignored_with_a_warning_to_delete_it(tmp_path):
     with pytest.warns(UserWarning, match=r"model.parallel_grammar is ignored: .* Delete the line"):
         old = load_spec(spec_file(tmp_path, BASE + "[model]\nmax_in_flight = 8\nparallel_grammar = true\n"))
     assert old == plain and old.hash() == plain.hash()  # a run started before the upgrade resumes
+
+
+MESSAGES = BASE.replace('template = "Read {text}"', 'messages = "messages"')
+
+
+def test_a_messages_column_is_the_whole_prompt(tmp_path):
+    spec = load_spec(spec_file(tmp_path, MESSAGES))
+    assert spec.prompt.columns == ("messages",) and spec.prompt.template == ""
+    # a template job's hash does not see the key it does not set
+    assert "messages" not in load_spec(spec_file(tmp_path, BASE)).fingerprint()["prompt"]
+    assert spec.hash() != load_spec(spec_file(tmp_path, BASE)).hash()
+
+
+@pytest.mark.parametrize("prompt, message", [
+    ('messages = "messages"\ntemplate = "Read {text}"', "prompt.messages is the whole prompt"),
+    ('messages = "messages"\nsystem = "Be brief."', "prompt.messages is the whole prompt"),
+    ('system = "Be brief."', r"\[prompt\] needs template .* or messages"),
+])
+def test_messages_and_template_are_one_or_the_other(tmp_path, prompt, message):
+    with pytest.raises(SpecError, match=message):
+        load_spec(spec_file(tmp_path, BASE.replace('template = "Read {text}"', prompt)))
