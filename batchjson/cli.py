@@ -1,4 +1,5 @@
-"""Command line: `batchjson run JOB.toml`, `batchjson check JOB.toml` and `batchjson verify JOB.toml`.
+"""Command line: `batchjson run JOB.toml`, `batchjson check JOB.toml` and `batchjson verify JOB.toml`; OpenAI Batch
+files in and out: `batchjson import-openai REQUESTS.jsonl DIR`, `batchjson export-openai DIR OUT.jsonl`.
 
 Exit codes: 0 done, rejects within output.max_reject_rate; 1 a bug (the traceback is printed); 2 bad spec, input
 or output folder, or an engine that cannot start or keeps dying (the message says what to do); 3 done, but rejects
@@ -9,6 +10,7 @@ Ctrl-C (finished units are kept: rerun to resume).
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import click
 
@@ -106,3 +108,43 @@ def verify(job, output, input_path):
         if verdict.ok:
             click.echo("not finished: run the job again to resume, then verify.", err=True)
         raise SystemExit(EXIT_REJECTS)
+
+
+@main.command("import-openai")
+@click.argument("requests", type=click.Path(exists=True, dir_okay=False))
+@click.argument("folder", type=click.Path(file_okay=False))
+@click.option("--model", default="default", show_default=True,
+              help="The jobs' model.path: a Hugging Face model folder (the requests' own model is not used).")
+def import_openai(requests, folder, model):
+    """Turn an OpenAI Batch requests file (chat completions with a JSON Schema response_format) into jobs in
+    FOLDER (new or empty): one per schema and sampling settings, each runnable with `batchjson run`.
+
+    A request batchjson cannot answer as the Batch API would (n > 1, tools, another url, a duplicate custom_id,
+    a line that does not parse) makes it refuse the whole file (exit 2), naming each line and field."""
+    from batchjson.openai_batch import import_requests
+
+    try:
+        imported = import_requests(requests, folder, model=model if model == "default" else
+                                   str(Path(model).resolve()))
+    except BatchjsonError as e:
+        raise _user_error(e) from None
+    click.echo(imported.summary())
+
+
+@main.command("export-openai")
+@click.argument("folder", type=click.Path(exists=True, file_okay=False))
+@click.argument("output", type=click.Path(dir_okay=False))
+@click.option("--errors", type=click.Path(dir_okay=False),
+              help="The error file: rejected requests (default: they are lines of OUTPUT, with response null).")
+def export_openai(folder, output, errors):
+    """Write the OpenAI Batch output file of FOLDER (what import-openai wrote) once its jobs are finished: one line
+    per request, in the requests file's order; rejected requests as errors whose code is the reject reason.
+
+    Each job is verified first (`batchjson verify`): an unfinished one is exit 2, naming it."""
+    from batchjson.openai_batch import export_results
+
+    try:
+        exported = export_results(folder, output, errors)
+    except BatchjsonError as e:
+        raise _user_error(e) from None
+    click.echo(exported.summary())

@@ -31,6 +31,7 @@ COMMANDS = {
     "extract-schemastore": ("extract_schemastore", "build bench/corpus/schemastore.jsonl.gz from SchemaStore"),
     "spec-profile": ("spec_profile", "where a speculative step's time goes, per in-flight size (vLLM plugin)"),
     "validators": ("validators", "validation's cost per row: Validator.check against other validators"),
+    "openai-batch": ("openai_batch", "import-openai and export-openai: peak memory and time per requests file size"),
     "whole-runs": ("whole_runs", "whole runs of a new user's minimal job next to bare vLLM, one call"),
     "smoke": ("smoke", "every subcommand above, tiny, on the fake engine (make bench-smoke)"),
 }

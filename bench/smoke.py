@@ -153,6 +153,7 @@ def plan(w: Path, model: Path) -> list[tuple]:
         ("replicas", ["--task", "A", "--rows", "40", "--warm-rows", "8", "--units", "4", "--runs", "1,shards2",
                       "--out", str(w / "replicas"), "--work", str(w / "replicas-work"), *m]),
         ("guard-cost", ["--repeat", "1"]),
+        ("openai-batch", ["--lines", "300", "--work", str(w / "openai-batch")]),
         ("validators", []),
         ("schemas", ["--limit", "5", "--out", str(w / "schemas.json")]),
         ("extract-schemastore", [str(w / "schemastore"), "--out", str(w / "corpus.jsonl.gz")]),
