@@ -1,5 +1,5 @@
 """Rows -> prompts: the user template filled per row, or a row's own chat messages, framed by the model's chat template
-(from its tokenizer, before any engine starts)."""
+(from its tokenizer: the engine's once one has started, else the model's files)."""
 
 from __future__ import annotations
 
@@ -15,9 +15,13 @@ from batchjson.spec import PromptSpec
 MARK = "\x00BATCHJSON_USER\x00"
 
 
-def _tokenizer(model_dir: str):
-    from transformers import AutoTokenizer
+def _tokenizer(model_dir: str, loaded=None):
+    """The model's tokenizer: `loaded` where an engine has loaded it already (a Hugging Face one: its chat template
+    renders as the files' does, and a second load takes seconds before the first request), else from the files."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+    if isinstance(loaded, PreTrainedTokenizerBase):
+        return loaded
     try:
         return AutoTokenizer.from_pretrained(model_dir)
     except (OSError, ValueError) as e:
@@ -25,12 +29,12 @@ def _tokenizer(model_dir: str):
                           "Hugging Face model folder with its tokenizer files.") from None
 
 
-def chat_frame(model_dir: str, system: str) -> tuple[str, str]:
+def chat_frame(model_dir: str, system: str, loaded=None) -> tuple[str, str]:
     """The model's chat template rendered around a marker: (text before the user message, text after it).
 
-    Read from the tokenizer files alone, so prompts are plain data before an engine starts. A model without a
+    Prompts are plain data: the template is rendered once, with no engine involved. A model without a
     chat template gets the system text as a plain preamble."""
-    tokenizer = _tokenizer(model_dir)
+    tokenizer = _tokenizer(model_dir, loaded)
     if not getattr(tokenizer, "chat_template", None):
         return (f"{system}\n\n" if system else ""), ""
     messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": MARK}]
@@ -39,14 +43,14 @@ def chat_frame(model_dir: str, system: str) -> tuple[str, str]:
     return prefix, suffix
 
 
-def chat_messages(model_dir: str) -> Callable[[list], str]:
+def chat_messages(model_dir: str, loaded=None) -> Callable[[list], str]:
     """The model's chat template as a function of one row's messages (prompt.messages), rendered whole per row:
     a conversation has no fixed frame to cut once. ValueError for messages it cannot render (not a list of
     {role, content} strings, or refused by the template, e.g. roles that do not alternate); the row is then
     rejected as invalid_input. A model without a chat template gets the turns' texts one after another."""
     import jinja2
 
-    tokenizer = _tokenizer(model_dir)
+    tokenizer = _tokenizer(model_dir, loaded)
     template = getattr(tokenizer, "chat_template", None)
 
     def render(messages: list) -> str:

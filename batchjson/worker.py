@@ -159,14 +159,16 @@ class Worker:
 
     @functools.cached_property
     def renderer(self) -> Renderer:
-        """Made on first use: a run with nothing to render never loads the model's tokenizer."""
+        """Made on first use: a run with nothing to render never loads the model's tokenizer, and one whose engine
+        has started takes the engine's (Engine.tokenizer)."""
         from batchjson.engine import resolve_model
 
         model, prompt = resolve_model(self.spec.model.path), self.spec.prompt
+        loaded = self.engine.tokenizer if self.engine is not None else None
         if prompt.messages:
             return Renderer(prompt, ("", ""), self.spec.input.id_column, self.spec.input.passthrough, self.owners,
-                            chat=chat_messages(model))
-        frame = chat_frame(model, prompt.system)
+                            chat=chat_messages(model, loaded))
+        frame = chat_frame(model, prompt.system, loaded)
         return Renderer(prompt, frame, self.spec.input.id_column, self.spec.input.passthrough, self.owners)
 
     def serve(self, channel: Channel) -> None:

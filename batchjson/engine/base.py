@@ -20,19 +20,21 @@ class Engine(ABC):
     """What a pass needs from an engine: bounded in flight, results yielded as they finish.
 
     VllmEngine is the real one; batchjson.engine.fake.FakeEngine answers without a model, for tests and benchmarks.
-    A subclass that misses a method cannot be constructed. Besides the methods, worker.py reads three attributes,
+    A subclass that misses a method cannot be constructed. Besides the methods, worker.py reads these attributes,
     which each engine keeps up to date (the defaults here suit an engine without them):
     `steps`, the engine steps taken so far (auto's measure of ms per step); `unfinished`, the prompts that were in
     flight when the last stream stopped (another engine takes them over); and `choice`, the grammar backend the
     engine decodes with (the report's grammar line; None when there is none); and `notice`, what the run's report
     should say about the engine itself ("" for nothing; VllmEngine: its vLLM is one batchjson's patches were not read
-    on, see internals.notice).
+    on, see internals.notice); and `tokenizer`, the model's tokenizer where the engine loaded one (the worker renders
+    prompts with it instead of loading it again; None: the worker loads it from the model's files).
     """
 
     steps: int = 0
     unfinished: Sequence[Prompt] = ()
     choice: Choice | None = None
     notice: str = ""
+    tokenizer: object | None = None
 
     @abstractmethod
     def accepts(self, decoding: DecodingSpec, speculative: SpeculativeSpec | None) -> bool:
@@ -98,6 +100,7 @@ class EngineWrapper(Engine):
     unfinished = property(lambda self: self.inner.unfinished)
     choice = property(lambda self: self.inner.choice)
     notice = property(lambda self: self.inner.notice)
+    tokenizer = property(lambda self: self.inner.tokenizer)
 
     def accepts(self, decoding: DecodingSpec, speculative: SpeculativeSpec | None) -> bool:
         return self.inner.accepts(decoding, speculative)

@@ -167,6 +167,7 @@ class VllmEngine(Engine):
             # RuntimeError: the engine process failed to start (its own error is logged above), or CUDA memory.
             raise EngineError(f"vLLM could not start with model {kwargs['model']}: {e}. "
                               "Check [model], [model.engine] and [speculative].") from e
+        self.tokenizer = self.llm.get_tokenizer()
         if self.max_in_flight is None:  # the engine's batch, and as many waiting behind it
             scheduler = getattr(getattr(self.llm.llm_engine, "vllm_config", None), "scheduler_config", None)
             self.max_in_flight = 2 * (getattr(scheduler, "max_num_seqs", None) or 256)
