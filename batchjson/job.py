@@ -18,7 +18,7 @@ from batchjson.executors.base import Queue
 from batchjson.executors.inline import run_inline
 from batchjson.engine.devices import Layout
 from batchjson.executors.local import local_layout
-from batchjson.report import PassStats, RunReport
+from batchjson.report import PassStats, RunReport, process_age
 from batchjson.source import ParquetSource
 from batchjson.engine.base import EngineFactory
 from batchjson.spec import JobSpec
@@ -56,6 +56,7 @@ class JobRun:
 
     def run(self) -> RunReport:
         started = self.started = time.monotonic()
+        mark = lambda: round(time.monotonic() - started, 2)  # noqa: E731
         input_rows = self.source.check()
         everything = self.source.plan()
         mine = self.source.plan(self.shard) if self.shard[1] > 1 else everything
@@ -70,6 +71,7 @@ class JobRun:
         storage = self.storage
         report = RunReport(self.spec.hash(), input_rows, str(storage.output), str(storage.rejects),
                            max_reject_rate=self.spec.output.max_reject_rate)
+        report.timeline["before_run"] = process_age(started)
         try:  # a failed open (a full disk, a changed spec) drops the folder's locks too
             report.resumed = storage.open(self.spec.hash(), self.spec.fingerprint(), self.spec.output.if_exists,
                                           self.fresh)
@@ -81,9 +83,12 @@ class JobRun:
                 # A repeated id is processed where it was committed already, else at its first occurrence.
                 self.owners = {row_id: next((p for p in places if storage.done(Stage.FIRST, p[0])), places[0])
                                for row_id, places in scan.repeated.items()}
+                report.timeline["checked"] = mark()
                 self._run_passes(report, layout)
+                report.timeline["passes"] = mark()
                 report.tally(storage.records())
                 verdict = verify(storage, self.source, everything, self.spec.input.id_column)
+                report.timeline["verified"] = mark()
                 if not self.stop.is_set() and self.shard[1] == 1 and verdict.pending and verdict.ok:
                     verdict.problems.append(f"[internal] {verdict.pending} units left undone by an uninterrupted run")
                 report.verified = verdict.to_dict()

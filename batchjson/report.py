@@ -2,12 +2,25 @@
 
 from __future__ import annotations
 
+import os
+import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 
 from batchjson.records import Stage
 
 RESCUED = Stage.SECOND.label  # valid_by_pass's key of the rows the fallback pass rescued
+
+
+def process_age(at: float) -> float | None:
+    """Seconds from this process's start to `at` (a time.monotonic()); None where /proc does not say (not Linux)."""
+    try:
+        with open("/proc/self/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22, starttime: clock ticks after boot
+        since_boot = time.clock_gettime(time.CLOCK_BOOTTIME) - (time.monotonic() - at)
+        return round(since_boot - ticks / os.sysconf("SC_CLK_TCK"), 2)
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None
 
 
 @dataclass
@@ -39,6 +52,8 @@ class PassStats:
     """Engines this pass started (all replicas): 0 when it ran on the previous pass's engine."""
     engine_start_s: float = 0.0
     """Their start seconds, added up."""
+    engine_close_s: float = 0.0
+    """Their shutdown seconds, added up (an engine shared by both passes counts in the pass that closed it)."""
     hung: int = 0
     """Engines taken for hung (no step for model.hang_timeout_s), killed and restarted."""
     first_request_s: float | None = None
@@ -61,6 +76,7 @@ class PassStats:
                      "engine_start_s"):
             setattr(self, name, getattr(self, name) + other[name])
         self.hung += other.get("hung", 0)
+        self.engine_close_s += other.get("engine_close_s", 0.0)
         self.reasons.update(other["reasons"])
         firsts = [t for t in (self.first_request_s, other.get("first_request_s")) if t is not None]
         self.first_request_s = min(firsts) if firsts else None
@@ -77,6 +93,7 @@ class PassStats:
         d = asdict(self)
         d["reasons"] = dict(self.reasons)
         d["engine_start_s"] = round(self.engine_start_s, 1)
+        d["engine_close_s"] = round(self.engine_close_s, 1)
         if self.first_request_s is not None:
             d["first_request_s"] = round(self.first_request_s, 1)
         d["rows_per_s"] = round(self.rows / self.seconds, 3) if self.seconds else 0.0
@@ -114,6 +131,10 @@ class RunReport:
     """Engine replicas on each GPU (tensor-parallel group); 0 without GPUs."""
     layout: str = ""
     """How the replicas sat on the GPUs and why (model.replicas_per_gpu, its "auto" rule): the summary's line."""
+    timeline: dict = field(default_factory=dict)
+    """Where the run's time went, in seconds: `before_run` from the process's start to the run's (imports, reading
+    the spec); then from the run's start, `checked` (inputs read, folder claimed, resume checked), `passes` (both
+    passes done, engines closed) and `verified` (the exactly-once check). `seconds` ends after the folder's release."""
 
     def lay_out(self, layout) -> None:
         """Record where the replicas ran (an engine/devices.py Layout)."""

@@ -160,7 +160,8 @@ def batchjson_run(name: str, args, work: Path, t_launch: float, timeout: float) 
             "valid": report["valid"], "correct": correct, "fields": fields, "rejected": report["rejected"],
             "acceptance": p1.get("acceptance"), "pass1_output_tokens_per_s": p1.get("output_tokens_per_s"),
             "replicas": report.get("replicas"), "replicas_per_gpu": report.get("replicas_per_gpu"),
-            "layout": report.get("layout", ""),
+            "layout": report.get("layout", ""), "timeline": report.get("timeline"),
+            "engine_close_s": round(p1.get("engine_close_s", 0) + p2.get("engine_close_s", 0), 2),
             "chosen": auto.get("chosen", method), "why": auto.get("why", ""), "summary": proc.stdout[-2500:]}
 
 

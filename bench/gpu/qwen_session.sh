@@ -4,7 +4,9 @@
 #   bash bench/gpu/qwen_session.sh collect OUT_DIR          # results so far, as one archive (at most every 10 s)
 # Each plan waits for the models it needs (/tmp/res/ready-<model>, written by `convert` below), then runs its
 # whole_runs calls; plans run one at a time (a lock), each run in its own process, each table within one call.
-#   bash bench/gpu/qwen_session.sh convert q15|q05|smol      # unpack.sh's conversion, then the ready mark
+#   bash bench/gpu/qwen_session.sh site                      # unpack.sh's packages + the plugin's entry point
+#   bash bench/gpu/qwen_session.sh convert q15|q05|smol      # (after site) unpack.sh's conversion, then the ready mark
+#   bash bench/gpu/qwen_session.sh wait SECONDS OUT_DIR      # until every plan is done or SECONDS pass; then collect
 # PLAN small: SmolLM2-135M, the 600-row small job, ABAB against bare vLLM (warm compile caches for both).
 # PLAN target: the 1.5B target, task C, 6,000 rows: the default against bare vLLM, both warm.
 # PLAN inflight: the 1.5B at 16 requests in flight: none / suffix / ngram, bare vLLM then batchjson (which finds the
@@ -12,7 +14,9 @@
 # PLAN pass2: what the 0.5B drafter costs pass 2's requests (no drafts) on the 1.5B: every row goes to pass 2.
 # PLAN t30k: the 1.5B, 30,000 rows of task C, the default against bare vLLM.
 # PLAN replicas: 1-4 engine replicas on one GPU (model.replicas_per_gpu), SmolLM2 and the 1.5B, 30,000 rows.
-# PLAN all: small, target, inflight, pass2, t30k, inflightdraft in that order, within BUDGET_S.
+# PLAN inflight64: the 1.5B at 64 requests in flight, none and suffix, bare vLLM then batchjson.
+# PLAN all: the plans named in PLANS (default: small target pass2 inflight64 replicas inflightdraft t30k) in that
+#   order, within BUDGET_S.
 set -u
 export PYTHONPATH=/tmp/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
 res=/tmp/res
@@ -26,8 +30,19 @@ case "$1" in
       sleep 10
     done
     exit 0 ;;
+  site)
+    { /usr/bin/time -f "site: %e s" bash bench/gpu/unpack.sh site && bash bench/gpu/register_plugin.sh /tmp/site \
+        && touch $res/ready-site; } >> $res/site.log 2>&1
+    exit 0 ;;
   convert)
+    while [ ! -f $res/ready-site ]; do sleep 1; done
     { /usr/bin/time -f "convert $2: %e s" bash bench/gpu/unpack.sh $2 && touch $res/ready-$2; } >> $res/convert-$2.log 2>&1
+    exit 0 ;;
+  wait)
+    end=$(( $(date +%s) + $2 ))
+    while [ ! -f $res/done-all ] && [ "$(date +%s)" -lt $end ]; do sleep 5; done
+    tar -czf $3/res.tgz -C /tmp res
+    tail -n 30 $res/session.log; nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader
     exit 0 ;;
 esac
 plan=$1 budget=${2:-600}
@@ -56,14 +71,16 @@ run_plan() {
     pass2) need q15 && need q05 && wr t15-C1000-p2 --task C --rows 1000 --model $q15 --draft $q05 --timeout 200 \
              --runs none+p2-noadapt,draft+p2-noadapt ;;
     replicas) need smol && wr rpg-smol-C30000 --task C --rows 30000 --model $smol --timeout 300 \
-             --runs warm-none,bare-none,none+rpg1,none+rpg2,none+rpg3,none+rpg4
+             --runs warm-none,none+rpg1,none+rpg2,bare-none,none+rpg3,none+rpg4
            need q15 && wr rpg-t15-C30000 --task C --rows 30000 --model $q15 --timeout 300 \
              --runs none+rpg1,none+rpg2 ;;
+    inflight64) need q15 && wr t15-C1000-64 --task C --rows 1000 --model $q15 --timeout 150 \
+             --runs bare-none@64,none@64,bare-suffix@64,suffix@64 ;;
     t30k) need q15 && wr t15-C30000 --task C --rows 30000 --model $q15 --timeout 300 --runs bare-none,auto ;;
   esac
 }
 if [ "$plan" = all ]; then
-  for p in small target inflight pass2 t30k inflightdraft; do run_plan $p; done
+  for p in ${PLANS:-small target pass2 inflight64 replicas inflightdraft t30k}; do run_plan $p; done
 else
   run_plan $plan
 fi
