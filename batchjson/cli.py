@@ -9,7 +9,10 @@ Ctrl-C (finished units are kept: rerun to resume).
 
 from __future__ import annotations
 
+import atexit
 import json
+import os
+import sys
 from pathlib import Path
 
 import click
@@ -148,3 +151,27 @@ def export_openai(folder, output, errors):
     except BatchjsonError as e:
         raise _user_error(e) from None
     click.echo(exported.summary())
+
+
+def entry() -> None:
+    """The `batchjson` command (and `python -m batchjson`): `main`, then an exit without Python's teardown.
+
+    Once a command has its exit code, every row is committed, the report written and the engines closed; what Python
+    does next, finalizing the modules of torch, vLLM and pyarrow, took 2.9 s of a 12-row run on a CPU (and a GPU
+    run's process lived ~4 s past its report, where bare vLLM's lived ~2 s past its last output). So the exit handlers
+    run (logging, multiprocessing's children, Ray), the output is flushed, and the process ends. A bug's traceback
+    (an exception click does not turn into an exit code) still takes Python's usual way out."""
+    try:
+        main()
+        code = 0
+    except SystemExit as done:  # click's standalone mode ends every command this way
+        code = done.code if isinstance(done.code, int) else (0 if done.code is None else 1)
+        if isinstance(done.code, str):
+            print(done.code, file=sys.stderr)
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe: nothing left to say to it
+            pass
+    os._exit(code)

@@ -53,7 +53,8 @@ class PassStats:
     engine_start_s: float = 0.0
     """Their start seconds, added up."""
     engine_close_s: float = 0.0
-    """Their shutdown seconds, added up (an engine shared by both passes counts in the pass that closed it)."""
+    """Shutdown seconds of the engines that decoded this pass last (an engine shared by both passes counts in the
+    later pass that had rows)."""
     hung: int = 0
     """Engines taken for hung (no step for model.hang_timeout_s), killed and restarted."""
     first_request_s: float | None = None

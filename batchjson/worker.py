@@ -314,7 +314,8 @@ class Worker:
             with self.channel.turn(self.stop):
                 t0 = time.monotonic()
                 engine.close()
-                self.stats[self.decodes[-1] if self.decodes else Stage.FIRST].engine_close_s += time.monotonic() - t0
+                closer = next((s for s in reversed(self.decodes) if self.stats[s].rows), Stage.FIRST)
+                self.stats[closer].engine_close_s += time.monotonic() - t0
 
     def _decode(self, tracker: Tracker, stage: Stage, pairs: Iterator[Work]) -> None:
         """Decode, check and commit the units of `pairs` on an engine for `stage`, until the channel has no more

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
 
 from batchjson.cli import main
-from helpers import write_job, write_rows
+from helpers import ENV, write_job, write_rows
 
 ROOT = Path(__file__).parent.parent
 
@@ -18,6 +20,22 @@ def test_check_reports_rows_and_columns():
     result = CliRunner().invoke(main, ["check", str(ROOT / "jobs" / "sample.toml")])
     assert result.exit_code == 0, result.output
     assert "120 rows" in result.output and "['id', 'text', 'source']" in result.output
+
+
+def test_the_command_keeps_its_exit_codes_and_its_whole_output(tmp_path):
+    """`batchjson` ends without Python's teardown (cli.entry): what it printed into a pipe still arrives, and the
+    exit code is the command's."""
+    command = [sys.executable, "-m", "batchjson", "check"]
+    done = subprocess.run([*command, str(ROOT / "jobs" / "sample.toml")], capture_output=True, text=True, env=ENV,
+                          timeout=300)
+    assert done.returncode == 0 and "120 rows" in done.stdout, done.stderr[-2000:]
+    job = tmp_path / "job.toml"
+    job.write_text((ROOT / "jobs" / "sample.toml").read_text().replace("[sampling]", "[sampling]\ntop_k = 3"))
+    done = subprocess.run([*command, str(job)], capture_output=True, text=True, env=ENV, timeout=300)
+    assert done.returncode == 2 and "unknown key sampling.top_k" in done.stderr
+    done = subprocess.run([sys.executable, "-m", "batchjson", "--version"], capture_output=True, text=True, env=ENV,
+                          timeout=300)
+    assert done.returncode == 0 and "version" in done.stdout
 
 
 def test_check_bad_spec_exits_2_with_the_key(tmp_path):
