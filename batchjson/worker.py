@@ -270,7 +270,11 @@ class Worker:
                                             "a speculative engine, so pass 2 shares pass 1's engine without one")
             return None
         rows = sum(r.rows for key, r in self.refs.items() if not self.storage.listed(Stage.FIRST, key)) // self.share
-        auto = Auto(first.speculative, self.spec.model.max_in_flight, self.platform, rows)
+        from batchjson.engine import resolve_model, weight_bytes
+
+        weights = weight_bytes(resolve_model(self.spec.model.path))
+        auto = Auto(first.speculative, self.spec.model.max_in_flight, self.platform, rows,
+                    weights / 1e9 if weights else None)
         self.speculative = auto.current()
         return auto
 

@@ -6,7 +6,8 @@ import importlib
 # these modules (nor the spec and grammar modules they import).
 _NAMES = {"Engine": "base", "EngineFactory": "base", "EngineWrapper": "base", "WrappedEngines": "base",
           "VllmEngine": "vllm_engine", "VllmEngines": "vllm_engine", "cpu_dtype": "vllm_engine",
-          "check_draft": "models", "convert_gguf": "models", "resolve_model": "models"}
+          "check_draft": "models", "convert_gguf": "models", "resolve_model": "models",
+          "weight_bytes": "models"}
 __all__ = list(_NAMES)
 
 

@@ -4,9 +4,10 @@ Speculation costs a bigger step (k+1 positions verified, each under the grammar;
 scheduling) and saves steps in proportion to how many drafted tokens the target accepts. Which side wins depends on
 the job's own outputs (acceptance), the in-flight size and the platform. So `auto`:
 
-1. starts with the choice that was faster at this in-flight size in our measurements (MEASURED_SPEEDUP: suffix
-   decoding from 1 to 512 requests in flight on a GPU, ngram only near 32, none at a full engine batch (the default
-   max_in_flight) and on a CPU);
+1. starts with the choice that was faster at this in-flight size, for the measured model nearest in size, in our
+   measurements (MEASURED_SPEEDUP; on a GPU: on SmolLM2-135M suffix decoding from 1 to 512 requests in flight, ngram
+   only near 32; on the 1.5B suffix only with few in flight (16), no method at 64 or more, a draft model nowhere;
+   none at a full engine batch (the default max_in_flight) and on a CPU);
 2. measures that choice on the job's first rows: output tokens per second of decoding, ms per step, tokens per step
    and, with speculation, the acceptance;
 3. when the rest of the pass is long enough (TRIAL_PAYS engine starts), decodes the next rows with the other
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -51,11 +53,20 @@ from batchjson.spec import SpeculativeSpec
 # The same run put suffix decoding at 0.57 at a full batch on the 1.5B (0.65 on the 0.5B as the target).
 # The 1.5B target confirms suffix's prior with few in flight: x1.48 of no speculation's pass-1 decode at 16
 # (bare vLLM x1.37), and ngram lost in bare vLLM (x0.90; BENCHMARKS.md, "The 1.5B target at 16 requests in flight").
+# The 1.5B (Qwen2.5-Coder-1.5B-Instruct, 3.1 GB of bfloat16 weights; whole runs, pass-1 decode after the first request
+# against no speculation, each pair in one call; BENCHMARKS.md, "A real target"): suffix x1.48 at 16 in flight
+# (bare vLLM x1.37), x0.85 at 64 (bare x0.80), x0.57 at a full batch; ngram x0.90 at 16 in bare vLLM; the 0.5B
+# draft x0.71 at 64 and x0.72 at a full batch. A bigger target spends more of each step in the GPU, where a verified
+# position costs about what a decoded one does, so speculation pays only with few requests in flight.
+# Keys: platform, then the target's weight gigabytes (the nearest measured size that has the method counts), then
+# the method, then requests in flight.
 MEASURED_SPEEDUP = {
-    "gpu": {"ngram": {1: 0.97, 8: 0.64, 32: 1.15, 128: 0.83, 512: 0.86},
-            "suffix": {1: 1.34, 8: 1.65, 32: 2.29, 128: 1.57, 512: 1.38, 1024: 0.88},
-            "draft_model": {64: 0.71, 1024: 0.72}},
-    "cpu": {"ngram": {1: 1.0}, "suffix": {1: 1.0}},
+    "gpu": {0.27: {"ngram": {1: 0.97, 8: 0.64, 32: 1.15, 128: 0.83, 512: 0.86},
+                   "suffix": {1: 1.34, 8: 1.65, 32: 2.29, 128: 1.57, 512: 1.38, 1024: 0.88}},
+            3.1: {"ngram": {16: 0.90},
+                  "suffix": {16: 1.48, 64: 0.85, 1024: 0.57},
+                  "draft_model": {64: 0.71, 1024: 0.72}}},
+    "cpu": {0.27: {"ngram": {1: 1.0}, "suffix": {1: 1.0}}},
 }
 DRAFT_TOKENS = {"ngram": 4, "suffix": 8}  # k as measured above
 TRIAL_PAYS = 40.0  # try the other choice only if the rest of the pass takes this many engine starts or more
@@ -68,8 +79,14 @@ def draft_method() -> str:
     return "suffix" if importlib.util.find_spec("arctic_inference") else "ngram"
 
 
-def predicted_speedup(platform: str, method: str, in_flight: int) -> float:
-    table = MEASURED_SPEEDUP[platform].get(method) or {1: 1.0}  # unmeasured: no gain assumed; the job measures it
+def predicted_speedup(platform: str, method: str, in_flight: int, weights_gb: float | None = None) -> float:
+    """`method`'s measured output tokens/s over none at the nearest in-flight size, for the measured model nearest
+    in size (log scale) to one of `weights_gb` (None: the smallest); 1.0 where nothing was measured."""
+    models = {gb: t[method] for gb, t in MEASURED_SPEEDUP[platform].items() if method in t}
+    if not models:  # unmeasured: no gain assumed; the job measures it
+        return 1.0
+    gb = min(models, key=lambda g: abs(math.log(g / weights_gb))) if weights_gb else min(models)
+    table = models[gb]
     return table[min(table, key=lambda size: abs(size - in_flight))]
 
 
@@ -111,6 +128,8 @@ class Auto(Policy):
     """model.max_in_flight; None: the engine's batch."""
     platform: str
     total_rows: int
+    weights_gb: float | None = None
+    """The target's weight gigabytes (engine/models.py, weight_bytes): the measurements of the nearest model size count."""
     trials: list[Trial] = field(default_factory=list)
     decided: str = ""
     """Why the current choice is final; empty while measuring."""
@@ -126,7 +145,7 @@ class Auto(Policy):
         k = self.spec.num_speculative_tokens if method == "draft_model" else DRAFT_TOKENS[method]
         self.candidate = dataclasses.replace(self.spec, method=method, num_speculative_tokens=k)
         size = self.in_flight or FULL_BATCH
-        self.prior = predicted_speedup(self.platform, method, size)
+        self.prior = predicted_speedup(self.platform, method, size, self.weights_gb)
         self.sample = max(2 * size, 64)  # rows measured per choice
         self.trials.append(Trial(method if self.prior >= BETTER_BY else "none"))
 
@@ -219,9 +238,11 @@ class Auto(Policy):
     def to_dict(self) -> dict:
         chosen = self.trials[-1].method
         size = f"{self.in_flight} in flight" if self.in_flight else "a full engine batch"
-        why = self.decided or (f"{chosen}: the faster at {size} on a {self.platform} in our "
+        model = f" with a {self.weights_gb:.1f} GB model" if self.weights_gb else ""
+        why = self.decided or (f"{chosen}: the faster at {size} on a {self.platform}{model} in our "
                                f"measurements ({self.candidate.method} {self.prior:.2f}x none); the pass was too short "
                                "to try the other")
         return {"method": "auto", "chosen": chosen, "why": why,
                 "predicted_speedup": round(self.prior, 2), "in_flight": self.in_flight, "platform": self.platform,
+                "weights_gb": round(self.weights_gb, 2) if self.weights_gb else None,
                 "trials": [t.to_dict() for t in self.trials if t.rows]}

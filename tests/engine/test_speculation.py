@@ -38,6 +38,22 @@ def test_prior_follows_the_measured_speedups(monkeypatch):
     assert speculation.Auto(AUTO, 1, "gpu", 10_000).current() is None  # ngram 0.97x at 1 in flight
 
 
+def test_prior_follows_the_model_size(monkeypatch):
+    """On the 1.5B target (3.1 GB of weights) suffix decoding paid at 16 in flight (1.48x) and lost at 64 (0.85x):
+    auto starts with suffix only with few requests in flight there, where SmolLM2's numbers (0.27 GB) say 64 pays."""
+    monkeypatch.setattr(speculation, "draft_method", lambda: "suffix")
+    big = dict(weights_gb=3.1)
+    assert speculation.Auto(AUTO, 16, "gpu", 10_000, **big).current().method == "suffix"
+    at_64 = speculation.Auto(AUTO, 64, "gpu", 10_000, **big)
+    assert at_64.current() is None and at_64.prior == 0.85
+    assert "with a 3.1 GB model" in at_64.to_dict()["why"] and at_64.to_dict()["weights_gb"] == 3.1
+    assert speculation.Auto(AUTO, 64, "gpu", 10_000, weights_gb=0.3).current().method == "suffix"  # 2.29x at 32
+    assert speculation.Auto(AUTO, 64, "gpu", 10_000, weights_gb=14.0).prior == 0.85  # the nearest size measured
+    # A method measured on one size only is judged by that size's numbers at every size.
+    assert speculation.predicted_speedup("gpu", "draft_model", 1024, 0.27) == 0.72
+    assert speculation.predicted_speedup("gpu", "eagle", 16, 3.1) == 1.0  # unmeasured: no gain assumed
+
+
 def test_a_short_pass_keeps_the_first_choice():
     auto = speculation.Auto(AUTO, 8, "cpu", 100)
     auto.started(30.0)
@@ -127,7 +143,7 @@ def test_a_speculative_trial_is_kept_only_if_it_is_faster(trial_s, chosen, monke
     """512 rows took 10 s without speculation; the rest of the pass is ~3,000 s, long enough for a trial. Suffix at 2x
     is kept; at 1.02x (within a run's spread) auto goes back to none."""
     monkeypatch.setattr(speculation, "draft_method", lambda: "suffix")
-    monkeypatch.setitem(speculation.MEASURED_SPEEDUP["gpu"], "suffix", {256: 1.0})  # the prior: none first
+    monkeypatch.setitem(speculation.MEASURED_SPEEDUP["gpu"][0.27], "suffix", {256: 1.0})  # the prior: none first
     auto = speculation.Auto(AUTO, 256, "gpu", 160_000)
     assert auto.current() is None
     auto.started(20.0)
@@ -154,7 +170,7 @@ def test_a_draft_method_that_cannot_start_gives_way_to_none(monkeypatch):
 def test_auto_goes_on_without_speculation_when_its_engine_cannot_start(tmp_path, tiny_model, engines, monkeypatch):
     """auto's speculative engine is refused by vLLM at start (here: an option it does not know). The user asked for
     none of it, so the job goes on without speculation, every row once, and the report says why."""
-    monkeypatch.setattr(speculation, "MEASURED_SPEEDUP", {"cpu": {"ngram": {1: 2.0}, "suffix": {1: 2.0}}})
+    monkeypatch.setattr(speculation, "MEASURED_SPEEDUP", {"cpu": {0.27: {"ngram": {1: 2.0}, "suffix": {1: 2.0}}}})
     write_rows(tmp_path / "in.parquet", 40)
     job = write_job(tmp_path, tiny_model, tmp_path / "in.parquet", speculative="auto")
     job.write_text(job.read_text().replace("[fallback]\n", "[fallback]\nenabled = false\n")  # auto speculates at once
