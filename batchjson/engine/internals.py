@@ -1,5 +1,5 @@
-"""Everything that touches vLLM's internals: two scheduler patches, the engine-process watcher and the plugin
-flag of a forked engine process, each with its check.
+"""Everything that touches vLLM's internals: two scheduler patches, one model-runner patch, the engine-process
+watcher and the plugin flag of a forked engine process, each with its check.
 
 The scheduler patches are installed by the plugin (plugin.py) in each vLLM process of a run, and in the runner by
 VllmEngine (no_draft_ready).
@@ -13,6 +13,11 @@ nothing). Checked against the vLLM versions it was read on (READ_ON); on another
 fails, `no_draft_ready()` is False and batchjson gives pass 2 an engine without speculation, as before.
 The drafter still proposes for these requests (it drafts for the whole batch in one pass, and vLLM gives it no
 per-request mask): their drafts are computed and dropped; README.md, "What a request without a draft still costs".
+
+**No draft-model forward in a step of no-draft requests alone.** When pass 1 is done and pass 2 decodes alone on
+pass 1's engine, a draft model's forwards were wasted whole (pass 2 at x2.29 its time, on an H200).
+`install_idle_drafter` makes the V1 model runner's `_input_fits_in_drafter` answer False for such a step, which takes
+vLLM's own path for a step it cannot draft for (no drafter forward, zeroed drafts). Checked against RUNNER_READ_ON.
 
 **A loop guard at the cost of a few list operations.** vLLM checks `repetition_detection` after every output token,
 in the engine-core process that also schedules every step: `check_sequence_repetition` compares the output's tail
@@ -56,9 +61,10 @@ _NO_DRAFT: str | None = None  # "ok", or why the patch is not installed in this 
 
 
 def install() -> None:
-    """Both patches, in this process (the plugin calls it in each vLLM process of a run)."""
+    """The patches, in this process (the plugin calls it in each vLLM process of a run)."""
     install_no_draft()
     install_fast_loop_guard()
+    install_idle_drafter()
 
 
 def no_draft_ready() -> bool:
@@ -116,6 +122,62 @@ def install_no_draft() -> str:
     return _NO_DRAFT
 
 
+
+# Read on: vllm/v1/worker/gpu_model_runner.py of these versions (the V1 model runner, which the CPU runner
+# subclasses, and which runs draft_model in 0.26). GPUModelRunner.sample_tokens asks
+# _input_fits_in_drafter(self, common_attn_metadata) once per step whether the drafter runs; on False it runs no
+# drafter forward, keeps the padded bookkeeping (prepare_next_token_ids_padded) and hands the scheduler zeroed drafts
+# (its own path for requests near max_model_len). self.requests[req_id].sampling_params, self.input_batch.req_ids.
+RUNNER_READ_ON = ("0.26.", "0.32.")
+_IDLE_DRAFTER: str | None = None
+
+
+def no_draft_batch(requests: dict, req_ids: list[str]) -> bool:
+    """Whether every request of a step asked for no drafts (NO_DRAFT in its SamplingParams.extra_args)."""
+    for req_id in req_ids:
+        state = requests.get(req_id)
+        params = getattr(state, "sampling_params", None)
+        extra = getattr(params, "extra_args", None)
+        if not (extra and extra.get(NO_DRAFT)):
+            return False
+    return bool(req_ids)
+
+
+def install_idle_drafter() -> str:
+    """Patch the V1 model runner (in this process) so that a draft model runs no forward in a step whose requests
+    all asked for no drafts (pass 2 alone on pass 1's engine: measured x2.29 pass 2's time without it, BENCHMARKS.md);
+    "ok" or why not. Only draft-model methods: ngram and suffix drafting cost no forward pass, and suffix decoding
+    keeps per-request state that every step must see. Idempotent."""
+    global _IDLE_DRAFTER
+    if _IDLE_DRAFTER is not None:
+        return _IDLE_DRAFTER
+    try:
+        import inspect
+
+        import vllm
+
+        if not vllm.__version__.startswith(RUNNER_READ_ON):
+            _IDLE_DRAFTER = f"vLLM {vllm.__version__} is not a version this patch was read on"
+            return _IDLE_DRAFTER
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+        fits = GPUModelRunner._input_fits_in_drafter
+        if list(inspect.signature(fits).parameters) != ["self", "common_attn_metadata"]:
+            _IDLE_DRAFTER = "GPUModelRunner._input_fits_in_drafter changed"
+            return _IDLE_DRAFTER
+
+        @functools.wraps(fits)
+        def fits_unless_no_draft_batch(self, common_attn_metadata):
+            if self.speculative_config.uses_draft_model() and \
+                    no_draft_batch(self.requests, self.input_batch.req_ids):
+                return False
+            return fits(self, common_attn_metadata)
+
+        GPUModelRunner._input_fits_in_drafter = fits_unless_no_draft_batch
+        _IDLE_DRAFTER = "ok"
+    except Exception as e:  # noqa: BLE001 - never break the engine: the drafter then runs as vLLM has it
+        _IDLE_DRAFTER = f"{type(e).__name__}: {e}"
+    return _IDLE_DRAFTER
 
 _FAST_GUARD: str | None = None
 VLLM_CHECK = None  # vLLM's own check (the tests compare it with `repeats`)

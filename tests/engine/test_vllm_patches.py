@@ -72,6 +72,62 @@ def test_pass_2_requests_take_no_draft_on_a_speculative_engine(tiny_model):
     assert after_first > 0  # the same engine drafts for pass 1
 
 
+
+@pytest.mark.engine
+@pytest.mark.parametrize("stage", ["p2", "p1"])
+def test_a_draft_model_runs_no_forward_in_a_step_of_pass_2_requests_alone(tiny_model, monkeypatch, tmp_path, stage):
+    """A draft-model engine decoding pass-2 requests alone (pass 1 done): no drafter forward in any step (the step
+    profiler counts the model runner's propose_draft_token_ids), where pass-1 requests on the same kind of engine are
+    drafted for."""
+    from batchjson.engine import VllmEngine
+
+    profile = tmp_path / "profile.json"
+    monkeypatch.setenv("BATCHJSON_PROFILE_STEPS", str(profile))
+    model = ModelSpec(path=tiny_model, dtype="float32", max_model_len=512, max_in_flight=16)
+    engine = VllmEngine(model, DecodingSpec(max_tokens=40), TINY_SCHEMA,
+                        SpeculativeSpec(method="draft_model", draft_model=tiny_model, num_speculative_tokens=2))
+    try:
+        engine.use(DecodingSpec(max_tokens=40), stage, draft=stage == "p1")
+        gens = list(engine.stream(Prompt(str(i), "u", text, stage=stage) for i, text in enumerate(PROMPTS)))
+        drafted = engine.stats()["draft_tokens"]
+    finally:
+        engine.close()
+    got = read_profile(profile)
+    assert len(gens) == len(PROMPTS) and sum(g.output_tokens for g in gens) > len(PROMPTS)
+    assert got["steps"] > len(PROMPTS) // 16 and not got["errors"]
+    proposed = got["parts"].get("propose", {}).get("count", 0)
+    if stage == "p2":
+        assert proposed == 0 and drafted == 0
+    else:
+        assert proposed > 0 and drafted > 0
+
+
+def test_the_idle_drafter_patch_asks_every_request_of_the_step():
+    """The model runner's drafter is idle only when every request of the step asked for no drafts, and only for a
+    draft model; otherwise vLLM's own answer stands. The installed vLLM is one the patch was read on."""
+    from types import SimpleNamespace as NS
+
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    assert internals.install_idle_drafter() == "ok"
+    no, yes = NS(sampling_params=NS(extra_args={internals.NO_DRAFT: True})), NS(sampling_params=NS(extra_args=None))
+    assert internals.no_draft_batch({"a": no, "b": no}, ["a", "b"])
+    assert not internals.no_draft_batch({"a": no, "b": yes}, ["a", "b"])
+    assert not internals.no_draft_batch({}, [])  # an empty step: vLLM decides
+
+    def runner(draft_model: bool, ids: list[str]):
+        return NS(speculative_config=NS(uses_draft_model=lambda: draft_model, use_dflash=lambda: False),
+                  requests={"a": no, "b": yes}, input_batch=NS(req_ids=ids), num_spec_tokens=2,
+                  effective_drafter_max_model_len=512)
+
+    fits = GPUModelRunner._input_fits_in_drafter
+    meta = NS(max_seq_len=100)
+    assert fits(runner(True, ["a"]), meta) is False  # pass 2 alone: no draft forward
+    assert fits(runner(True, ["a", "b"]), meta) is True  # a pass-1 request in the step: vLLM's answer
+    assert fits(runner(False, ["a"]), meta) is True  # ngram, suffix: untouched
+    assert fits(runner(True, ["b"]), NS(max_seq_len=511)) is False  # vLLM's own reason still holds
+
+
 def test_plugin_runs_again_in_a_forked_engine_process():
     """On CUDA vLLM forks its engine process from the runner, whose vllm.plugins.plugins_loaded is already True:
     the runner's at-fork hook clears it in the child, so vLLM loads the plugin there. The runner is a fresh
