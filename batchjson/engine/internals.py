@@ -60,6 +60,15 @@ READ_ON = ("0.26.", "0.32.", "0.33.")  # the vLLM versions both patches were rea
 _NO_DRAFT: str | None = None  # "ok", or why the patch is not installed in this process
 
 
+def unread_here(read_on: tuple[str, ...]) -> str:
+    """Why a patch read on the versions `read_on` stays off in this process's vLLM ("" where it was read)."""
+    import vllm
+
+    if vllm.__version__.startswith(read_on):
+        return ""
+    return f"vLLM {vllm.__version__} is not a version this patch was read on ({'x, '.join(read_on)}x)"
+
+
 def install() -> None:
     """The patches, in this process (the plugin calls it in each vLLM process of a run)."""
     install_no_draft()
@@ -82,12 +91,11 @@ def install_no_draft() -> str:
     try:
         import inspect
 
-        import vllm
         from vllm.sampling_params import SamplingParams
         from vllm.v1.core.sched.scheduler import Scheduler
 
-        if not vllm.__version__.startswith(READ_ON):
-            _NO_DRAFT = f"vLLM {vllm.__version__} is not a version this patch was read on ({'x, '.join(READ_ON)}x)"
+        if unread_here(READ_ON):
+            _NO_DRAFT = unread_here(READ_ON)
             return _NO_DRAFT
         if "extra_args" not in inspect.signature(SamplingParams).parameters or \
                 list(inspect.signature(Scheduler.add_request).parameters) != ["self", "request"] or \
@@ -154,10 +162,8 @@ def install_idle_drafter() -> str:
     try:
         import inspect
 
-        import vllm
-
-        if not vllm.__version__.startswith(RUNNER_READ_ON):
-            _IDLE_DRAFTER = f"vLLM {vllm.__version__} is not a version this patch was read on"
+        if unread_here(RUNNER_READ_ON):
+            _IDLE_DRAFTER = unread_here(RUNNER_READ_ON)
             return _IDLE_DRAFTER
         from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
