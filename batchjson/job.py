@@ -67,7 +67,7 @@ class JobRun:
             check_draft(self.spec.model.path, self.spec.speculative.draft_model)
         scan = self.source.scan()  # a null id fails here, before the output folder is claimed
         layout = None if self.ray else local_layout(self.replicas, self.spec.model)  # Ray's: once connected
-        storage = self.storage
+        storage, commits = self.storage, self.storage.commits
         report = RunReport(self.spec.hash(), input_rows, str(storage.output), str(storage.rejects),
                            max_reject_rate=self.spec.output.max_reject_rate)
         try:  # a failed open (a full disk, a changed spec) drops the folder's locks too
@@ -75,15 +75,15 @@ class JobRun:
                                           self.fresh)
             with signals(self.stop):
                 storage.check_inputs(scan.fingerprints)
-                for key, why in storage.damaged(list(self.refs), self.spec.input.id_column).items():
-                    storage.drop(key)
+                for key, why in commits.damaged(list(self.refs), self.spec.input.id_column).items():
+                    commits.drop(key)
                     report.notes.append(f"unit {key}: {why}; the unit was redone")
                 # A repeated id is processed where it was committed already, else at its first occurrence.
-                self.owners = {row_id: next((p for p in places if storage.done(Stage.FIRST, p[0])), places[0])
+                self.owners = {row_id: next((p for p in places if commits.done(Stage.FIRST, p[0])), places[0])
                                for row_id, places in scan.repeated.items()}
                 self._run_passes(report, layout)
-                report.tally(storage.records())
-                verdict = verify(storage, self.source, everything, self.spec.input.id_column)
+                report.tally(commits.records())
+                verdict = verify(commits, self.source, everything, self.spec.input.id_column)
                 if not self.stop.is_set() and self.shard[1] == 1 and verdict.pending and verdict.ok:
                     verdict.problems.append(f"[internal] {verdict.pending} units left undone by an uninterrupted run")
                 report.verified = verdict.to_dict()
@@ -97,10 +97,10 @@ class JobRun:
 
     def _todo(self) -> dict[Stage, list[str]]:
         """The units each pass has left, found in storage (so a rerun resumes either pass)."""
-        storage = self.storage
-        todo = {Stage.FIRST: [k for k in self.refs if not storage.done(Stage.FIRST, k)]}
+        commits = self.storage.commits
+        todo = {Stage.FIRST: [k for k in self.refs if not commits.done(Stage.FIRST, k)]}
         if len(self.passes) > 1:
-            todo[Stage.SECOND] = [k for k in self.refs if storage.requeued(k) and not storage.done(Stage.SECOND, k)]
+            todo[Stage.SECOND] = [k for k in self.refs if commits.requeued(k) and not commits.done(Stage.SECOND, k)]
         return todo
 
     def _run_passes(self, report: RunReport, layout: Layout | None) -> None:
@@ -119,7 +119,7 @@ class JobRun:
 
         bar(Stage.FIRST).total = sum(self.refs[k].rows for k in todo[Stage.FIRST])
         if todo.get(Stage.SECOND):
-            requeued = (self.storage.record(Stage.FIRST, k)["rows"]["requeue"] for k in todo[Stage.SECOND])
+            requeued = (self.storage.commits.record(Stage.FIRST, k)["rows"]["requeue"] for k in todo[Stage.SECOND])
             bar(Stage.SECOND).total = sum(requeued)
 
         def on_done(stage: Stage, key: str, rows: int, requeued: int) -> None:

@@ -236,7 +236,7 @@ class Worker:
                 yield stage, key, self._requeued(key)
 
     def _requeued(self, key: str) -> list[Prompt]:
-        cols = self.storage.read_requeue(key).to_pydict()
+        cols = self.storage.commits.read_requeue(key).to_pydict()
         ids, texts = cols[self.spec.input.id_column], cols["prompt"]
         return [Prompt(ids[i], key, texts[i], {c: cols[c][i] for c in self.spec.input.passthrough}, Stage.SECOND)
                 for i in range(len(ids))]
@@ -254,7 +254,7 @@ class Worker:
         if self.slot is not None:
             meta["replica"] = self.slot
         self.source.check_unchanged(ref)  # the last moment before the commit: nothing mixed is committed
-        self.storage.commit(p.stage, key, tables, meta)
+        self.storage.commits.commit(p.stage, key, tables, meta)
         self.channel.send("done", stage, key, len(outcomes), len(retry))
 
     # -- engines ----------------------------------------------------------------------------------------------
@@ -269,7 +269,8 @@ class Worker:
             self.stats[Stage.FIRST].note = ("auto: no speculation: this vLLM cannot decode pass 2 without a draft on "
                                             "a speculative engine, so pass 2 shares pass 1's engine without one")
             return None
-        rows = sum(r.rows for key, r in self.refs.items() if not self.storage.listed(Stage.FIRST, key)) // self.share
+        todo = (r.rows for key, r in self.refs.items() if not self.storage.commits.listed(Stage.FIRST, key))
+        rows = sum(todo) // self.share
         auto = Auto(first.speculative, self.spec.model.max_in_flight, self.platform, rows)
         self.speculative = auto.current()
         return auto

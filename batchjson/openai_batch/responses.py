@@ -46,14 +46,14 @@ def _rows(spec) -> Iterator[tuple[int, str, dict]]:
     from batchjson.storage import Storage, Unreadable
 
     source = ParquetSource(spec.input, spec.prompt.columns)
-    storage = Storage(spec.output.path, spec.output.rejects or None)
+    commits = Storage(spec.output.path, spec.output.rejects or None).commits
     for ref in source.plan():
         rows = []
         for stage in Stage:
-            for kind in (storage.record(stage, ref.key) or {}).get("files", {}):
+            for kind in (commits.record(stage, ref.key) or {}).get("files", {}):
                 if kind in OUTPUT_COLUMNS:
                     try:
-                        table = storage.read_ids(stage, ref.key, kind, OUTPUT_COLUMNS[kind])
+                        table = commits.read_ids(stage, ref.key, kind, OUTPUT_COLUMNS[kind])
                     except (FileNotFoundError, Unreadable) as e:
                         raise OutputError(f"{spec.source}: unit {ref.key}: {e}. Run `batchjson verify {spec.source}`"
                                           " and `batchjson run` (it redoes the unit), then export again.") from None

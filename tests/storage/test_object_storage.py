@@ -171,7 +171,7 @@ def test_shards_share_a_layout_and_a_lost_lease_stops_commits(s3, monkeypatch):
     lease._thread.join()
     lease.file.unlink()
     with pytest.raises(OutputError, match="taken over by another run"):
-        shards[0].commit("p1", "u", {}, {})
+        shards[0].commits.commit("p1", "u", {}, {})
     for s in shards:
         s.close()
     whole = Storage(out)
