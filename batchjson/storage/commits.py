@@ -62,7 +62,7 @@ class Commits:
     def part(self, stage: Stage, key: str, kind: Kind) -> Location:
         return self.folders[kind] / PartName(stage, key, kind).file_name()
 
-    def _record_path(self, stage: Stage, key: str) -> Location:
+    def record_path(self, stage: Stage, key: str) -> Location:
         return self.units / UnitName(stage, key).file_name()
 
     @staticmethod
@@ -86,7 +86,7 @@ class Commits:
         return UnitName(stage, key).unit_id() in self.committed()
 
     def done(self, stage: Stage, key: str) -> bool:
-        return self.listed(stage, key) or self._record_path(stage, key).exists()
+        return self.listed(stage, key) or self.record_path(stage, key).exists()
 
     def _load(self, path: Location) -> dict:
         if path.name not in self._read:
@@ -95,7 +95,7 @@ class Commits:
 
     def record(self, stage: Stage, key: str) -> dict | None:
         try:
-            return self._load(self._record_path(stage, key))
+            return self._load(self.record_path(stage, key))
         except FileNotFoundError:
             return None
 
@@ -155,7 +155,7 @@ class Commits:
         """The commit point: the unit's record (its files, rows and reasons), written atomically."""
         stage, key = record["stage"], record["key"]
         self.guard()
-        path = self._record_path(stage, key)
+        path = self.record_path(stage, key)
         with writing(path, undo=lambda: self._unstage(stage, key)):
             path.write_json(record)
         self._read[path.name] = record
@@ -233,8 +233,8 @@ class Commits:
     def drop(self, key: str) -> None:
         """Uncommit a unit in both passes (records first, then files), so that it is redone from scratch."""
         for stage in reversed(Stage):
-            self._record_path(stage, key).unlink(missing_ok=True)
-            self._read.pop(self._record_path(stage, key).name, None)
+            self.record_path(stage, key).unlink(missing_ok=True)
+            self._read.pop(self.record_path(stage, key).name, None)
             self.committed().discard(UnitName(stage, key).unit_id())
         for stage in reversed(Stage):
             self.begin(stage, key)
