@@ -19,10 +19,9 @@ from batchjson.executors.inline import run_inline
 from batchjson.engine.devices import Layout
 from batchjson.executors.local import local_layout
 from batchjson.report import PassStats, RunReport
-from batchjson.source import ParquetSource
 from batchjson.engine.base import EngineFactory
+from batchjson.ends import run_ends
 from batchjson.spec import JobSpec
-from batchjson.storage import Storage
 from batchjson.verify import verify
 from batchjson.passes import plan_passes
 from batchjson.records import Stage
@@ -35,20 +34,16 @@ class JobRun:
     def __init__(self, spec: JobSpec, output: str | None = None, *, fresh: bool = False,
                  shard: tuple[int, int] = (0, 1), engine_factory: EngineFactory | None = None,
                  progress: bool | None = None, replicas: int | None = None, ray: str | None = None):
-        out = output or spec.output.path
-        if not out:
-            raise SpecError("no output folder: set output.path in the spec or pass --output.")
         if engine_factory is None:
             from batchjson.engine import VllmEngines
 
             engine_factory = VllmEngines()
         self.spec, self.shard, self.engines, self.fresh = spec, shard, engine_factory, fresh
-        self.output, self.ray = out, ray
+        self.output, self.ray = output, ray  # output: --output, handed to replicas as it was given
         self.replicas = replicas if replicas is not None else spec.model.replicas
         if self.replicas is not None and self.replicas < 1:
             raise SpecError(f"replicas must be at least 1, not {self.replicas}.")
-        self.storage = Storage(out, spec.output.rejects or None, shard)
-        self.source = ParquetSource(spec.input, spec.prompt.columns)
+        self.source, self.storage = run_ends(spec, output, shard)
         self.progress = None if progress is None else not progress  # tqdm: None hides the bar off a terminal
         self.stop = threading.Event()
         self.owners: dict[str, tuple[str, int]] = {}
@@ -158,7 +153,7 @@ class JobRun:
         """The queue served to engine replicas that pull units from it (executors/local.py, executors/ray.py); the
         layout they ran in."""
         os.environ["BATCHJSON_RUNNER_PID"] = str(os.getpid())  # local replicas die with this process
-        args = (self.spec, str(self.output), self.shard, self.engines, self.owners, self.source.stamps)
+        args = (self.spec, self.output, self.shard, self.engines, self.owners, self.source.stamps)
         if self.ray:
             from batchjson.executors.ray import ray_pool
 

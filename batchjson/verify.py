@@ -10,10 +10,11 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
-from batchjson.errors import OutputError, SpecError
+from batchjson.ends import run_ends
+from batchjson.errors import OutputError
 from batchjson.records import Stage
 from batchjson.source import ParquetSource, UnitRef
-from batchjson.storage import Commits, Storage, Unreadable
+from batchjson.storage import Commits, Unreadable
 
 SHOWN = 5  # offending ids named per problem
 
@@ -139,13 +140,10 @@ def verify(commits: Commits, source: ParquetSource, refs: list[UnitRef], id_colu
 
 def verify_job(spec, output: str | None = None) -> Verdict:
     """`batchjson verify`: check a job's output folder against its input, without an engine."""
-    out = output or spec.output.path
-    if not out:
-        raise SpecError("no output folder: set output.path in the spec or pass --output.")
-    storage = Storage(out, spec.output.rejects or None)
+    source, storage = run_ends(spec, output)
     if not (storage.state / "spec.json").exists():
-        raise OutputError(f"{out} holds no batchjson run (no {storage.state / 'spec.json'}). Check --output.")
-    source = ParquetSource(spec.input, spec.prompt.columns)
+        raise OutputError(f"{storage.output} holds no batchjson run (no {storage.state / 'spec.json'}). Check "
+                          "--output.")
     source.check()
     scan = source.scan()
     storage.claim()  # no run may write while the folder is checked (and a killed run's commits are rolled forward)

@@ -39,6 +39,7 @@ from batchjson.tables import PartSink
 from batchjson.source import ParquetSource, UnitRef
 from batchjson.spec import JobSpec, SpeculativeSpec
 from batchjson.engine.speculation import Auto
+from batchjson.ends import run_ends
 from batchjson.storage import Storage
 from batchjson.schema.validate import Validator
 
@@ -420,17 +421,16 @@ def _first(pairs: Iterator[Work]) -> Work | None:
     return None
 
 
-def serve_replica(spec: JobSpec, output: str, shard: tuple[int, int], engines: EngineFactory, owners: dict,
+def serve_replica(spec: JobSpec, output: str | None, shard: tuple[int, int], engines: EngineFactory, owners: dict,
                   stamps: dict, placement: Placement, slot: int, count: int, inbox, outbox) -> None:
     """The body of replica `slot` of `count` (a local process or a Ray actor) at `placement`: a worker on the
     driver's queue. The driver holds the folder; a replica never claims it."""
     channel = queue_channel(slot, inbox, outbox)
     spec = placement.applied(spec)  # its share of the GPUs' memory
     try:
-        source = ParquetSource(spec.input, spec.prompt.columns)
+        source, storage = run_ends(spec, output, shard)
         source.stamps.update(stamps)  # the input as the driver found it: a change since is refused at the commit
         refs = {r.key: r for r in source.plan(shard)}
-        storage = Storage(output, spec.output.rejects or None, shard)
         stop = threading.Event()
         with signals(stop):
             Worker(spec, storage, source, refs, owners, engines, stop, slot=slot, share=count).serve(channel)

@@ -41,12 +41,12 @@ OUTPUT_COLUMNS = {"output": ["custom_id", "line", "json", "_finish_reason", "_pr
 def _rows(spec) -> Iterator[tuple[int, str, dict]]:
     """A finished job's rows, in line order: (line, kind, row). One unit of work in memory at a time: the units
     are row groups of requests in line order, and each unit's rows are in its part files of both passes."""
+    from batchjson.ends import run_ends
     from batchjson.records import Stage
-    from batchjson.source import ParquetSource
-    from batchjson.storage import Storage, Unreadable
+    from batchjson.storage import Unreadable
 
-    source = ParquetSource(spec.input, spec.prompt.columns)
-    commits = Storage(spec.output.path, spec.output.rejects or None).commits
+    source, storage = run_ends(spec)
+    commits = storage.commits
     for ref in source.plan():
         rows = []
         for stage in Stage:
