@@ -11,6 +11,7 @@ with the samples: per GPU utilisation and memory, per process CPU% and thread co
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import subprocess
