@@ -97,21 +97,18 @@ def check_job(job: JobSpec, output: str | None = None, *, input_path: str | None
     """Check a job without starting an engine: its input (files, columns, ids), its output folder (and what a run
     there would resume), and its schema (output columns, each pass's grammar backend and what it enforces, formats
     nothing checks). Raises BatchjsonError on what a run would fail on."""
-    from batchjson.source import ParquetSource
-    from batchjson.storage import Storage
+    from batchjson.ends import run_ends
 
     spec = with_input(job, input_path)
-    source = ParquetSource(spec.input, spec.prompt.columns)
+    source, storage = run_ends(spec, output, required=False)
     rows = source.check()
     scan = source.scan()
     lines, warnings = [], []
-    out = output or spec.output.path
-    if out:
-        storage = Storage(out, spec.output.rejects or None)
+    if storage:
         storage.check_paths(spec.input.path)
         if (storage.state / "spec.json").exists():
             new = storage.check_inputs(scan.fingerprints, write=False)
-            lines.append(f"resumes {out}: {len(new)} new input file(s)")
+            lines.append(f"resumes {storage.output}: {len(new)} new input file(s)")
     if spec.speculative.draft_model:
         from batchjson.engine import check_draft
 

@@ -19,10 +19,9 @@ from batchjson.executors.inline import run_inline
 from batchjson.engine.devices import Layout
 from batchjson.executors.local import local_layout
 from batchjson.report import PassStats, RunReport, process_age
-from batchjson.source import ParquetSource
 from batchjson.engine.base import EngineFactory
+from batchjson.ends import run_ends
 from batchjson.spec import JobSpec
-from batchjson.storage import Storage
 from batchjson.verify import verify
 from batchjson.passes import plan_passes
 from batchjson.records import Stage
@@ -35,20 +34,16 @@ class JobRun:
     def __init__(self, spec: JobSpec, output: str | None = None, *, fresh: bool = False,
                  shard: tuple[int, int] = (0, 1), engine_factory: EngineFactory | None = None,
                  progress: bool | None = None, replicas: int | None = None, ray: str | None = None):
-        out = output or spec.output.path
-        if not out:
-            raise SpecError("no output folder: set output.path in the spec or pass --output.")
         if engine_factory is None:
             from batchjson.engine import VllmEngines
 
             engine_factory = VllmEngines()
         self.spec, self.shard, self.engines, self.fresh = spec, shard, engine_factory, fresh
-        self.output, self.ray = out, ray
+        self.output, self.ray = output, ray  # output: --output, handed to replicas as it was given
         self.replicas = replicas if replicas is not None else spec.model.replicas
         if self.replicas is not None and self.replicas < 1:
             raise SpecError(f"replicas must be at least 1, not {self.replicas}.")
-        self.storage = Storage(out, spec.output.rejects or None, shard)
-        self.source = ParquetSource(spec.input, spec.prompt.columns)
+        self.source, self.storage = run_ends(spec, output, shard)
         self.progress = None if progress is None else not progress  # tqdm: None hides the bar off a terminal
         self.stop = threading.Event()
         self.owners: dict[str, tuple[str, int]] = {}
@@ -68,7 +63,7 @@ class JobRun:
             check_draft(self.spec.model.path, self.spec.speculative.draft_model)
         scan = self.source.scan()  # a null id fails here, before the output folder is claimed
         layout = None if self.ray else local_layout(self.replicas, self.spec.model)  # Ray's: once connected
-        storage = self.storage
+        storage, commits = self.storage, self.storage.commits
         report = RunReport(self.spec.hash(), input_rows, str(storage.output), str(storage.rejects),
                            max_reject_rate=self.spec.output.max_reject_rate)
         report.timeline["before_run"] = process_age(started)
@@ -77,17 +72,17 @@ class JobRun:
                                           self.fresh)
             with signals(self.stop):
                 storage.check_inputs(scan.fingerprints)
-                for key, why in storage.damaged(list(self.refs), self.spec.input.id_column).items():
-                    storage.drop(key)
+                for key, why in commits.damaged(list(self.refs), self.spec.input.id_column).items():
+                    commits.drop(key)
                     report.notes.append(f"unit {key}: {why}; the unit was redone")
                 # A repeated id is processed where it was committed already, else at its first occurrence.
-                self.owners = {row_id: next((p for p in places if storage.done(Stage.FIRST, p[0])), places[0])
+                self.owners = {row_id: next((p for p in places if commits.done(Stage.FIRST, p[0])), places[0])
                                for row_id, places in scan.repeated.items()}
                 report.timeline["checked"] = mark()
                 self._run_passes(report, layout)
                 report.timeline["passes"] = mark()
-                report.tally(storage.records())
-                verdict = verify(storage, self.source, everything, self.spec.input.id_column)
+                report.tally(commits.records())
+                verdict = verify(commits, self.source, everything, self.spec.input.id_column)
                 report.timeline["verified"] = mark()
                 if not self.stop.is_set() and self.shard[1] == 1 and verdict.pending and verdict.ok:
                     verdict.problems.append(f"[internal] {verdict.pending} units left undone by an uninterrupted run")
@@ -102,10 +97,10 @@ class JobRun:
 
     def _todo(self) -> dict[Stage, list[str]]:
         """The units each pass has left, found in storage (so a rerun resumes either pass)."""
-        storage = self.storage
-        todo = {Stage.FIRST: [k for k in self.refs if not storage.done(Stage.FIRST, k)]}
+        commits = self.storage.commits
+        todo = {Stage.FIRST: [k for k in self.refs if not commits.done(Stage.FIRST, k)]}
         if len(self.passes) > 1:
-            todo[Stage.SECOND] = [k for k in self.refs if storage.requeued(k) and not storage.done(Stage.SECOND, k)]
+            todo[Stage.SECOND] = [k for k in self.refs if commits.requeued(k) and not commits.done(Stage.SECOND, k)]
         return todo
 
     def _run_passes(self, report: RunReport, layout: Layout | None) -> None:
@@ -124,7 +119,7 @@ class JobRun:
 
         bar(Stage.FIRST).total = sum(self.refs[k].rows for k in todo[Stage.FIRST])
         if todo.get(Stage.SECOND):
-            requeued = (self.storage.record(Stage.FIRST, k)["rows"]["requeue"] for k in todo[Stage.SECOND])
+            requeued = (self.storage.commits.record(Stage.FIRST, k)["rows"]["requeue"] for k in todo[Stage.SECOND])
             bar(Stage.SECOND).total = sum(requeued)
 
         def on_done(stage: Stage, key: str, rows: int, requeued: int) -> None:
@@ -163,7 +158,7 @@ class JobRun:
         """The queue served to engine replicas that pull units from it (executors/local.py, executors/ray.py); the
         layout they ran in."""
         os.environ["BATCHJSON_RUNNER_PID"] = str(os.getpid())  # local replicas die with this process
-        args = (self.spec, str(self.output), self.shard, self.engines, self.owners, self.source.stamps)
+        args = (self.spec, self.output, self.shard, self.engines, self.owners, self.source.stamps)
         if self.ray:
             from batchjson.executors.ray import ray_pool
 

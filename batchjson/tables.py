@@ -1,7 +1,7 @@
 """Outcomes -> Arrow tables of the three kinds of part files: valid rows, re-queued rows, rejects.
 
 One schema per kind for the whole run. Nothing here writes: where the tables go, and how atomically, is
-storage/folder.py's business."""
+storage/commits.py's business."""
 
 from __future__ import annotations
 

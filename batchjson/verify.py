@@ -10,10 +10,11 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
-from batchjson.errors import OutputError, SpecError
+from batchjson.ends import run_ends
+from batchjson.errors import OutputError
 from batchjson.records import Stage
 from batchjson.source import ParquetSource, UnitRef
-from batchjson.storage import Storage, Unreadable
+from batchjson.storage import Commits, Unreadable
 
 SHOWN = 5  # offending ids named per problem
 
@@ -56,7 +57,7 @@ def _few(ids) -> str:
     return ", ".join(map(repr, ids[:SHOWN])) + (f" and {len(ids) - SHOWN} more" if len(ids) > SHOWN else "")
 
 
-def verify(storage: Storage, source: ParquetSource, refs: list[UnitRef], id_column: str) -> Verdict:
+def verify(commits: Commits, source: ParquetSource, refs: list[UnitRef], id_column: str) -> Verdict:
     """Check every committed unit of the folder against the input (`refs`: the whole input's plan, in file order,
     so one file's ids are in memory at a time)."""
     v = Verdict(units=len(refs))
@@ -67,7 +68,7 @@ def verify(storage: Storage, source: ParquetSource, refs: list[UnitRef], id_colu
     def read(stage, key, kind, record) -> list[str] | None:
         columns = [id_column] + (["reason"] if kind == "rejects" else [])
         try:
-            table = storage.read_ids(stage, key, kind, columns)
+            table = commits.read_ids(stage, key, kind, columns)
         except FileNotFoundError:
             v.problems.append(f"unit {key}: {record['files'][kind]} is listed in its commit record but missing "
                               "(deleted by hand?). Run the job again: it redoes the unit.")
@@ -90,7 +91,7 @@ def verify(storage: Storage, source: ParquetSource, refs: list[UnitRef], id_colu
     planned = set()
     for ref in refs:
         planned.add(ref.key)
-        p1 = storage.record(Stage.FIRST, ref.key)
+        p1 = commits.record(Stage.FIRST, ref.key)
         if p1 is None:
             v.pending += 1
             continue
@@ -110,7 +111,7 @@ def verify(storage: Storage, source: ParquetSource, refs: list[UnitRef], id_colu
                               f"holds other rows than the input (missing {_few(expected - got) or 'none'}; extra "
                               f"{_few(got - expected) or 'none'})")
         if requeued is not None:
-            p2 = storage.record(Stage.SECOND, ref.key)
+            p2 = commits.record(Stage.SECOND, ref.key)
             if p2 is None:
                 v.pending += 1
                 continue
@@ -120,7 +121,7 @@ def verify(storage: Storage, source: ParquetSource, refs: list[UnitRef], id_colu
             if again != requeued:
                 v.problems.append(f"unit {ref.key}: pass 2 holds other rows than pass 1 re-queued (missing "
                                   f"{_few(requeued - again) or 'none'}; extra {_few(again - requeued) or 'none'})")
-    for record in storage.records():
+    for record in commits.records():
         if record["key"] not in planned:
             v.problems.append(f"unit {record['key']} ({record.get('path', '?')}) is committed but no longer in the "
                               "input. Restore the input, or start over with --fresh.")
@@ -131,7 +132,7 @@ def verify(storage: Storage, source: ParquetSource, refs: list[UnitRef], id_colu
     both = [i for i, n in outcomes.items() if n > 1 and i not in twice]
     if both:
         v.problems.append(f"{len(both)} id(s) in both output and rejects (or rejected twice): {_few(both)}")
-    for path in storage.stray():
+    for path in commits.stray():
         v.problems.append(f"{path} is read by readers of the folder, but no commit lists it (a copy, or a file of "
                           "another tool): its rows would be read besides the committed ones. Remove it.")
     return v
@@ -139,24 +140,21 @@ def verify(storage: Storage, source: ParquetSource, refs: list[UnitRef], id_colu
 
 def verify_job(spec, output: str | None = None) -> Verdict:
     """`batchjson verify`: check a job's output folder against its input, without an engine."""
-    out = output or spec.output.path
-    if not out:
-        raise SpecError("no output folder: set output.path in the spec or pass --output.")
-    storage = Storage(out, spec.output.rejects or None)
+    source, storage = run_ends(spec, output)
     if not (storage.state / "spec.json").exists():
-        raise OutputError(f"{out} holds no batchjson run (no {storage.state / 'spec.json'}). Check --output.")
-    source = ParquetSource(spec.input, spec.prompt.columns)
+        raise OutputError(f"{storage.output} holds no batchjson run (no {storage.state / 'spec.json'}). Check "
+                          "--output.")
     source.check()
     scan = source.scan()
     storage.claim()  # no run may write while the folder is checked (and a killed run's commits are rolled forward)
     try:
-        storage.recover()
+        storage.commits.recover()
         problems = []
         try:
             storage.check_inputs(scan.fingerprints, write=False)
         except OutputError as e:
             problems.append(str(e))
-        verdict = verify(storage, source, source.plan(), spec.input.id_column)
+        verdict = verify(storage.commits, source, source.plan(), spec.input.id_column)
         verdict.problems[:0] = problems
         return verdict
     finally:

@@ -39,6 +39,7 @@ from batchjson.tables import PartSink
 from batchjson.source import ParquetSource, UnitRef
 from batchjson.spec import JobSpec, SpeculativeSpec
 from batchjson.engine.speculation import Auto
+from batchjson.ends import run_ends
 from batchjson.storage import Storage
 from batchjson.schema.validate import Validator
 
@@ -236,7 +237,7 @@ class Worker:
                 yield stage, key, self._requeued(key)
 
     def _requeued(self, key: str) -> list[Prompt]:
-        cols = self.storage.read_requeue(key).to_pydict()
+        cols = self.storage.commits.read_requeue(key).to_pydict()
         ids, texts = cols[self.spec.input.id_column], cols["prompt"]
         return [Prompt(ids[i], key, texts[i], {c: cols[c][i] for c in self.spec.input.passthrough}, Stage.SECOND)
                 for i in range(len(ids))]
@@ -254,7 +255,7 @@ class Worker:
         if self.slot is not None:
             meta["replica"] = self.slot
         self.source.check_unchanged(ref)  # the last moment before the commit: nothing mixed is committed
-        self.storage.commit(p.stage, key, tables, meta)
+        self.storage.commits.commit(p.stage, key, tables, meta)
         self.channel.send("done", stage, key, len(outcomes), len(retry))
 
     # -- engines ----------------------------------------------------------------------------------------------
@@ -269,7 +270,8 @@ class Worker:
             self.stats[Stage.FIRST].note = ("auto: no speculation: this vLLM cannot decode pass 2 without a draft on "
                                             "a speculative engine, so pass 2 shares pass 1's engine without one")
             return None
-        rows = sum(r.rows for key, r in self.refs.items() if not self.storage.listed(Stage.FIRST, key)) // self.share
+        todo = (r.rows for key, r in self.refs.items() if not self.storage.commits.listed(Stage.FIRST, key))
+        rows = sum(todo) // self.share
         from batchjson.engine import resolve_model, weight_bytes
 
         weights = weight_bytes(resolve_model(self.spec.model.path))
@@ -426,17 +428,16 @@ def _first(pairs: Iterator[Work]) -> Work | None:
     return None
 
 
-def serve_replica(spec: JobSpec, output: str, shard: tuple[int, int], engines: EngineFactory, owners: dict,
+def serve_replica(spec: JobSpec, output: str | None, shard: tuple[int, int], engines: EngineFactory, owners: dict,
                   stamps: dict, placement: Placement, slot: int, count: int, inbox, outbox) -> None:
     """The body of replica `slot` of `count` (a local process or a Ray actor) at `placement`: a worker on the
     driver's queue. The driver holds the folder; a replica never claims it."""
     channel = queue_channel(slot, inbox, outbox)
     spec = placement.applied(spec)  # its share of the GPUs' memory
     try:
-        source = ParquetSource(spec.input, spec.prompt.columns)
+        source, storage = run_ends(spec, output, shard)
         source.stamps.update(stamps)  # the input as the driver found it: a change since is refused at the commit
         refs = {r.key: r for r in source.plan(shard)}
-        storage = Storage(output, spec.output.rejects or None, shard)
         stop = threading.Event()
         with signals(stop):
             Worker(spec, storage, source, refs, owners, engines, stop, slot=slot, share=count).serve(channel)

@@ -72,10 +72,10 @@ STAGES = {
     "validate (Validator.check)": [("batchjson/schema/validate.py", "check"), ("bench/overhead.py", "check")],
     "build Arrow tables (PartSink.valid/rejected)": [("batchjson/tables.py", "valid"),
                                                      ("batchjson/tables.py", "rejected")],
-    "write Parquet parts (Storage._write)": [("batchjson/storage/folder.py", "_write")],
-    "commit records (Storage.begin/_publish/done, write_json)": [
-        ("batchjson/storage/folder.py", "begin"), ("batchjson/storage/folder.py", "_publish"),
-        ("batchjson/storage/folder.py", "done"),
+    "write Parquet parts (commits.write_part)": [("batchjson/storage/commits.py", "write_part")],
+    "commit records (Commits.begin/publish/done, write_json)": [
+        ("batchjson/storage/commits.py", "begin"), ("batchjson/storage/commits.py", "publish"),
+        ("batchjson/storage/commits.py", "done"),
         ("batchjson/storage/location.py", "write_json")],
     "pass-2 re-read (Worker._requeued)": [("batchjson/worker.py", "_requeued")],
     "exactly-once check (verify.verify)": [("batchjson/verify.py", "verify")],
@@ -137,7 +137,8 @@ def micro(spec) -> dict:
     from batchjson.records import Generation, Prompt
     from batchjson.schema.validate import Validator
     from batchjson.source import ParquetSource
-    from batchjson.storage import Location, Storage
+    from batchjson.storage import Location
+    from batchjson.storage.commits import write_part
     from batchjson.tables import PartSink
 
     v = Validator(spec.schema_doc)
@@ -164,7 +165,7 @@ def micro(spec) -> dict:
     table = sink.valid(outcomes, 1)
     with tempfile.TemporaryDirectory() as d:
         target = Location.of(Path(d) / "p.parquet")
-        out["write_part_us_per_unit"] = _per_call(lambda: Storage(Path(d))._write(table, target), 200)
+        out["write_part_us_per_unit"] = _per_call(lambda: write_part(table, target), 200)
         names = iter(range(10**9))  # a new file each time: creating a marker is what the ledger does per unit
         out["create_marker_us"] = _per_call(lambda: (Path(d) / f"m{next(names)}").touch(), 2000)
     out["rows_per_unit"] = n

@@ -19,16 +19,16 @@ def texts(run: str, rejects: str | None) -> tuple[list[str], list[str]]:
     """(raw texts of the pass-1 failures, texts of the valid rows of both passes) of a finished run."""
     from batchjson.storage import Storage
 
-    storage = Storage(run, rejects)
+    commits = Storage(run, rejects).commits
     failed, valid = [], []
-    for record in storage.records():
+    for record in commits.records():
         stage, key, files = record["stage"], record["key"], record["files"]
         if "output" in files:
-            valid += storage.read_ids(stage, key, "output", ["json"]).column(0).to_pylist()
+            valid += commits.read_ids(stage, key, "output", ["json"]).column(0).to_pylist()
         if stage == "p1":
             for kind in ("requeue", "rejects"):
                 if kind in files:
-                    failed += storage.read_ids(stage, key, kind, ["raw_text"]).column(0).to_pylist()
+                    failed += commits.read_ids(stage, key, kind, ["raw_text"]).column(0).to_pylist()
     return failed, valid
 
 

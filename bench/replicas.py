@@ -24,6 +24,8 @@ import psutil
 import pyarrow.parquet as pq
 
 from batchjson.engine.devices import visible_gpus
+from batchjson.records import Stage
+from batchjson.storage import Storage
 from bench.common import cli
 from bench.tasks import write_task
 
@@ -118,11 +120,13 @@ def launch(job: Path, out: Path, args: list[str], env: dict) -> subprocess.Popen
 def steady_rate(out: Path, started: float) -> dict:
     """Pass 1's rate once every engine is decoding: the rows of the commit records written after the first one,
     over the time from the first record to the last (records' mtimes), and when the first record landed."""
-    records = sorted((f.stat().st_mtime, json.loads(f.read_text())) for f in (out / "_batchjson" / "units").glob("p1-*.json"))
+    commits = Storage(out).commits
+    records = sorted(((commits.record_path(Stage.FIRST, r["key"]).info().mtime_ns / 1e9, r)
+                      for r in commits.records(Stage.FIRST)), key=lambda t: t[0])
     if len(records) < 3:
         return {}
     span = records[-1][0] - records[0][0]
-    rows = sum(r["rows"] if isinstance(r["rows"], int) else sum(r["rows"].values()) for _, r in records[1:])
+    rows = sum(sum(r["rows"].values()) for _, r in records[1:])
     return {"first_commit_s": round(records[0][0] - started, 1), "pass1_units": len(records),
             "steady_pass1_rows_per_s": round(rows / span, 2) if span > 0 else None}
 

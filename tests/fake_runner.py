@@ -3,7 +3,7 @@
     python tests/fake_runner.py JOB OUTPUT STEP N [SHARD [REPLICAS]]     (N = 0 never kills)
 STEP "p2:<step>" counts that step in pass 2 only.
 FAKE_LEASE_EXPIRY (seconds) shortens the leases on object storage; FAKE_VALID sets the share of valid answers (0.6).
-Steps: begin, staged output|rejects|requeue, committed, published output|rejects|requeue (see storage/folder.py).
+Steps: begin, staged output|rejects|requeue, committed, published output|rejects|requeue (see storage/commits.py).
 """
 
 import os
@@ -14,27 +14,14 @@ from batchjson import storage
 from batchjson.engine.fake import FakeEngines
 from batchjson.job import run_job
 from batchjson.spec import load_spec, parse_shard
+from helpers import at_commit_step
 
 
 def main():
     job, output, step, n = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
     shard = parse_shard(sys.argv[5] if len(sys.argv) > 5 and sys.argv[5] else None)
     replicas = int(sys.argv[6]) if len(sys.argv) > 6 else None
-    seen = []
-
-    def after(name, stage):
-        if step in (name, f"{stage}:{name}"):
-            seen.append(name)
-            if len(seen) == n:
-                os.kill(os.getpid(), signal.SIGKILL)
-
-    real_init = storage.Storage.__init__
-
-    def init(self, *args, **kwargs):
-        real_init(self, *args, **kwargs)
-        self.after = after
-
-    storage.Storage.__init__ = init
+    at_commit_step(step, n, lambda: os.kill(os.getpid(), signal.SIGKILL))
     if os.environ.get("FAKE_LEASE_EXPIRY"):  # object storage: a killed run blocks the next one this long
         storage.Lease.EXPIRY = float(os.environ["FAKE_LEASE_EXPIRY"])
         storage.Lease.RENEW_EVERY = storage.Lease.EXPIRY / 4

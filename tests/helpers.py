@@ -156,3 +156,24 @@ def assert_exactly_once(input_ids, out: Path, rejects: Path) -> None:
     dupes = [k for k, v in collections.Counter(got).items() if v > 1]
     assert not dupes, f"rows written twice: {dupes[:5]}"
     assert sorted(got) == sorted(input_ids)
+
+
+def at_commit_step(step: str, n: int, action, patch=setattr) -> None:
+    """Call `action()` the n-th time a unit's commit reaches `step`, in every output folder opened from now on
+    (storage/commits.py's steps: begin, staged <kind>, committed, published <kind>; "p2:<step>" counts pass 2
+    only; n = 0 never). `patch`: pytest's `monkeypatch.setattr`, so that the test undoes it."""
+    from batchjson.storage import Commits
+
+    seen, real_init = [], Commits.__init__
+
+    def after(name, stage):
+        if step in (name, f"{stage}:{name}"):
+            seen.append(name)
+            if len(seen) == n:
+                action()
+
+    def init(self, *args, **kwargs):
+        real_init(self, *args, **kwargs)
+        self.after = after
+
+    patch(Commits, "__init__", init)

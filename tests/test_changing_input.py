@@ -10,27 +10,14 @@ import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
 
-from batchjson import api, cli, storage
+from batchjson import api, cli
 from batchjson.engine.fake import FakeEngines
-from helpers import assert_exactly_once, ids_of, write_job, write_rows
+from helpers import assert_exactly_once, at_commit_step, ids_of, write_job, write_rows
 
 
 def change_after_commits(monkeypatch, n: int, change) -> None:
     """Call `change()` once the n-th unit is committed (the next commit is of rows read before or after it)."""
-    seen = []
-    real_init = storage.Storage.__init__
-
-    def after(name, stage):
-        if name == "committed":
-            seen.append(stage)
-            if len(seen) == n:
-                change()
-
-    def init(self, *args, **kwargs):
-        real_init(self, *args, **kwargs)
-        self.after = after
-
-    monkeypatch.setattr(storage.Storage, "__init__", init)
+    at_commit_step("committed", n, change, monkeypatch.setattr)
 
 
 def cli_run(monkeypatch, job, *args):

@@ -135,7 +135,7 @@ def test_full_disk_fails_clearly_then_resumes(tmp_path, tiny_model, engines, mon
     with pytest.raises(OutputError, match=r"the disk is full \(No space left on device; .* free\)\. Free space on it "
                                           "and run the same command again"):
         run_job(spec, engine_factory=engines, progress=False)
-    assert not Storage(tmp_path / "out").stray(), "a visible part file always belongs to a committed unit"
+    assert not Storage(tmp_path / "out").commits.stray(), "a visible part file always belongs to a committed unit"
     monkeypatch.setattr(location.pq, "write_table", real_write)
     report = run_job(spec, engine_factory=engines, progress=False)
     assert report.resumed

@@ -117,5 +117,4 @@ def test_suffix_job_runs_and_reports_speculation(tmp_path, tiny_model, engines):
     # Rows share the schema's keys, so the global suffix tree drafts them once earlier rows are cached.
     assert pass1["speculative"]["drafts"] > 0 and pass1["speculative"]["draft_tokens"] > 0
     assert 0 < pass1["acceptance"] <= 1
-    assert "draft acceptance" in report.summary()
     assert_exactly_once([f"r{i:05d}" for i in range(24)], tmp_path / "out", tmp_path / "out" / "_rejects")

@@ -41,19 +41,19 @@ OUTPUT_COLUMNS = {"output": ["custom_id", "line", "json", "_finish_reason", "_pr
 def _rows(spec) -> Iterator[tuple[int, str, dict]]:
     """A finished job's rows, in line order: (line, kind, row). One unit of work in memory at a time: the units
     are row groups of requests in line order, and each unit's rows are in its part files of both passes."""
+    from batchjson.ends import run_ends
     from batchjson.records import Stage
-    from batchjson.source import ParquetSource
-    from batchjson.storage import Storage, Unreadable
+    from batchjson.storage import Unreadable
 
-    source = ParquetSource(spec.input, spec.prompt.columns)
-    storage = Storage(spec.output.path, spec.output.rejects or None)
+    source, storage = run_ends(spec)
+    commits = storage.commits
     for ref in source.plan():
         rows = []
         for stage in Stage:
-            for kind in (storage.record(stage, ref.key) or {}).get("files", {}):
+            for kind in (commits.record(stage, ref.key) or {}).get("files", {}):
                 if kind in OUTPUT_COLUMNS:
                     try:
-                        table = storage.read_ids(stage, ref.key, kind, OUTPUT_COLUMNS[kind])
+                        table = commits.read_ids(stage, ref.key, kind, OUTPUT_COLUMNS[kind])
                     except (FileNotFoundError, Unreadable) as e:
                         raise OutputError(f"{spec.source}: unit {ref.key}: {e}. Run `batchjson verify {spec.source}`"
                                           " and `batchjson run` (it redoes the unit), then export again.") from None

@@ -1,13 +1,15 @@
 """Where a run's files live, how they are committed and how the folder is locked.
 
-names.py (part and record names) · folder.py (layout, commit protocol, fingerprints) · locks.py (flock, leases) ·
-location.py (local path or object-storage URI).
+names.py (part and record names) · folder.py (layout, claim, swap, fingerprints) · commits.py (the unit commits:
+begin, stage, write_record, publish; recover, damaged, drop) · locks.py (flock, leases) · location.py (local path or
+object-storage URI).
 """
 
+from batchjson.storage.commits import Commits
 from batchjson.storage.folder import STATE, Storage, hidden_below
 from batchjson.storage.location import Location, Unreadable, glob_match, is_uri
 from batchjson.storage.locks import Lease
 from batchjson.storage.names import STAGED, Kind, PartName, Stage, UnitName
 
-__all__ = ["STAGED", "STATE", "Kind", "Lease", "Location", "PartName", "Stage", "Storage", "UnitName", "Unreadable",
-           "glob_match", "hidden_below", "is_uri"]
+__all__ = ["STAGED", "STATE", "Commits", "Kind", "Lease", "Location", "PartName", "Stage", "Storage", "UnitName",
+           "Unreadable", "glob_match", "hidden_below", "is_uri"]

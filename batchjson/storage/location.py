@@ -1,8 +1,8 @@
 """Where files live: a local path or an object-storage URI (s3://, gs://).
 
-Each is turned into a pyarrow filesystem and a path on it, with the few file operations storage/folder.py and
-source.py need. Over 250 lines: one class, `Location`, with a short method per file operation, each covering both
-local paths and object storage.
+Each is turned into a pyarrow filesystem and a path on it, with the few file operations storage/ and source.py
+need, and `writing` (a full disk while writing becomes StorageFull). Over 250 lines: one class, `Location`, with a
+short method per file operation, each covering both local paths and object storage.
 
 Local paths keep their local meaning (a rename is atomic, a folder exists on its own). On object storage there are
 no folders and no renames: a folder is a key prefix, `move` is a copy and a delete, and a single PUT is the only
@@ -26,6 +26,7 @@ import json
 import os
 import posixpath
 import re
+from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -33,7 +34,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from pyarrow import fs
 
-from batchjson.errors import BatchjsonError, OutputError, StorageFault
+from batchjson.errors import BatchjsonError, OutputError, StorageFault, StorageFull, is_full
 
 RETRY_ATTEMPTS = 10
 RETRIES = fs.AwsDefaultS3RetryStrategy(max_attempts=RETRY_ATTEMPTS)
@@ -70,6 +71,19 @@ def transient(where, e: BaseException) -> StorageFault | None:
     return StorageFault(f"{where}: object storage kept failing after {RETRY_ATTEMPTS} attempts ({cause[:200]}). "
                         "This looks transient: run the same command again; finished units are kept and the run "
                         "resumes.")
+
+
+@contextmanager
+def writing(path: Location, undo: Callable[[], None] = lambda: None):
+    """A full disk while writing `path` becomes StorageFull, naming it, after `undo` (the writer has removed what
+    it began)."""
+    try:
+        yield
+    except OSError as e:
+        if not is_full(e):
+            raise
+        undo()
+        raise StorageFull.at(path, e) from None
 
 
 class Unreadable(Exception):

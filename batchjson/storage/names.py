@@ -8,7 +8,7 @@ folder written so far; a folder written before resumes only while they stay as t
     rejects-p1-<unit>.parquet, rejects-p2-<unit>.parquet  rejected rows with their reason (the rejects folder)
     <unit>.parquet                                        pass-1 failures waiting for pass 2 (the requeue folder)
     p1-<unit>.json, p2-<unit>.json                        commit records (the units folder)
-    .<part>.tmp                                           a part file staged before its record (see folder.py)
+    .<part>.tmp                                           a part file staged before its record (see commits.py)
 """
 
 from __future__ import annotations

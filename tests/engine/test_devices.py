@@ -78,7 +78,7 @@ def test_the_local_layout_reads_the_visible_gpus(monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,5")
     layout = local_layout(None, ModelSpec(replicas_per_gpu=2))
     assert [p.devices for p in layout.placements] == ["2", "5", "2", "5"]
-    assert "model.replicas_per_gpu = 2" in layout.summary() and "4 replica(s) on 2 GPU(s), 2 per GPU" in layout.summary()
+    assert (layout.per_gpu, layout.why) == (2, "model.replicas_per_gpu = 2")
     assert local_layout(1, ModelSpec(replicas_per_gpu=2)).placements == (Placement("2"),)
 
 

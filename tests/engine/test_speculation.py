@@ -95,7 +95,6 @@ def test_auto_switches_engines_mid_pass_and_loses_no_row(tmp_path, tiny_model, m
     assert choice["chosen"] == chosen, choice
     assert [t["method"] for t in choice["trials"]][:2] == ["none", "ngram"]
     assert report.verified["ok"] and report.verified["complete"]
-    assert "speculation: auto chose" in report.summary()
 
 
 @pytest.mark.engine
@@ -116,7 +115,7 @@ def test_auto_on_the_engine_keeps_none_for_a_short_pass_and_pass2_reuses_it(tmp_
         assert "previous pass's engine" in report.passes["pass2"].note
         assert report.passes["pass2"].engine_starts == 0
     assert engines.starts - starts <= 1
-    assert report.to_dict()["engine_starts"] == 1 and "engine starts: 1 (" in report.summary()
+    assert report.to_dict()["engine_starts"] == 1
     assert_exactly_once([f"r{i:05d}" for i in range(24)], tmp_path / "out", tmp_path / "out" / "_rejects")
 
 

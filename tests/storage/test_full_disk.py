@@ -13,9 +13,9 @@ import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
 
-from batchjson import api, cli, storage
+from batchjson import api, cli
 from batchjson.engine.fake import FakeEngines
-from helpers import assert_exactly_once, write_job, write_rows
+from helpers import assert_exactly_once, at_commit_step, write_job, write_rows
 
 IDS = [f"r{i:05d}" for i in range(120)]
 
@@ -49,20 +49,7 @@ def free(disk: Path) -> None:
 
 def fill_after(monkeypatch, disk: Path, step: str, n: int) -> None:
     """Fill the disk the n-th time the commit protocol reaches `step` ("p2:<step>": in pass 2 only)."""
-    seen = []
-    real_init = storage.Storage.__init__
-
-    def after(name, stage):
-        if step in (name, f"{stage}:{name}"):
-            seen.append(name)
-            if len(seen) == n:
-                fill(disk)
-
-    def init(self, *args, **kwargs):
-        real_init(self, *args, **kwargs)
-        self.after = after
-
-    monkeypatch.setattr(storage.Storage, "__init__", init)
+    at_commit_step(step, n, lambda: fill(disk), monkeypatch.setattr)
 
 
 def cli_run(monkeypatch, job, out):

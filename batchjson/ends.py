@@ -1,0 +1,20 @@
+"""A run's two ends: the input it reads and the output folder it writes, built here for every entry point."""
+
+from __future__ import annotations
+
+from batchjson.errors import SpecError
+from batchjson.source import ParquetSource
+from batchjson.spec import JobSpec
+from batchjson.storage import Storage
+
+
+def run_ends(spec: JobSpec, output: str | None = None, shard: tuple[int, int] = (0, 1), *,
+             required: bool = True) -> tuple[ParquetSource, Storage | None]:
+    """The job's input and its output folder (`output`, i.e. --output, else output.path; rejects where
+    output.rejects says), as a run, a replica, `check`, `verify` and the OpenAI Batch export see them. The input
+    files are listed; nothing is read or claimed. No output folder is a SpecError, or None when not `required`."""
+    out = output or spec.output.path
+    if not out and required:
+        raise SpecError("no output folder: set output.path in the spec or pass --output.")
+    storage = Storage(out, spec.output.rejects or None, shard) if out else None
+    return ParquetSource(spec.input, spec.prompt.columns), storage

@@ -1,0 +1,248 @@
+"""The unit commits of an output folder: the protocol that commits one unit of one pass, and what is committed.
+
+A unit's commit moves through named steps, one method each, after dlt's `PackageStorage` (one move per step):
+`begin` deletes every file of any earlier attempt, of every kind; `stage` writes one file under a hidden name
+(".<name>.tmp") in its final folder; `write_record` writes the commit record atomically (the commit point);
+`publish` renames the hidden files into place. `commit` runs them in this order. A kill before the record leaves
+only hidden files, which the next attempt deletes; a kill after it is rolled forward by `recover` at the next open.
+So a unit's rows are either all in the output and rejects, once, or not there at all, whatever its outcome. No
+reader reads a hidden file: pyarrow.dataset skips names starting with . or _, and DuckDB's
+read_parquet('OUT/*.parquet'), which does not, reads only names ending in .parquet. `drop` uncommits a unit that
+`damaged` found broken, so that it is redone.
+
+On object storage (see location.py) there is no rename: `publish` is a copy and a delete, so a kill between them
+leaves the file under both names, with the same content; `recover` copies again and deletes the hidden one, as it
+renames locally. The commit point is still the record, which is one PUT (all or nothing). Nothing is listed or read
+back under its final name before its record exists, so a half-published unit is never taken for a stray or a
+finished one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pyarrow as pa
+
+from batchjson.errors import OutputError, StorageFull, is_full
+from batchjson.storage.location import Location, Unreadable, writing
+from batchjson.storage.names import STAGED, Kind, PartName, Stage, UnitName, staged
+
+KINDS: dict[Stage, tuple[Kind, ...]] = {Stage.FIRST: ("output", "rejects", "requeue"),
+                                        Stage.SECOND: ("output", "rejects")}  # only pass 1 requeues
+
+
+def write_part(table: pa.Table, path: Location, undo: Callable[[], None] = lambda: None) -> None:
+    """Write one part file; a full disk is StorageFull after `undo`, any other failure an OutputError."""
+    try:
+        path.write_parquet(table)
+    except OSError as e:
+        path.unlink(missing_ok=True)
+        if is_full(e):
+            undo()
+            raise StorageFull.at(path, e) from None
+        raise OutputError(f"cannot write {path}: {e.strerror or e}. Free space or fix permissions, then run "
+                          "again: finished units are kept and the run resumes.") from None
+
+
+class Commits:
+    """The committed units of one output folder (of every shard), and the steps that commit one more."""
+
+    def __init__(self, folders: dict[Kind, Location], units: Location, guard: Callable[[], None] = lambda: None):
+        self.folders = folders
+        """Where each kind of part file goes: the output, rejects and requeue folders."""
+        self.units = units
+        """The commit records' folder."""
+        self.guard = guard
+        """Raises if this run no longer holds the folder (a lost lease), before a record is written."""
+        self._committed: set[str] | None = None
+        self._read: dict[str, dict] = {}  # commit records read so far: a record never changes, only goes (drop)
+        self.after: Callable[[str, str], None] = lambda step, stage: None
+        """Called after each step of the commit protocol, with the pass; tests use it to kill the process there."""
+
+    def part(self, stage: Stage, key: str, kind: Kind) -> Location:
+        return self.folders[kind] / PartName(stage, key, kind).file_name()
+
+    def record_path(self, stage: Stage, key: str) -> Location:
+        return self.units / UnitName(stage, key).file_name()
+
+    @staticmethod
+    def _hidden(path: Location) -> Location:
+        return path.with_name(staged(path.name))
+
+    # ----- what is committed -----------------------------------------------------------------------------------
+    def committed(self) -> set[str]:
+        """Names ("p1-<unit>") of the committed units of every shard, listed once and kept up to date."""
+        if self._committed is None:
+            self._committed = {UnitName.parse(p.name).unit_id() for p in self.units.glob("p[12]-*.json")}
+        return self._committed
+
+    def forget(self) -> None:
+        """Drop what was listed and read: the folder was cleared."""
+        self._committed = None
+        self._read.clear()
+
+    def listed(self, stage: Stage, key: str) -> bool:
+        """Whether the unit is among the committed ones as last listed (and committed since): no look at the folder."""
+        return UnitName(stage, key).unit_id() in self.committed()
+
+    def done(self, stage: Stage, key: str) -> bool:
+        return self.listed(stage, key) or self.record_path(stage, key).exists()
+
+    def _load(self, path: Location) -> dict:
+        if path.name not in self._read:
+            self._read[path.name] = path.read_json()
+        return self._read[path.name]
+
+    def record(self, stage: Stage, key: str) -> dict | None:
+        try:
+            return self._load(self.record_path(stage, key))
+        except FileNotFoundError:
+            return None
+
+    def records(self, stage: Stage | None = None) -> list[dict]:
+        """The commit records of one pass, or of both."""
+        pattern = f"{stage}-*.json" if stage else "p[12]-*.json"
+        return [self._load(p) for p in sorted(self.units.glob(pattern))]
+
+    def requeued(self, key: str) -> bool:
+        record = self.record(Stage.FIRST, key)
+        return bool(record and "requeue" in record["files"])
+
+    def read_requeue(self, key: str) -> pa.Table:
+        return self.part(Stage.FIRST, key, "requeue").read_parquet()
+
+    def read_ids(self, stage: Stage, key: str, kind: Kind, columns: list[str]) -> pa.Table:
+        """Some columns of one committed file, under its final name or, while its commit is being published (by
+        another shard, or not yet after a kill), its hidden one."""
+        path = self.part(stage, key, kind)
+        for candidate in (path, self._hidden(path), path):  # a rename may land between two looks
+            try:
+                return candidate.read_parquet(columns)
+            except FileNotFoundError:
+                continue
+        raise FileNotFoundError(path)
+
+    # ----- the steps of a commit -------------------------------------------------------------------------------
+    def commit(self, stage: Stage, key: str, tables: dict[Kind, pa.Table], meta: dict) -> None:
+        """Commit one unit of one pass: begin, stage its files, write its record, publish the files."""
+        self.begin(stage, key)
+        files, rows, sizes = {}, {}, {}
+        for kind, table in tables.items():
+            if table is None or not table.num_rows:
+                continue
+            files[kind], rows[kind], sizes[kind] = self.stage(stage, key, kind, table)
+        record = {"stage": stage, "key": key, "files": files, "rows": rows, "sizes": sizes} | meta
+        self.write_record(record)
+        self.publish(record)
+
+    def begin(self, stage: Stage, key: str) -> None:
+        """Start (or restart) a unit: every file an earlier attempt may have left, of every kind, goes."""
+        for kind in KINDS[stage]:
+            path = self.part(stage, key, kind)
+            self._hidden(path).unlink(missing_ok=True)
+            path.unlink(missing_ok=True)
+        self.after("begin", stage)
+
+    def stage(self, stage: Stage, key: str, kind: Kind, table: pa.Table) -> tuple[str, int, int]:
+        """Write one file of the unit under its hidden name; returns its final name, rows and size."""
+        path = self.part(stage, key, kind)
+        write_part(table, self._hidden(path), undo=lambda: self._unstage(stage, key))
+        found = path.name, table.num_rows, self._hidden(path).info().size
+        self.after(f"staged {kind}", stage)
+        return found
+
+    def write_record(self, record: dict) -> None:
+        """The commit point: the unit's record (its files, rows and reasons), written atomically."""
+        stage, key = record["stage"], record["key"]
+        self.guard()
+        path = self.record_path(stage, key)
+        with writing(path, undo=lambda: self._unstage(stage, key)):
+            path.write_json(record)
+        self._read[path.name] = record
+        self.committed().add(UnitName(stage, key).unit_id())
+        self.after("committed", stage)
+
+    def publish(self, record: dict) -> None:
+        """Rename the unit's staged files into place (again, after a kill: what is in place already is skipped)."""
+        for kind, name in record["files"].items():
+            path = self.part(record["stage"], record["key"], kind)
+            try:
+                with writing(path):
+                    self._hidden(path).move(path)
+            except FileNotFoundError:
+                pass  # published already (by an earlier try, or by another shard's recovery)
+            self.after(f"published {kind}", record["stage"])
+
+    def _unstage(self, stage: Stage, key: str) -> None:
+        """Delete the files a unit staged before its record could be written: they are no unit's, and take space."""
+        for kind in KINDS[stage]:
+            self._hidden(self.part(stage, key, kind)).unlink(missing_ok=True)
+
+    # ----- after a kill, or damage -----------------------------------------------------------------------------
+    def recover(self) -> None:
+        """Roll forward units committed by a run that was killed before it published their files."""
+        for kind, folder in self.folders.items():
+            for legacy in folder.glob(".*.parquet"):  # staged by a version before STAGED (DuckDB reads these)
+                if not legacy.with_name(legacy.name[1:]).exists():  # beside its published part it is a copy
+                    legacy.move(legacy.with_name(f"{legacy.name}{STAGED}"))
+            for hidden in folder.glob(f".*.parquet{STAGED}"):
+                try:
+                    part = PartName.parse(hidden.name, "requeue" if kind == "requeue" else None)
+                except ValueError:
+                    continue  # not a part file of any unit
+                record = self.record(part.stage, part.key)
+                if record is not None:
+                    self.publish(record)
+
+    def damaged(self, keys: list[str], id_column: str) -> dict[str, str]:
+        """Of these units, the committed ones with a file their record lists that is gone (deleted by hand), does not
+        read as Parquet (truncated, emptied, overwritten) or holds another number of rows; unit -> what is wrong.
+
+        Cheap, as every start runs it: one listing of each folder, whose sizes are compared with those the records
+        keep (`sizes`, written at commit); a file whose size differs is damaged. A file not under its final name
+        (its publish is under way, or it is gone) and any file of a record older than `sizes` are read as verify
+        reads them (the id column), so what verify finds unreadable a rerun redoes. `verify` reads every file."""
+        listed: dict[str, int] = {}
+        for folder in set(self.folders.values()):
+            listed |= {i.path: i.size for i in folder.files()}
+        out = {}
+        for key in keys:
+            for stage in Stage:
+                record = self.record(stage, key) if self.listed(stage, key) else None
+                for kind in record["files"] if record else ():
+                    size, found = record.get("sizes", {}).get(kind), listed.get(self.part(stage, key, kind).path)
+                    if size is not None and found is not None:
+                        flaw = "" if found == size else (f"{record['files'][kind]} held {found} bytes, not the {size} "
+                                                         "its commit record lists")
+                    else:
+                        flaw = self._flaw(record, kind, id_column)
+                    if flaw:
+                        out.setdefault(key, flaw)
+        return out
+
+    def _flaw(self, record: dict, kind: Kind, id_column: str) -> str:
+        name, rows = record["files"][kind], record["rows"][kind]
+        try:
+            found = self.read_ids(record["stage"], record["key"], kind, [id_column]).num_rows
+        except FileNotFoundError:
+            return f"{name} was missing"
+        except Unreadable as e:
+            return str(e)
+        return "" if found == rows else f"{name} held {found} rows, not the {rows} its commit record lists"
+
+    def drop(self, key: str) -> None:
+        """Uncommit a unit in both passes (records first, then files), so that it is redone from scratch."""
+        for stage in reversed(Stage):
+            self.record_path(stage, key).unlink(missing_ok=True)
+            self._read.pop(self.record_path(stage, key).name, None)
+            self.committed().discard(UnitName(stage, key).unit_id())
+        for stage in reversed(Stage):
+            self.begin(stage, key)
+
+    def stray(self) -> list[Location]:
+        """Files that readers of the output or rejects folder read (Location.dataset_files: in sub-folders too,
+        whatever their name) but no commit record lists. The folders are listed before the records are read: a
+        file is published only after its record is written, so none is taken for stray."""
+        found = set(self.folders["output"].dataset_files()) | set(self.folders["rejects"].dataset_files())
+        listed = {(self.part(r["stage"], r["key"], k)) for r in self.records() for k in r["files"]}
+        return sorted(found - listed)
