@@ -84,7 +84,7 @@ class CheckResult:
     typed_columns: dict[str, str]
     """Output columns the schema's properties (or a non-object root's `value`) get, with their Arrow types."""
     grammar: dict[str, str]
-    """The grammar backend each pass would decode with, by the report's name of the pass ("pass1", "pass2")."""
+    """The grammar backend each pass would decode with, by the report's name of the pass (records.Stage.label)."""
     lines: list[str]
     warnings: list[str]
     """E.g. ids that occur more than once (the CLI prints these to stderr)."""

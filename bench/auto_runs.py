@@ -17,7 +17,7 @@ import json
 import time
 from pathlib import Path
 
-from bench.common import run_cli
+from bench.common import P1, P2, run_cli
 from bench.tasks import write_task
 
 
@@ -33,14 +33,14 @@ def one(task: str, size: int, rows: int, args) -> dict:
     result = {"task": task, "in_flight": size, "rows": rows, "method": args.method, "rc": rc, "wall_s": wall}
     if report is None:
         return result | {"error": tail}
-    p1 = report["passes"]["pass1"]
+    p1 = report["passes"][P1]
     auto = (p1.get("auto") or [{}])[0]
     trials = auto.get("trials", [])
     result |= {"chosen": auto.get("chosen", args.method), "why": auto.get("why", ""), "trials": trials,
                "decode_tokens_per_s": trials[-1]["output_tokens_per_s"] if trials else None,
                "pass1_output_tokens_per_s": p1["output_tokens_per_s"], "pass1_s": p1["seconds"],
                "valid": sum(report["valid_by_pass"].values()), "run_s": report["seconds"],
-               "pass2_note": report["passes"].get("pass2", {}).get("note", "")}
+               "pass2_note": report["passes"].get(P2, {}).get("note", "")}
     return result
 
 

@@ -15,12 +15,15 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
+from batchjson.records import Stage
+
 ROOT = Path(__file__).resolve().parents[1]
 JOB = ROOT / "jobs" / "sample.toml"
 MB = 1024 * 1024
 WORK = Path(os.environ.get("BATCHJSON_BENCH_WORK", "/tmp/batchjson-bench"))
 # Set by `python -m bench smoke`: `batchjson run` then runs on the fake engine (bench/fakerun.py), with no model.
 FAKE = "BATCHJSON_BENCH_FAKE"
+P1, P2 = Stage.FIRST.label, Stage.SECOND.label  # the report's names of the passes (its "passes")
 
 
 def make_rows(n: int, folder: Path, seed: int = 0) -> Path:

@@ -16,7 +16,7 @@ import time
 
 from batchjson.engine import EngineFactory, EngineWrapper
 from batchjson.engine.fake import Answer, FakeEngine
-from bench.common import MB, Clock, build_spec
+from bench.common import MB, P2, Clock, build_spec
 
 VALID = [
     '{"vendor":"PixelPro Devices","currency":"USD","category":"hardware","total":16160.27,"items":[{"description":'
@@ -261,8 +261,8 @@ def run_overhead(sc: dict) -> dict:
     res = {"rows": rows, "batch_size": spec.input.batch_size, "fail_rate": fail_rate, "fail_kinds": ",".join(kinds),
            "profiled": bool(prof),
            "what_if": sc.get("what_if", []),
-           "valid": report.valid, "rejected": report.rejected, "pass2_rows": report.passes.get("pass2").rows
-           if "pass2" in report.passes else 0, "wall_s": round(c.wall, 3), "cpu_s": round(c.cpu, 3),
+           "valid": report.valid, "rejected": report.rejected, "pass2_rows": report.passes.get(P2).rows
+           if P2 in report.passes else 0, "wall_s": round(c.wall, 3), "cpu_s": round(c.cpu, 3),
            "fake_engine_us_per_call": round(1e6 * fake, 3),
            "us_per_row_cpu": round(1e6 * (c.cpu - fake * engine_rows) / rows, 2),
            "us_per_row_wall": round(1e6 * (c.wall - fake * engine_rows) / rows, 2),

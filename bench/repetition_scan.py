@@ -17,6 +17,7 @@ SETTINGS = [(8, 6), (16, 4), (24, 3), (48, 4)]
 
 def texts(run: str, rejects: str | None) -> tuple[list[str], list[str]]:
     """(raw texts of the pass-1 failures, texts of the valid rows of both passes) of a finished run."""
+    from batchjson.records import Stage
     from batchjson.storage import Storage
 
     commits = Storage(run, rejects).commits
@@ -25,7 +26,7 @@ def texts(run: str, rejects: str | None) -> tuple[list[str], list[str]]:
         stage, key, files = record["stage"], record["key"], record["files"]
         if "output" in files:
             valid += commits.read_ids(stage, key, "output", ["json"]).column(0).to_pylist()
-        if stage == "p1":
+        if stage == Stage.FIRST:
             for kind in ("requeue", "rejects"):
                 if kind in files:
                     failed += commits.read_ids(stage, key, kind, ["raw_text"]).column(0).to_pylist()

@@ -26,7 +26,7 @@ import pyarrow.parquet as pq
 from batchjson.engine.devices import visible_gpus
 from batchjson.records import Stage
 from batchjson.storage import Storage
-from bench.common import cli
+from bench.common import P1, P2, cli
 from bench.tasks import write_task
 
 
@@ -159,7 +159,7 @@ def one(name: str, job: Path, root: Path, gpus: list[str]) -> dict:
     sampler.join()
     valid = sum(sum(r.get("valid_by_pass", {}).values()) for r in reports if "error" not in r)
     steady = steady_rate(out, started)
-    pass1 = [r["passes"]["pass1"] for r in reports if "pass1" in r.get("passes", {})]
+    pass1 = [r["passes"][P1] for r in reports if P1 in r.get("passes", {})]
     busy = {}
     for s in sampler.samples:
         for g in s["gpus"]:
@@ -168,7 +168,7 @@ def one(name: str, job: Path, root: Path, gpus: list[str]) -> dict:
     return {"run": name, "processes": len(procs), "wall_s": round(wall, 1), "valid": valid,
             "valid_per_wall_s": round(valid / wall, 2),
             "pass1_rows_per_s": [p["rows_per_s"] for p in pass1], "pass1_s": [p["seconds"] for p in pass1],
-            "pass2_s": [r["passes"]["pass2"]["seconds"] for r in reports if "pass2" in r.get("passes", {})],
+            "pass2_s": [r["passes"][P2]["seconds"] for r in reports if P2 in r.get("passes", {})],
             "gpu_util_mean": {g: round(sum(v) / len(v)) for g, v in busy.items() if v}, **steady,
             "reports": reports, "samples": sampler.samples}
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
-from bench.common import JOB, ROOT, run_cli
+from bench.common import JOB, P1, ROOT, run_cli
 
 GUARDS = {"default (from the schema)": None, "16, 1, 4": (16, 1, 4), "64, 8, 3": (64, 8, 3)}
 
@@ -34,7 +34,7 @@ def run(label: str, guard, work: Path) -> dict:
     truth = pq.read_table(ROOT / "sample_data" / "sample.parquet").to_pydict()
     vendors = dict(zip(truth["id"], (json.loads(t)["vendor"] for t in truth["truth"])))
     valid = ds.dataset(str(out), format="parquet").to_table(columns=["id", "vendor"]).to_pylist()
-    p1 = report["passes"]["pass1"]
+    p1 = report["passes"][P1]
     return {"guard": label, "pass1_stopped": p1["reasons"].get("repetition", 0), "pass1_valid": p1["valid"],
             "valid": report["valid"], "vendors_right": sum(r["vendor"] == vendors[r["id"]] for r in valid)}
 

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from batchjson.records import Stage
-from bench.common import Clock, RssMonitor, build_spec, frame, rate, spec_prompts
+from bench.common import P1, P2, Clock, RssMonitor, build_spec, frame, rate, spec_prompts
 
 SPEC_METRICS = {"vllm:spec_decode_num_drafts": "drafts", "vllm:spec_decode_num_draft_tokens": "draft_tokens",
                 "vllm:spec_decode_num_accepted_tokens": "accepted_tokens"}
@@ -224,13 +224,13 @@ def batchjson_side(sc: dict) -> dict:
 
     vllm.LLM.__init__ = spy
     spec = build_spec(sc)
-    recs: dict[str, dict] = {"pass1": {}, "pass2": {}}
+    recs: dict[str, dict] = {P1: {}, P2: {}}
 
     class Timed(VllmEngines):
         def start(self, spec_, decoding, speculative):
             with Clock() as c:
                 engine = super().start(spec_, decoding, speculative)
-            return _TimedEngine(engine, c.wall, recs["pass1"])  # pass 2 decodes on pass 1's engine, beside it
+            return _TimedEngine(engine, c.wall, recs[P1])  # pass 2 decodes on pass 1's engine, beside it
 
     factory = Timed()
 
@@ -246,7 +246,7 @@ def batchjson_side(sc: dict) -> dict:
         res["passes"][name] = {**{k: p[k] for k in ("rows", "valid", "output_tokens", "seconds", "reasons")},
                                "acceptance": p.get("acceptance"), "spec": p.get("speculative"), "note": p.get("note"),
                                **recs.get(name, {})}
-    p1 = res["passes"].get("pass1", {})
+    p1 = res["passes"].get(P1, {})
     windows = sum(p.get("stream_s", 0) for p in res["passes"].values())
     tokens = sum(p["output_tokens"] for p in res["passes"].values())
     res |= {"seconds": round(p1.get("stream_s", 0), 3), "output_tokens": p1.get("output_tokens", 0),

@@ -20,7 +20,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from bench.common import ROOT, WORK, dump, make_rows, run_isolated, table
+from bench.common import P1, P2, ROOT, WORK, dump, make_rows, run_isolated, table
 
 
 class Budget:
@@ -139,7 +139,7 @@ def _compare_summary(runs: list[dict]) -> dict:
     s = {"llm_kwargs_identical": bare_kw == bj_kw,
          "llm_kwargs_diff": {k: (bare_kw.get(k), bj_kw.get(k)) for k in set(bare_kw) | set(bj_kw)
                              if bare_kw.get(k) != bj_kw.get(k)},
-         "sampling_identical": ok["bare"][0]["params"] == ok["batchjson"][0]["passes"]["pass1"]["params"]}
+         "sampling_identical": ok["bare"][0]["params"] == ok["batchjson"][0]["passes"][P1]["params"]}
     for key in ("rows_per_s", "output_tokens_per_s", "valid_per_s", "valid_per_s_end_to_end"):
         b, j = med("bare", key), med("batchjson", key)
         s[f"ratio_{key}"] = round(j / b, 3) if b else None
@@ -161,12 +161,12 @@ def _compare_table(res: dict, tag: str) -> list[str]:
                          "acc": r["acceptance"], "start": r["engine_start_s"], "rss": r["runner_peak_rss_mb"],
                          "erss": r["engine_peak_rss_mb"]})
         else:
-            p1 = r["passes"].get("pass1", {})
+            p1 = r["passes"].get(P1, {})
             rows.append({"run": name + " pass1", "rows": r["rows"], "s": r["seconds"], "rows/s": r["rows_per_s"],
                          "tok/s": r["output_tokens_per_s"], "valid": r["pass1_valid"], "valid/s": r["pass1_valid_per_s"],
                          "acc": r["acceptance"], "start": p1.get("engine_start_s"), "rss": r["runner_peak_rss_mb"],
                          "erss": r["engine_peak_rss_mb"]})
-            p2 = r["passes"].get("pass2")
+            p2 = r["passes"].get(P2)
             rows.append({"run": name + " both passes", "rows": r["rows"], "s": r["both_passes_s"],
                          "tok/s": r["both_passes_output_tokens_per_s"], "valid": r["valid"], "valid/s": r["valid_per_s"],
                          "start": p2.get("engine_start_s") if p2 else None})

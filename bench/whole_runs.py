@@ -51,7 +51,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench.common import cli
+from bench.common import P1, P2, cli
 from bench.replicas import HostSampler
 from bench.tasks import TASKS, schema, score, write_task
 
@@ -143,7 +143,7 @@ def batchjson_run(name: str, args, work: Path, t_launch: float, timeout: float) 
     if proc.returncode != 0 or not report_file.exists():
         return {"error": f"rc {proc.returncode}: {(proc.stderr or proc.stdout)[-1500:]}"}
     report = json.loads(report_file.read_text())
-    p1, p2 = report["passes"]["pass1"], report["passes"].get("pass2", {})
+    p1, p2 = report["passes"][P1], report["passes"].get(P2, {})
     import pyarrow.dataset as ds
     import pyarrow.parquet as pq
 
