@@ -218,6 +218,18 @@ class Location:
     def exists(self) -> bool:
         return self.info().type != fs.FileType.NotFound
 
+    def version(self) -> tuple:
+        """What changes whenever the file is rewritten: its size, and locally its modification time (ns); on object
+        storage its ETag (a digest of the content), from the same one HEAD, as the store's times are to the second
+        and an overwrite of the same size within that second happens. FileNotFoundError if it is not a file."""
+        if self.local:
+            info = self.info()
+            if info.type != fs.FileType.File:
+                raise FileNotFoundError(self.path)
+            return info.size, info.mtime_ns
+        with self.open_input() as f, self._io():
+            return f.size(), f.metadata().get("ETag") or f.metadata().get("Last-Modified")
+
     def is_dir(self) -> bool:
         return self.info().type == fs.FileType.Directory
 
