@@ -13,7 +13,7 @@ import time
 
 from tqdm import tqdm
 
-from batchjson.errors import SpecError
+from batchjson.errors import SpecError, StorageFault
 from batchjson.executors.base import Queue
 from batchjson.executors.inline import run_inline
 from batchjson.engine.devices import Layout
@@ -83,6 +83,8 @@ class JobRun:
                     verdict.problems.append(f"[internal] {verdict.pending} units left undone by an uninterrupted run")
                 report.verified = verdict.to_dict()
                 report.verified_summary = verdict.summary()
+        except StorageFault as e:  # the store failing: its lease may stay behind, and then a rerun must wait
+            raise StorageFault(f"{e}{storage.close()}") from None
         finally:
             storage.close()
         report.interrupted = self.stop.is_set()

@@ -161,11 +161,11 @@ class Storage:
         if self._lease:
             self._lease.check()
 
-    def close(self) -> None:
+    def close(self) -> str:
+        """Release the folder. Returns a note for the user when a lease stays behind (Lease.release), else ""."""
         release(self._locks)
-        if self._lease:
-            self._lease.release()
-            self._lease = None
+        lease, self._lease = self._lease, None
+        return lease.release() if lease else ""
 
     def _clear(self) -> None:
         for folder in (self.output, self.rejects):
