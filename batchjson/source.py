@@ -284,11 +284,7 @@ class ParquetSource:
         with the same rows in another order has another fingerprint."""
         stamp = self.stamps.setdefault(str(path), path.version())
         size = stamp[0]
-        with path.open_input() as f:
-            f.seek(size - 8)
-            length = int.from_bytes(f.read(4), "little")
-            f.seek(max(0, size - 8 - length))
-            footer = f.read(length)
+        footer = path.read_footer(size)
         return {"path": _below(self.root, path), "size": size,
                 "rows": self._open(path).metadata.num_rows, "footer": hashlib.sha256(footer).hexdigest()[:16],
                 "ids": ids_digest}

@@ -272,8 +272,17 @@ class Location:
             return self.fs.open_input_file(self.path)
 
     def read_bytes(self) -> bytes:
-        with self.open_input() as f:
+        with self.open_input() as f, self._io():  # a body cut midway is the store's fault too
             return f.read()
+
+    def read_footer(self, size: int) -> bytes:
+        """The Parquet footer's bytes of this file of `size` bytes (they end 8 bytes before its end, after which
+        their length is written)."""
+        with self.open_input() as f, self._io():
+            f.seek(size - 8)
+            length = int.from_bytes(f.read(4), "little")
+            f.seek(max(0, size - 8 - length))
+            return f.read(length)
 
     def read_text(self) -> str:
         return self.read_bytes().decode()
