@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections import Counter
 
 from tqdm import tqdm
 
@@ -22,6 +23,7 @@ from batchjson.report import PassStats, RunReport
 from batchjson.engine.base import EngineFactory
 from batchjson.ends import run_ends
 from batchjson.spec import JobSpec
+from batchjson.storage import location
 from batchjson.verify import verify
 from batchjson.passes import plan_passes
 from batchjson.records import Stage
@@ -51,6 +53,7 @@ class JobRun:
 
     def run(self) -> RunReport:
         started = self.started = time.monotonic()
+        retried = Counter(location.RETRIED)
         input_rows = self.source.check()
         everything = self.source.plan()
         mine = self.source.plan(self.shard) if self.shard[1] > 1 else everything
@@ -94,6 +97,7 @@ class JobRun:
         finally:
             storage.close()
         report.interrupted = self.stop.is_set()
+        report.storage_retries = dict((location.RETRIED - retried).most_common())
         report.seconds = round(time.monotonic() - started, 2)
         storage.write_report(report.to_dict())
         return report

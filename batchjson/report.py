@@ -114,6 +114,9 @@ class RunReport:
     """Engine replicas on each GPU (tensor-parallel group); 0 without GPUs."""
     layout: str = ""
     """How the replicas sat on the GPUs and why (model.replicas_per_gpu, its "auto" rule): the summary's line."""
+    storage_retries: dict = field(default_factory=dict)
+    """Reads of object storage that batchjson retried in this process, by the store's error (location.reading).
+    pyarrow's own retries of each request are not in it: pyarrow reports none."""
 
     def lay_out(self, layout) -> None:
         """Record where the replicas ran (an engine/devices.py Layout)."""
@@ -202,6 +205,10 @@ class RunReport:
             lines.append("  rejects: " + ", ".join(f"{k} {v}" for k, v in self.rejects_by_reason.items()))
         lines += [f"  note: {n}" for n in dict.fromkeys(p.notice for p in self.passes.values() if p.notice)]
         lines += [f"  note: {n}" for n in self.notes]
+        if self.storage_retries:
+            kinds = ", ".join(f"{k} {v}" for k, v in self.storage_retries.items())
+            lines.append(f"  object storage: {sum(self.storage_retries.values())} reads retried ({kinds}; pyarrow's "
+                         "own retries are not counted)")
         if self.verified_summary:
             lines.append("  " + self.verified_summary.replace("\n", "\n  "))
         lines.append(f"  output {self.output}  rejects {self.rejects}  spec {self.spec_hash}")

@@ -25,7 +25,7 @@ import pyarrow.parquet as pq
 
 from batchjson.errors import InputError
 from batchjson.spec import InputSpec
-from batchjson.storage.location import Location, Unreadable, glob_match, transient
+from batchjson.storage.location import Location, Unreadable, glob_match, reading, transient
 
 
 def id_strings(column: pa.Array | pa.ChunkedArray, where: str = "") -> pa.Array | pa.ChunkedArray:
@@ -141,7 +141,7 @@ class ParquetSource:
         if path in self._footers:
             return self._footers[path]
         try:
-            pf = pq.ParquetFile(path.open_input())
+            pf = reading(path, lambda: pq.ParquetFile(path.open_input()))
         except (OSError, pa.ArrowException) as e:
             raise transient(path, e) or InputError(f"{path}: not a readable Parquet file ({e}). Remove or repair it and run again; "
                              "finished work is kept.") from None
@@ -211,7 +211,7 @@ class ParquetSource:
             if ref.file not in self.stamps:
                 self.stamps[ref.file] = path.version()
             try:
-                table = self._open(path).read_row_group(ref.row_group, columns=self.columns)
+                table = reading(path, lambda: self._open(path).read_row_group(ref.row_group, columns=self.columns))
             except (OSError, pa.ArrowException) as e:
                 raise transient(path, e) or InputError(f"{path}: row group {ref.row_group} cannot be read ({e}). Repair or remove the "
                                  "file and run again; finished work is kept.") from None

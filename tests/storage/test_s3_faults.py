@@ -69,6 +69,20 @@ def test_runs_through_faults_on_every_kind_of_request(tmp_path, tiny_model, s3, 
     assert_once(s3, out, 48)
 
 
+def test_reads_cut_midway_are_retried_and_counted(tmp_path, tiny_model, s3, proxy):
+    """A GET whose body broke off, then refused (503), is not retried by pyarrow (location.reading): batchjson
+    retries the read as a whole, and the report counts it."""
+    put_rows(f"{s3}/in/a.parquet", tmp_path / "a.parquet", 24)
+    job = write_job(tmp_path, tiny_model, f"{s3}/in", batch_size=4)
+    out = f"{s3}/out"
+    proxy.rate, proxy.kinds, proxy.only = 0.5, ("cut", "503"), {"GET"}
+    report = run(job, out)
+    assert report.verified["complete"] and proxy.faults["cut"] >= 5, proxy.faults
+    assert sum(report.storage_retries.values()) >= 5 and "reads retried" in report.summary(), report.storage_retries
+    proxy.rate = 0
+    assert_once(s3, out, 24)
+
+
 def test_a_fault_that_outlasts_the_retries_ends_the_run_and_the_rerun_resumes(tmp_path, tiny_model, s3, proxy,
                                                                               monkeypatch):
     monkeypatch.setattr(location, "RETRIES", fs.AwsDefaultS3RetryStrategy(max_attempts=3))  # fail in 0.2 s
