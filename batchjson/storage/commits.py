@@ -97,14 +97,17 @@ class Commits:
         self._index, self._committed = Index.take(self.index_file), None
 
     def trusted(self) -> frozenset[str]:
-        """The committed units whose files are all listed as the last passing check read them (index.py): the end
-        check counts them from their records. Lists the folders now; `write_index` keeps these stamps."""
+        """The committed units whose records are as indexed and whose files are all listed as the last passing check
+        read them (index.py): the end check counts them from their records. Lists the folders now; `write_index`
+        keeps these stamps."""
         self._seen = {i.base_name: stamp(i) for folder in set(self.folders.values()) for i in folder.files()}
+        indexed = self._index.records({i.base_name: stamp(i) for i in self.units.files()})
         keys, changed = set(), set()
         for unit in map(UnitName.parse, self.committed()):
             keys.add(unit.key)
-            record = self.record(unit.stage, unit.key) or {"files": {"": ""}}
-            if not all(self._index.checked(name, self._seen.get(name)) for name in record["files"].values()):
+            record = indexed.get(unit.file_name())
+            if record is None or not all(self._index.checked(name, self._seen.get(name))
+                                         for name in record["files"].values()):
                 changed.add(unit.key)
         return frozenset(keys - changed)
 

@@ -51,7 +51,8 @@ class Index:
     def records(self, listed: dict[str, Stamp]) -> dict[str, dict]:
         """The indexed records among those `listed` (record name -> stamp) whose stamp is still the indexed one."""
         return {name: entry["record"] for name, entry in self._records.items()
-                if name in listed and list(listed[name]) == entry.get("stamp")}
+                if name in listed and isinstance(entry, dict) and isinstance(entry.get("record"), dict)
+                and list(listed[name]) == entry.get("stamp")}
 
     def checked(self, name: str, now: Stamp | None) -> bool:
         """Whether the part file `name`, listed now with stamp `now`, is as the last passing check read it."""
