@@ -10,10 +10,11 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections import Counter
 
 from tqdm import tqdm
 
-from batchjson.errors import SpecError
+from batchjson.errors import SpecError, StorageFault
 from batchjson.executors.base import Queue
 from batchjson.executors.inline import run_inline
 from batchjson.engine.devices import Layout
@@ -22,6 +23,7 @@ from batchjson.report import PassStats, RunReport, process_age
 from batchjson.engine.base import EngineFactory
 from batchjson.ends import run_ends
 from batchjson.spec import JobSpec
+from batchjson.storage import location
 from batchjson.verify import verify
 from batchjson.passes import plan_passes
 from batchjson.records import Stage
@@ -52,6 +54,7 @@ class JobRun:
     def run(self) -> RunReport:
         started = self.started = time.monotonic()
         mark = lambda: round(time.monotonic() - started, 2)  # noqa: E731
+        retried = Counter(location.RETRIED)
         input_rows = self.source.check()
         everything = self.source.plan()
         mine = self.source.plan(self.shard) if self.shard[1] > 1 else everything
@@ -82,15 +85,24 @@ class JobRun:
                 self._run_passes(report, layout)
                 report.timeline["passes"] = mark()
                 report.tally(commits.records())
-                verdict = verify(commits, self.source, everything, self.spec.input.id_column)
+                # Units an earlier passing check read, unchanged since, are counted from their records (verify.py);
+                # a unit holding a repeated id is read, as its rows' other occurrences are in other units.
+                repeats = {key for places in scan.repeated.values() for key, _ in places}
+                verdict = verify(commits, self.source, everything, self.spec.input.id_column,
+                                 commits.trusted() - repeats)
                 report.timeline["verified"] = mark()
                 if not self.stop.is_set() and self.shard[1] == 1 and verdict.pending and verdict.ok:
                     verdict.problems.append(f"[internal] {verdict.pending} units left undone by an uninterrupted run")
+                if verdict.ok and self.shard[1] == 1:
+                    commits.write_index()
                 report.verified = verdict.to_dict()
                 report.verified_summary = verdict.summary()
+        except StorageFault as e:  # the store failing: its lease may stay behind, and then a rerun must wait
+            raise StorageFault(f"{e}{storage.close()}") from None
         finally:
             storage.close()
         report.interrupted = self.stop.is_set()
+        report.storage_retries = dict((location.RETRIED - retried).most_common())
         report.seconds = round(time.monotonic() - started, 2)
         storage.write_report(report.to_dict())
         return report

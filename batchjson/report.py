@@ -136,6 +136,9 @@ class RunReport:
     """Where the run's time went, in seconds: `before_run` from the process's start to the run's (imports, reading
     the spec); then from the run's start, `checked` (inputs read, folder claimed, resume checked), `passes` (both
     passes done, engines closed) and `verified` (the exactly-once check). `seconds` ends after the folder's release."""
+    storage_retries: dict = field(default_factory=dict)
+    """Reads of object storage that batchjson retried in this process, by the store's error (location.reading).
+    pyarrow's own retries of each request are not in it: pyarrow reports none."""
 
     def lay_out(self, layout) -> None:
         """Record where the replicas ran (an engine/devices.py Layout)."""
@@ -224,6 +227,10 @@ class RunReport:
             lines.append("  rejects: " + ", ".join(f"{k} {v}" for k, v in self.rejects_by_reason.items()))
         lines += [f"  note: {n}" for n in dict.fromkeys(p.notice for p in self.passes.values() if p.notice)]
         lines += [f"  note: {n}" for n in self.notes]
+        if self.storage_retries:
+            kinds = ", ".join(f"{k} {v}" for k, v in self.storage_retries.items())
+            lines.append(f"  object storage: {sum(self.storage_retries.values())} reads retried ({kinds}; pyarrow's "
+                         "own retries are not counted)")
         if self.verified_summary:
             lines.append("  " + self.verified_summary.replace("\n", "\n  "))
         lines.append(f"  output {self.output}  rejects {self.rejects}  spec {self.spec_hash}")

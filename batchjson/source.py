@@ -22,11 +22,10 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
-from pyarrow import fs
 
 from batchjson.errors import InputError
 from batchjson.spec import InputSpec
-from batchjson.storage.location import Location, Unreadable, glob_match, transient
+from batchjson.storage.location import Location, Unreadable, glob_match, reading, transient
 
 
 def id_strings(column: pa.Array | pa.ChunkedArray, where: str = "") -> pa.Array | pa.ChunkedArray:
@@ -135,14 +134,14 @@ class ParquetSource:
         self._footers: dict[Location, pq.ParquetFile] = {}
         self._group: tuple = (None, None)  # the last row group read: (file, index), table
         self._named = {str(f): f for f in self.files}  # UnitRef.file -> the file
-        # UnitRef.file -> (size, mtime) when this run first looked (the driver's scan; a replica is handed them)
+        # UnitRef.file -> its Location.version() when this run first looked (the driver's scan; a replica is handed them)
         self.stamps: dict[str, tuple] = {}
 
     def _open(self, path: Location) -> pq.ParquetFile:
         if path in self._footers:
             return self._footers[path]
         try:
-            pf = pq.ParquetFile(path.open_input())
+            pf = reading(path, lambda: pq.ParquetFile(path.open_input()))
         except (OSError, pa.ArrowException) as e:
             raise transient(path, e) or InputError(f"{path}: not a readable Parquet file ({e}). Remove or repair it and run again; "
                              "finished work is kept.") from None
@@ -210,9 +209,9 @@ class ParquetSource:
         if self._group[0] != (ref.file, ref.row_group):
             path = self._named[ref.file]
             if ref.file not in self.stamps:
-                self.stamps[ref.file] = _stamp(path)
+                self.stamps[ref.file] = path.version()
             try:
-                table = self._open(path).read_row_group(ref.row_group, columns=self.columns)
+                table = reading(path, lambda: self._open(path).read_row_group(ref.row_group, columns=self.columns))
             except (OSError, pa.ArrowException) as e:
                 raise transient(path, e) or InputError(f"{path}: row group {ref.row_group} cannot be read ({e}). Repair or remove the "
                                  "file and run again; finished work is kept.") from None
@@ -220,16 +219,16 @@ class ParquetSource:
         return Unit(ref, self._group[1].slice(ref.start, ref.rows))
 
     def check_unchanged(self, ref: UnitRef) -> None:
-        """Refuse to commit a unit whose file changed since this run first looked at it (its size or modification
-        time differ): its rows may be of the old file and the new one mixed. One stat, or one listing on object
-        storage, per commit."""
+        """Refuse to commit a unit whose file changed since this run first looked at it (`Location.version`: its
+        size, and its modification time or, on object storage, its ETag): its rows may be of the old file and the new
+        one mixed. One stat, or one HEAD on object storage, per commit."""
         path = self._named[ref.file]
         try:
-            now = _stamp(path)
+            now = path.version()
         except FileNotFoundError:
             now = None
         if now != self.stamps.setdefault(ref.file, now):
-            what = "was removed" if now is None else "changed (its size or modification time differ)"
+            what = "was removed" if now is None else "changed (its size or its modification time or ETag differ)"
             raise InputError(f"input file {path} {what} while this run was reading it, so unit {ref.key} was not "
                              "committed: its rows could be of the old and the new file mixed. The units committed "
                              "before are of the file as it was: put it back and run the same command again to "
@@ -283,24 +282,12 @@ class ParquetSource:
     def _fingerprint(self, path: Location, ids_digest: str) -> dict:
         """What identifies a file's content: size, rows, its footer's bytes and its ids in order. A file rewritten
         with the same rows in another order has another fingerprint."""
-        info = path.info()
-        size = info.size
-        self.stamps.setdefault(str(path), (info.size, info.mtime_ns))
-        with path.open_input() as f:
-            f.seek(size - 8)
-            length = int.from_bytes(f.read(4), "little")
-            f.seek(max(0, size - 8 - length))
-            footer = f.read(length)
+        stamp = self.stamps.setdefault(str(path), path.version())
+        size = stamp[0]
+        footer = path.read_footer(size)
         return {"path": _below(self.root, path), "size": size,
                 "rows": self._open(path).metadata.num_rows, "footer": hashlib.sha256(footer).hexdigest()[:16],
                 "ids": ids_digest}
-
-
-def _stamp(path: Location) -> tuple:
-    info = path.info()
-    if info.type != fs.FileType.File:
-        raise FileNotFoundError(path.path)
-    return info.size, info.mtime_ns
 
 
 @dataclass(slots=True)

@@ -33,7 +33,7 @@ def operation(method: str, target: str) -> str:
 
 class FaultProxy:
     """`with FaultProxy(upstream, rate=0.1) as proxy:` ... `proxy.endpoint` is its host:port. Change `rate`,
-    `kinds` or `only` (operations to fault, None for all) at any time; `faults` and `requests` count."""
+    `kinds` or `only` (operations to fault, None for all) at any time; `faults`, `requests` and `paths` count."""
 
     def __init__(self, upstream: str, rate: float = 0.0, kinds=KINDS, seed: int = 0, slow_s: float = 0.4,
                  only: set[str] | None = None, start_after: int = 0):
@@ -43,6 +43,7 @@ class FaultProxy:
         self.lock = threading.Lock()
         self.faults: collections.Counter = collections.Counter()
         self.requests: collections.Counter = collections.Counter()
+        self.paths: collections.Counter = collections.Counter()  # (operation, /bucket/key) -> requests
         proxy = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -102,6 +103,7 @@ class FaultProxy:
                 op = operation(self.command, self.path)
                 with proxy.lock:
                     proxy.requests[op] += 1
+                    proxy.paths[op, self.path.partition("?")[0]] += 1
                     fault = None
                     if proxy.rate and sum(proxy.requests.values()) > proxy.start_after and (proxy.only is None or op in proxy.only) and proxy.random.random() < proxy.rate:
                         fault = proxy.random.choice(proxy.kinds)

@@ -9,10 +9,12 @@ import os
 import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
+from pyarrow import fs
 
 from batchjson import api, cli
 from batchjson.engine.fake import FakeEngines
 from helpers import assert_exactly_once, at_commit_step, ids_of, write_job, write_rows
+from storage.test_object_storage import ids_at
 
 
 def change_after_commits(monkeypatch, n: int, change) -> None:
@@ -64,3 +66,41 @@ def test_an_input_file_changed_mid_run_is_refused_before_its_next_commit(tmp_pat
     assert_exactly_once(old + [f"r{i:05d}" for i in range(500, 516)], out, out / "_rejects")
     verdict = CliRunner().invoke(cli.main, ["verify", str(job)])
     assert verdict.exit_code == 0, verdict.output
+
+
+@pytest.mark.parametrize("how", ["append", "overwrite"])
+def test_s3_input_changed_mid_run(tmp_path, monkeypatch, tiny_model, s3, how):
+    """The same on object storage, where a file's time is the store's (to the second): an overwrite of the same size
+    within that second must be seen too."""
+    filesystem, key = fs.FileSystem.from_uri(f"{s3}/in/a.parquet")
+    rows = pq.read_table(write_rows(tmp_path / "rows.parquet", 88))
+    pq.write_table(rows.slice(0, 80), tmp_path / "old.parquet", row_group_size=40, compression="none")
+    old = (tmp_path / "old.parquet").read_bytes()
+    if how == "append":
+        pq.write_table(rows, tmp_path / "new.parquet", row_group_size=40, compression="none")
+        new = (tmp_path / "new.parquet").read_bytes()
+    else:  # one id rewritten in place: the same size, and most likely the same second
+        assert old.count(b"r00041") == 1
+        new = old.replace(b"r00041", b"r09941")
+
+    def put(data: bytes) -> None:
+        with filesystem.open_output_stream(key) as f:
+            f.write(data)
+
+    put(old)
+    job = write_job(tmp_path, tiny_model, f"{s3}/in", batch_size=8)
+    out = f"{s3}/out"
+    with pytest.MonkeyPatch.context() as changing:  # the s3 fixture's environment stays
+        change_after_commits(changing, 2, lambda: put(new))
+        result = cli_run(changing, job, "--output", out)
+    assert result.exit_code == 2, result.output
+    assert f"input file {s3}/in/a.parquet changed" in result.output and "Traceback" not in result.output, result.output
+    committed = ids_at(out) + ids_at(f"{out}/_rejects")
+    assert committed and len(committed) == len(set(committed))
+    assert set(committed) <= {f"r{i:05d}" for i in range(80)}, "rows of the new object were committed"
+
+    put(old)  # put back: the run resumes and completes, each row once
+    result = cli_run(monkeypatch, job, "--output", out)
+    assert result.exit_code == 0 and "exactly-once check ok" in result.output, result.output
+    got = ids_at(out) + ids_at(f"{out}/_rejects")
+    assert sorted(got) == [f"r{i:05d}" for i in range(80)]

@@ -20,10 +20,12 @@ finished one.
 from __future__ import annotations
 
 from collections.abc import Callable
+from fnmatch import fnmatchcase
 
 import pyarrow as pa
 
 from batchjson.errors import OutputError, StorageFull, is_full
+from batchjson.storage.index import Index, Stamp, stamp
 from batchjson.storage.location import Location, Unreadable, writing
 from batchjson.storage.names import STAGED, Kind, PartName, Stage, UnitName, staged
 
@@ -47,11 +49,16 @@ def write_part(table: pa.Table, path: Location, undo: Callable[[], None] = lambd
 class Commits:
     """The committed units of one output folder (of every shard), and the steps that commit one more."""
 
-    def __init__(self, folders: dict[Kind, Location], units: Location, guard: Callable[[], None] = lambda: None):
+    def __init__(self, folders: dict[Kind, Location], units: Location, index: Location,
+                 guard: Callable[[], None] = lambda: None):
         self.folders = folders
         """Where each kind of part file goes: the output, rejects and requeue folders."""
         self.units = units
         """The commit records' folder."""
+        self.index_file = index
+        """The records folded into one, with what the last passing check read (index.py)."""
+        self._index = Index()  # as a run took it (`take_index`); verify never takes it, and reads everything
+        self._seen: dict[str, Stamp] = {}  # part file name -> its stamp, as `trusted` listed the folders
         self.guard = guard
         """Raises if this run no longer holds the folder (a lost lease), before a record is written."""
         self._committed: set[str] | None = None
@@ -73,13 +80,46 @@ class Commits:
     def committed(self) -> set[str]:
         """Names ("p1-<unit>") of the committed units of every shard, listed once and kept up to date."""
         if self._committed is None:
-            self._committed = {UnitName.parse(p.name).unit_id() for p in self.units.glob("p[12]-*.json")}
+            listed = {i.base_name: stamp(i) for i in self.units.files() if fnmatchcase(i.base_name, "p[12]-*.json")}
+            self._committed = {UnitName.parse(name).unit_id() for name in listed}
+            for name, record in self._index.records(listed).items():
+                self._read.setdefault(name, record)
         return self._committed
 
     def forget(self) -> None:
         """Drop what was listed and read: the folder was cleared."""
-        self._committed = None
+        self._committed, self._index = None, Index()
         self._read.clear()
+
+    def take_index(self) -> None:
+        """Take the index (index.py) for this run: its records stand in for reading theirs. Before anything is
+        listed or read."""
+        self._index, self._committed = Index.take(self.index_file), None
+
+    def trusted(self) -> frozenset[str]:
+        """The committed units whose records are as indexed and whose files are all listed as the last passing check
+        read them (index.py): the end check counts them from their records. Lists the folders now; `write_index`
+        keeps these stamps."""
+        self._seen = {i.base_name: stamp(i) for folder in set(self.folders.values()) for i in folder.files()}
+        indexed = self._index.records({i.base_name: stamp(i) for i in self.units.files()})
+        keys, changed = set(), set()
+        for unit in map(UnitName.parse, self.committed()):
+            keys.add(unit.key)
+            record = indexed.get(unit.file_name())
+            if record is None or not all(self._index.checked(name, self._seen.get(name))
+                                         for name in record["files"].values()):
+                changed.add(unit.key)
+        return frozenset(keys - changed)
+
+    def write_index(self) -> None:
+        """After an exactly-once check of the whole folder passed: its records, and its files as `trusted` listed
+        them before the check read them, folded into the index for the next run."""
+        listed = {i.base_name: stamp(i) for i in self.units.files()}
+        records = {name: (listed[name], record) for name, record in self._read.items() if name in listed}
+        checked = {name: self._seen[name] for _, record in records.values() for name in record["files"].values()
+                   if name in self._seen}
+        with writing(self.index_file):
+            Index.write(self.index_file, records, checked)
 
     def listed(self, stage: Stage, key: str) -> bool:
         """Whether the unit is among the committed ones as last listed (and committed since): no look at the folder."""

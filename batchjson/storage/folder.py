@@ -12,6 +12,7 @@ OUT/_rejects unless output.rejects says otherwise):
     OUT/_batchjson/inputs/<file>.json                     each input file's fingerprint
     OUT/_batchjson/units/p1-<unit>.json, p2-<unit>.json   commit records: a unit's files, rows and reasons
     OUT/_batchjson/requeue/<unit>.parquet                 pass-1 failures waiting for pass 2
+    OUT/_batchjson/index.json                             the records folded into one, for a cheap resume (index.py)
     OUT/_batchjson/lock-of<N>, lock-<I>of<N>              locks (a local folder)
     OUT/_batchjson/lease-<I>of<N>-<owner>.json            leases (object storage)
 
@@ -66,7 +67,7 @@ class Storage:
         self._locks: list = []
         self._lease: Lease | None = None
         self.commits = Commits({"output": self.output, "rejects": self.rejects, "requeue": self.requeue_dir},
-                               self.units, guard=self._check_claim)
+                               self.units, self.state / "index.json", guard=self._check_claim)
 
     # ----- where things go -------------------------------------------------------------------------------------
     def check_paths(self, input_path: str | None = None) -> None:
@@ -121,6 +122,7 @@ class Storage:
                     raise StorageFull.at(d, e) from None
                 raise OutputError(f"cannot create {d}: {e.strerror}. Check the path and permissions.") from None
         self.claim()
+        self.commits.take_index()
         existing = spec_file.exists()
         if existing and (fresh or if_exists == "overwrite"):
             self._clear()
@@ -161,11 +163,11 @@ class Storage:
         if self._lease:
             self._lease.check()
 
-    def close(self) -> None:
+    def close(self) -> str:
+        """Release the folder. Returns a note for the user when a lease stays behind (Lease.release), else ""."""
         release(self._locks)
-        if self._lease:
-            self._lease.release()
-            self._lease = None
+        lease, self._lease = self._lease, None
+        return lease.release() if lease else ""
 
     def _clear(self) -> None:
         for folder in (self.output, self.rejects):

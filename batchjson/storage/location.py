@@ -26,9 +26,12 @@ import json
 import os
 import posixpath
 import re
+import time
+from collections import Counter
 from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TypeVar
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -36,6 +39,7 @@ from pyarrow import fs
 
 from batchjson.errors import BatchjsonError, OutputError, StorageFault, StorageFull, is_full
 
+T = TypeVar("T")
 RETRY_ATTEMPTS = 10
 RETRIES = fs.AwsDefaultS3RetryStrategy(max_attempts=RETRY_ATTEMPTS)
 # What the AWS SDK says of a fault worth retrying (pyarrow's OSError text): its error types for throttling, 5xx and
@@ -44,6 +48,11 @@ RETRIES = fs.AwsDefaultS3RetryStrategy(max_attempts=RETRY_ATTEMPTS)
 TRANSIENT = re.compile(r"AWS Error (NETWORK_CONNECTION|SLOW_DOWN|THROTTLING|SERVICE_UNAVAILABLE|INTERNAL_FAILURE|"
                        r"REQUEST_TIMEOUT)|HTTP status 5\d\d|curlCode: (18|28|52|55|56)\b|[Tt]imed? ?out|"
                        r"[Cc]onnection reset")
+
+READ_ATTEMPTS = 5
+RETRIED: Counter = Counter()
+"""The reads `reading` retried in this process, by the store's error. pyarrow's own retries are not counted: its
+Python binding takes only the two stock strategies and calls back nothing, so their number is not known."""
 
 HINT = ("Check the URI, that the bucket exists, and the credentials and endpoint in the environment "
         "(AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_REGION, AWS_ENDPOINT_URL).")
@@ -59,6 +68,25 @@ def s3_with_retries(filesystem: fs.FileSystem) -> fs.FileSystem:
         return filesystem
     _, (options,) = filesystem.__reduce__()
     return fs.S3FileSystem(**options, retry_strategy=RETRIES)
+
+
+def reading(where, read: Callable[[], T]) -> T:
+    """`read()`, and again from its start (up to READ_ATTEMPTS times in all, with backoff) when object storage
+    failed it transiently, counted in RETRIED by the store's error.
+
+    pyarrow retries each request, but a GET whose body broke off midway and whose next attempt is refused (a 503)
+    fails at once, "Failed to flush response stream": the cut leaves the SDK's response stream bad (seen through
+    the fault proxy, tests/s3_proxy.py). So a read is retried here as a whole, on a new stream."""
+    for attempt in range(1, READ_ATTEMPTS):
+        try:
+            return read()
+        except (OSError, pa.ArrowException) as e:
+            if where.local or isinstance(e, FileNotFoundError) or not TRANSIENT.search(str(e)):
+                raise
+            error = re.search(r"AWS Error (\w+)|HTTP status (\d+)", str(e))
+            RETRIED[(error and (error[1] or error[2]) or "other").lower()] += 1
+            time.sleep(0.05 * 2 ** attempt)
+    return read()
 
 
 def transient(where, e: BaseException) -> StorageFault | None:
@@ -218,6 +246,18 @@ class Location:
     def exists(self) -> bool:
         return self.info().type != fs.FileType.NotFound
 
+    def version(self) -> tuple:
+        """What changes whenever the file is rewritten: its size, and locally its modification time (ns); on object
+        storage its ETag (a digest of the content), from the same one HEAD, as the store's times are to the second
+        and an overwrite of the same size within that second happens. FileNotFoundError if it is not a file."""
+        if self.local:
+            info = self.info()
+            if info.type != fs.FileType.File:
+                raise FileNotFoundError(self.path)
+            return info.size, info.mtime_ns
+        with self.open_input() as f, self._io():
+            return f.size(), f.metadata().get("ETag") or f.metadata().get("Last-Modified")
+
     def is_dir(self) -> bool:
         return self.info().type == fs.FileType.Directory
 
@@ -259,9 +299,28 @@ class Location:
         with self._io():
             return self.fs.open_input_file(self.path)
 
+    def _read(self, read: Callable[[pa.NativeFile], T]) -> T:
+        """`read(the open file)`, retried as a whole (`reading`); the store's errors as in `_io`."""
+        def once() -> T:
+            with self.fs.open_input_file(self.path) as f:
+                return read(f)
+
+        with self._io():
+            return reading(self, once)
+
     def read_bytes(self) -> bytes:
-        with self.open_input() as f:
-            return f.read()
+        return self._read(lambda f: f.read())
+
+    def read_footer(self, size: int) -> bytes:
+        """The Parquet footer's bytes of this file of `size` bytes (they end 8 bytes before its end, after which
+        their length is written)."""
+        def footer(f) -> bytes:
+            f.seek(size - 8)
+            length = int.from_bytes(f.read(4), "little")
+            f.seek(max(0, size - 8 - length))
+            return f.read(length)
+
+        return self._read(footer)
 
     def read_text(self) -> str:
         return self.read_bytes().decode()
@@ -294,11 +353,13 @@ class Location:
     def read_parquet(self, columns: list[str] | None = None) -> pa.Table:
         """The table, or these columns of it. Unreadable if the file does not read as Parquet. On object storage an
         error of the store is `error`, as elsewhere; locally, an OSError once the file is open is its content's."""
-        with self.open_input() as f, self._io():
+        def table(f) -> pa.Table:
             try:
                 return pq.read_table(f, columns=columns)
             except (pa.ArrowInvalid, *((OSError,) if self.local else ())) as e:
                 raise Unreadable(f"{self} does not read as Parquet ({e})") from None
+
+        return self._read(table)
 
     def move(self, target: Location) -> None:
         """Rename locally (atomic); copy then delete on object storage (a kill between them leaves both, equal:

@@ -128,7 +128,8 @@ class Lease:
                 what = f" (shard {slot.replace('of', '/')})" if self.layout > 1 or slot != self.slot else ""
                 raise OutputError(busy.replace("right now", f"right now{what}") + f" Its lease ({name}: host "
                                   f"{other.get('host')}, pid {other.get('pid')}) expires in {left:.0f} s unless "
-                                  "renewed: a killed run stops blocking the folder then.")
+                                  "renewed: a run that was killed, or could not delete its lease, stops blocking the "
+                                  "folder then.")
         self._thread = threading.Thread(target=self._renew, name="batchjson-lease", daemon=True)
         self._thread.start()
 
@@ -152,11 +153,15 @@ class Lease:
             raise OutputError(f"this run stopped writing to {self.state.parent}: {self.lost}. Finished units are "
                               "kept; run the same command again to resume (after the other run, if one is going).")
 
-    def release(self) -> None:
+    def release(self) -> str:
+        """Stop renewing and delete the lease. Returns what to tell the user when the store refused the delete too
+        (the lease then blocks the folder until it expires), else ""."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
         try:
             self.file.unlink(missing_ok=True)
         except BatchjsonError:
-            pass  # unreachable store: the lease expires on its own
+            return (f" Its lease {self.file} could not be deleted either: until it expires, {self.EXPIRY:.0f} s "
+                    "after its last renewal, a run on this folder is refused (saying when it expires).")
+        return ""

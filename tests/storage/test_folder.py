@@ -78,3 +78,26 @@ def test_a_folder_written_with_todays_names_resumes(tmp_path, tiny_model):
     assert again.verified["ok"] and again.verified["complete"], again.verified
     assert not list(out.glob(".*")) and not list(rejects.glob(".*")), "the committed unit was published"
     assert_exactly_once([f"r{i:05d}" for i in range(12)], out, rejects)
+
+
+def test_a_resume_reads_a_record_rewritten_after_the_index_and_survives_a_damaged_index(tmp_path, tiny_model):
+    """The index (storage/index.py) stands in only for records and files unchanged since it was written."""
+    write_rows(tmp_path / "in.parquet", 24)
+    job = write_job(tmp_path, tiny_model, tmp_path / "in.parquet", batch_size=4)
+    out = tmp_path / "out"
+
+    def run():
+        return run_job(load_spec(job), str(out), engine_factory=FakeEngines(valid=1.0), progress=False)
+
+    assert run().verified["complete"] and (out / "_batchjson" / "index.json").exists()
+    record = sorted((out / "_batchjson" / "units").glob("p1-*.json"))[0]
+    data = json.loads(record.read_text())
+    data["rows"]["output"] += 1000  # a record edited by hand (a new time in the listing): read, not the indexed one
+    record.write_text(json.dumps(data))
+    assert run().valid == 24 + 1000
+    data["rows"]["output"] -= 1000
+    record.write_text(json.dumps(data))
+    (out / "_batchjson" / "index.json").write_text("{not json")
+    report = run()
+    assert report.valid == 24 and report.verified["complete"], report.verified
+    assert json.loads((out / "_batchjson" / "index.json").read_text())["records"]

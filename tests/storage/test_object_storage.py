@@ -26,6 +26,7 @@ from batchjson.spec import load_spec, with_input
 from batchjson.storage import Lease, PartName
 from batchjson.verify import verify_job
 from helpers import ENV, HERE, write_job, write_rows
+from s3_proxy import FaultProxy
 
 LEASE = 3.0  # seconds: the lease expiry of the runs these tests kill
 
@@ -279,3 +280,33 @@ def test_replicas_on_s3_share_one_queue_and_one_ledger(tmp_path, tiny_model, s3)
     assert replicas == {0, 1}
     state = fs.FileSystem.from_uri(f"{out}/_batchjson")
     assert not [i for i in state[0].get_file_info(fs.FileSelector(state[1])) if i.base_name.startswith("lease-")]
+
+
+def test_a_resume_reads_no_commit_record_and_no_part_file(tmp_path, tiny_model, s3, s3_server, monkeypatch):
+    """A finished run resumed on S3 takes its commit records from the index and trusts its files by a listing (no
+    GET or HEAD of either); a folder without the index (written before it) reads each record once and gets one."""
+    put_rows(f"{s3}/in/a.parquet", tmp_path / "a.parquet", 40)
+    job = write_job(tmp_path, tiny_model, f"{s3}/in", batch_size=4)
+    out = f"{s3}/out"
+    with FaultProxy(s3_server.endpoint) as proxy:  # no faults: it counts the requests
+        monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://{proxy.endpoint}")
+
+        def resume() -> list[str]:
+            """The record and part files a resume reads (GET or HEAD)."""
+            proxy.paths.clear()
+            report = run_job(load_spec(job), out, engine_factory=FakeEngines(valid=0.6, seed=1), progress=False)
+            assert report.resumed and report.verified["complete"], report.verified
+            assert report.verified["output_rows"] + report.verified["reject_rows"] == 40
+            return sorted(path for (op, path), n in proxy.paths.items() for _ in range(n)
+                          if op in ("GET", "HEAD") and ("/units/" in path or path.endswith(".parquet") and "/out/" in path))
+
+        run_job(load_spec(job), out, engine_factory=FakeEngines(valid=0.6, seed=1), progress=False)
+        assert resume() == []
+        filesystem, state = fs.FileSystem.from_uri(f"{out}/_batchjson")
+        filesystem.delete_file(f"{state}/index.json")
+        records = [i for i in filesystem.get_file_info(fs.FileSelector(f"{state}/units"))]
+        read = resume()
+        assert [p for p in read if "/units/" in p] == sorted(2 * [f"/{i.path}" for i in records])  # HEAD and GET
+        assert len(records) > 10 and len(read) > len(records) * 2  # and its end check reads every file
+        assert resume() == []
+        assert cli("verify", job, "--output", out).exit_code == 0
