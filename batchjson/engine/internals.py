@@ -136,7 +136,11 @@ def install_no_draft() -> str:
 # _input_fits_in_drafter(self, common_attn_metadata) once per step whether the drafter runs; on False it runs no
 # drafter forward, keeps the padded bookkeeping (prepare_next_token_ids_padded) and hands the scheduler zeroed drafts
 # (its own path for requests near max_model_len). self.requests[req_id].sampling_params, self.input_batch.req_ids.
-RUNNER_READ_ON = ("0.26.", "0.32.")
+# 0.33 keeps all of this in the V1 runner. Its Model Runner V2 (the default where it supports the model) drafts with
+# StandaloneARSpeculator, whose propose() runs the draft model whatever the step's skip_drafts or K says: nothing to
+# answer there from outside, so on V2 a pass-2 step still pays the draft forward (README, "What a request without a
+# draft still costs").
+RUNNER_READ_ON = ("0.26.", "0.32.", "0.33.")
 _IDLE_DRAFTER: str | None = None
 
 
