@@ -13,11 +13,12 @@
 #   compile cache bare filled for the same configuration); inflightdraft: the same with the 0.5B draft model.
 # PLAN pass2: what the 0.5B drafter costs pass 2's requests (no drafts) on the 1.5B: every row goes to pass 2.
 # PLAN t30k: the 1.5B, 30,000 rows of task C, the default against bare vLLM.
-# PLAN replicas: 1-4 engine replicas on one GPU (model.replicas_per_gpu), SmolLM2, 30,000 rows (2 first: the first
-#   batchjson start after a bare warm-up is the slowest, so that penalty falls on the shared GPU); replicas15: the 1.5B.
+# PLAN replicas: 2 then 1 engine replicas on one GPU (model.replicas_per_gpu), SmolLM2, 30,000 rows (2 first: the
+#   first batchjson start after a bare warm-up is the slowest, so that penalty falls on the shared GPU); replicasmore:
+#   3, bare vLLM, 4; replicas15: the 1.5B, 1 and 2.
 # PLAN inflight64: the 1.5B at 64 requests in flight, none and suffix, bare vLLM then batchjson.
-# PLAN all: the plans named in PLANS (default: replicas target pass2 t30k inflightdraft
-#   inflight64 replicas15) in that
+# PLAN all: the plans named in PLANS (default: replicas target pass2 replicasmore t30k
+#   inflightdraft inflight64 replicas15) in that
 #   order, within BUDGET_S.
 set -u
 export PYTHONPATH=/tmp/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
@@ -73,7 +74,9 @@ run_plan() {
     pass2) need q15 && need q05 && wr t15-C1000-p2 --task C --rows 1000 --model $q15 --draft $q05 --timeout 200 \
              --runs none+p2-noadapt,draft+p2-noadapt ;;
     replicas) need smol && wr rpg-smol-C30000 --task C --rows 30000 --model $smol --timeout 300 \
-             --runs warm-none,none+rpg2,none+rpg1,none+rpg3,bare-none,none+rpg4 ;;
+             --runs warm-none,none+rpg2,none+rpg1 ;;
+    replicasmore) need smol && wr rpg-smol-C30000-more --task C --rows 30000 --model $smol --timeout 300 \
+             --runs none+rpg3,bare-none,none+rpg4 ;;
     replicas15) need q15 && wr rpg-t15-C30000 --task C --rows 30000 --model $q15 --timeout 300 \
              --runs none+rpg1,none+rpg2 ;;
     inflight64) need q15 && wr t15-C1000-64 --task C --rows 1000 --model $q15 --timeout 150 \
@@ -82,7 +85,7 @@ run_plan() {
   esac
 }
 if [ "$plan" = all ]; then
-  for p in ${PLANS:-replicas target pass2 t30k inflightdraft inflight64 replicas15}; do run_plan $p; done
+  for p in ${PLANS:-replicas target pass2 replicasmore t30k inflightdraft inflight64 replicas15}; do run_plan $p; done
 else
   run_plan $plan
 fi
