@@ -1,5 +1,6 @@
-"""Everything that touches vLLM's internals: two scheduler patches, one model-runner patch, the engine-process
-watcher and the plugin flag of a forked engine process, each with its check.
+"""Everything that touches vLLM's internals: two scheduler patches, one model-runner patch, the step profiler's
+timers, the engine-process watcher, the engine's shutdown and the plugin flag of a forked engine process, each with
+its check.
 
 The scheduler patches are installed by the plugin (plugin.py) in each vLLM process of a run, and in the runner by
 VllmEngine (no_draft_ready).
@@ -26,13 +27,17 @@ token by token, one Python call per token compared, for each pattern size (57 si
 pattern sizes where the last token recurs, and compares whole slices in C): 16.75 -> 2.42 us per output token
 (`bench/guard_cost.py`). Checked against the versions it was read on (READ_ON); the tests compare both answers.
 
-**Read, not changed: the engine processes and the plugin flag.** `watch_engine_processes` reads the sync client's
-processes and output queue, and `let_forked_child_load_plugins` resets vLLM's once-per-process plugin flag. They
-change nothing in vLLM's behaviour, and without them a killed engine hangs the runner, or a forked engine process
-outlives it: so they check the names they use instead of READ_ON, and step aside where a name is missing.
+**The step profiler's timers.** When a run asks for it (BATCHJSON_PROFILE_STEPS), profiler.py times each part of
+an engine step: `time_engine_steps` wraps the methods of TIMED with its timer, each on its own (a part this vLLM
+lacks is skipped and recorded). Checked against PROFILER_READ_ON: on another version every part is skipped.
+
+**Read, not changed: the engine processes, its shutdown and the plugin flag.** `watch_engine_processes` reads the
+sync client's processes and output queue, `shut_down` calls the client's shutdown, and
+`let_forked_child_load_plugins` resets vLLM's once-per-process plugin flag. They change nothing in vLLM's behaviour,
+and without them a killed engine hangs the runner, or a forked engine process outlives it: so they check the names
+they use instead of READ_ON, and step aside where a name is missing.
 
 `notice()` is the line the run's report gives when a patch is off in this vLLM (a version not in READ_ON).
-The step profiler (profiler.py) patches vLLM's internals too, only when a run asks for it, for measurement.
 """
 
 from __future__ import annotations
@@ -242,6 +247,147 @@ def install_fast_loop_guard() -> str:
     return _FAST_GUARD
 
 
+# Read on: the parts the step profiler (profiler.py) times, in vLLM 0.26 on a GPU and 0.32 on CPU: what is timed, part
+# by part: (module, class, method, part, wait for the GPU around it). Each is patched on its own: a module that does
+# not import or a class or method that this vLLM lacks skips that entry (recorded in the profile file's "patches"),
+# never the others. vLLM 0.26 on a GPU runs a dense model without speculation on the V2 model runner
+# (vllm/v1/worker/gpu/, VllmConfig.use_v2_model_runner: default for non-MoE models) and with ngram, suffix or
+# draft_model speculation on the V1 one (vllm/v1/worker/gpu_model_runner.py); 0.32 on CPU uses V1's subclass
+# CPUModelRunner. Parts nest: sample_tokens holds sample, rejection_sampler and propose; V2's sample holds the logits,
+# the grammar bitmask's application, and the (rejection) sampler. Scheduler.schedule returns a SchedulerOutput with
+# total_num_scheduled_tokens; EngineCore.shutdown(self) ends the engine core.
+PROFILER_READ_ON = ("0.26.", "0.32.")
+V1 = "vllm.v1.worker.gpu_model_runner"
+V2 = "vllm.v1.worker.gpu.model_runner"
+TIMED = (
+    ("vllm.v1.core.sched.scheduler", "Scheduler", "schedule", "schedule", False),
+    ("vllm.v1.core.sched.scheduler", "Scheduler", "update_from_output", "update_from_output", False),
+    ("vllm.v1.structured_output", "StructuredOutputManager", "grammar_bitmask", "grammar_bitmask", False),
+    ("vllm.v1.engine.core", "EngineCore", "step", "engine_step", False),
+    ("vllm.v1.engine.core", "EngineCore", "step_with_batch_queue", "engine_step", False),
+    (V1, "GPUModelRunner", "execute_model", "forward", True),
+    (V1, "GPUModelRunner", "sample_tokens", "sample_tokens", True),
+    (V1, "GPUModelRunner", "propose_draft_token_ids", "propose", True),
+    ("vllm.v1.sample.rejection_sampler", "RejectionSampler", "forward", "rejection_sampler", True),
+    (V2, "GPUModelRunner", "execute_model", "forward", True),
+    (V2, "GPUModelRunner", "sample_tokens", "sample_tokens", True),
+    (V2, "GPUModelRunner", "sample", "sample", True),
+    ("vllm.v1.worker.gpu.spec_decode.rejection_sampler", "RejectionSampler", "__call__", "rejection_sampler", True),
+    ("vllm.v1.worker.gpu.spec_decode.speculator", "BaseSpeculator", "propose", "propose", True),
+)
+# V2's speculators override BaseSpeculator.propose in these modules: imported (when they import) so that every
+# subclass that defines propose is timed.
+V2_SPECULATORS = ("vllm.v1.worker.gpu.spec_decode.autoregressive.speculator",
+                  "vllm.v1.worker.gpu.spec_decode.dflash.speculator",
+                  "vllm.v1.worker.gpu.spec_decode.eagle.speculator")
+Timer = Callable[[Callable, str, bool], Callable]  # (method, part, runs on the GPU) -> the timed method
+
+
+def time_engine_steps(timer: Timer, on_step: Callable[[], None],
+                      on_shutdown: Callable[[], None]) -> tuple[dict[str, str], list[str]]:
+    """Replace each method of TIMED (in this process) with `timer(method, part, gpu)`; call `on_step()` after each
+    schedule that schedules a token, and `on_shutdown()` before the engine core shuts down (an error there never
+    stops the shutdown). Returns what happened to each entry ("ok", "ok: <classes>", "skipped: ...", "error: ..."),
+    keyed by module.Class.method without "vllm.", and the errors; never raises for one entry. On a vLLM not in
+    PROFILER_READ_ON every entry is skipped, with why."""
+    unread_why = unread_here(PROFILER_READ_ON)
+    patches: dict[str, str] = {}
+    errors: list[str] = []
+    for module, cls_name, name, part, gpu in TIMED:
+        key = f"{module.removeprefix('vllm.')}.{cls_name}.{name}"
+        if unread_why:
+            patches[key] = f"skipped: {unread_why}"
+            continue
+        try:
+            patches[key] = _time_method(module, cls_name, name, part, gpu, timer, on_step)
+        except Exception as e:  # noqa: BLE001
+            patches[key] = f"error: {type(e).__name__}: {e}"
+            errors.append(f"patching {key}: {type(e).__name__}: {e}")
+    if unread_why:
+        return patches, errors
+    try:
+        from vllm.v1.engine.core import EngineCore
+
+        shutdown = EngineCore.shutdown
+
+        @functools.wraps(shutdown)
+        def call_then_shutdown(self, *args, **kwargs):
+            try:
+                on_shutdown()
+            except Exception:  # noqa: BLE001 - never stop a shutdown over a profile
+                pass
+            return shutdown(self, *args, **kwargs)
+
+        EngineCore.shutdown = call_then_shutdown
+    except Exception as e:  # noqa: BLE001
+        errors.append(f"patching EngineCore.shutdown: {type(e).__name__}: {e}")
+    return patches, errors
+
+
+def _cuda_platform() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cuda_alike()
+
+
+def _subclasses(cls) -> list:
+    out = []
+    for sub in cls.__subclasses__():
+        out += [sub] + _subclasses(sub)
+    return out
+
+
+def _time_method(module: str, cls_name: str, name: str, part: str, gpu: bool, timer: Timer,
+                 on_step: Callable[[], None]) -> str:
+    """Time one method of TIMED; returns what happened ("ok", "skipped: ...")."""
+    import importlib
+
+    if module.startswith("vllm.v1.worker.gpu.") and not _cuda_platform():  # V2: GPU only (the CPU runner is V1's)
+        return "skipped: not a CUDA platform"
+    try:
+        mod = importlib.import_module(module)
+    except Exception as e:  # noqa: BLE001 - a module this vLLM lacks or cannot import here
+        return f"skipped: import {module}: {type(e).__name__}: {e}"
+    cls = getattr(mod, cls_name, None)
+    if cls is None:
+        return f"skipped: no {module}.{cls_name}"
+    classes = [cls]
+    if name == "propose" and cls_name == "BaseSpeculator":
+        for extra in V2_SPECULATORS:
+            try:
+                importlib.import_module(extra)
+            except Exception:  # noqa: BLE001
+                pass
+        classes += _subclasses(cls)
+    patched = []
+    for c in classes:
+        fn = c.__dict__.get(name)
+        if fn is None or getattr(fn, "_batchjson_timed", False) or getattr(fn, "__isabstractmethod__", False):
+            continue
+        if name == "schedule" and c is cls:
+            fn = _counting(fn, on_step)
+        timed = timer(fn, part, gpu)
+        timed._batchjson_timed = True
+        setattr(c, name, timed)
+        patched.append(c.__name__)
+    if not patched:
+        return f"skipped: {cls_name}.{name} not found"
+    return "ok" if patched == [cls_name] else "ok: " + ", ".join(patched)
+
+
+def _counting(schedule, on_step: Callable[[], None]):
+    """The scheduler's schedule, calling `on_step()` after each step that schedules any token."""
+
+    @functools.wraps(schedule)
+    def counted(self, *args, **kwargs):
+        out = schedule(self, *args, **kwargs)
+        if out.total_num_scheduled_tokens > 0:
+            on_step()
+        return out
+
+    return counted
+
+
 def notice() -> str:
     """The line the run's report gives about this vLLM: "" when both scheduler patches are on; else which are off and
     why, as `unread` words it for a version not in READ_ON."""
@@ -300,6 +446,16 @@ def watch_engine_processes(llm, closed: threading.Event, dead_exc: type[Exceptio
 
     threading.Thread(target=watch, name="batchjson-engine-watch", daemon=True).start()
     return True
+
+
+def shut_down(llm) -> None:
+    """Shut the engine core of `llm` (a vllm.LLM) down now: its processes end and free their memory. vLLM's LLM has no
+    shutdown of its own; its LLMEngine's client (engine_core) has. Never raises: a dead engine may fail its own
+    shutdown, and its processes are gone either way."""
+    try:
+        llm.llm_engine.engine_core.shutdown()
+    except Exception:  # noqa: BLE001
+        pass
 
 
 def _kill_tree(processes) -> None:

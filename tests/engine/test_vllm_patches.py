@@ -160,7 +160,7 @@ def test_profiler_records_skips_and_errors(monkeypatch, tmp_path):
     from batchjson.engine import profiler
 
     profile = tmp_path / "p.json"
-    monkeypatch.setattr(profiler, "TIMED", profiler.TIMED + (
+    monkeypatch.setattr(internals, "TIMED", internals.TIMED + (
         ("vllm.v1.no_such_module", "X", "y", "y", False), ("vllm.v1.engine.core", "EngineCore", "no_such", "z", False)))
     profiler.install_profiler(profile, sync=False)
     got = read_profile(profile)
@@ -277,6 +277,24 @@ def test_a_vllm_the_patches_were_not_read_on_gets_neither_and_says_why(monkeypat
     assert not internals.no_draft_ready()
     assert (Scheduler.add_request, Scheduler.schedule, utils.check_sequence_repetition) == before  # untouched
     assert internals.notice() == internals.unread(UNREAD)
+
+
+def test_the_profiler_times_nothing_on_a_vllm_it_was_not_read_on(monkeypatch, tmp_path):
+    """Outside PROFILER_READ_ON every part is skipped, with why, and no vLLM class is touched."""
+    import vllm
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.engine.core import EngineCore
+
+    from batchjson.engine import profiler
+
+    monkeypatch.setattr(vllm, "__version__", UNREAD)
+    before = Scheduler.schedule, EngineCore.shutdown
+    profiler.install_profiler(tmp_path / "p.json", sync=False)
+    got = read_profile(tmp_path / "p.json")
+    assert len(got["patches"]) == len(internals.TIMED) and not got["errors"]
+    assert set(got["patches"].values()) == {
+        f"skipped: vLLM {UNREAD} is not a version this patch was read on (0.26.x, 0.32.x)"}
+    assert (Scheduler.schedule, EngineCore.shutdown) == before
 
 
 def test_the_report_line_for_a_vllm_outside_read_on():
