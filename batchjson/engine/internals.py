@@ -62,7 +62,7 @@ NO_DRAFT = "batchjson_no_draft"  # the SamplingParams.extra_args key
 # to keep a uniform CUDA graph. check_sequence_repetition(token_ids, params) in
 # vllm/v1/core/sched/utils.py, called by check_stop through the module's name (the same file in 0.32 and 0.33).
 READ_ON = ("0.26.", "0.32.", "0.33.")  # the vLLM versions both patches were read on
-_NO_DRAFT: str | None = None  # "ok", or why the patch is not installed in this process
+_ANSWERS: dict[str, str] = {}  # a patch's name -> "ok", or why it is not installed in this process
 
 
 def unread_here(read_on: tuple[str, ...]) -> str:
@@ -72,6 +72,33 @@ def unread_here(read_on: tuple[str, ...]) -> str:
     if vllm.__version__.startswith(read_on):
         return ""
     return f"vLLM {vllm.__version__} is not a version this patch was read on ({'x, '.join(read_on)}x)"
+
+
+def installs_once(install: Callable[[], str]) -> Callable[[], str]:
+    """A patch's install, run once per process: its answer ("ok", or why the patch is not installed) is kept and
+    returned by every later call, and an exception becomes the answer ("TypeName: message"): a patch never breaks
+    the engine, vLLM's own behaviour stays."""
+    name = install.__name__.removeprefix("install_")
+
+    @functools.wraps(install)
+    def once() -> str:
+        if name not in _ANSWERS:
+            try:
+                _ANSWERS[name] = install()
+            except Exception as e:  # noqa: BLE001
+                _ANSWERS[name] = f"{type(e).__name__}: {e}"
+        return _ANSWERS[name]
+
+    return once
+
+
+def reset(answers: dict[str, str] | None = None) -> dict[str, str]:
+    """Forget the answers kept so far (tests: as in a fresh process, though the patches made stay made) and keep
+    `answers` instead; returns the forgotten ones, so a test can put them back."""
+    forgotten = dict(_ANSWERS)
+    _ANSWERS.clear()
+    _ANSWERS.update(answers or {})
+    return forgotten
 
 
 def install() -> None:
@@ -86,54 +113,45 @@ def no_draft_ready() -> bool:
     return install_no_draft() == "ok"
 
 
+@installs_once
 def install_no_draft() -> str:
     """Patch the scheduler class (in this process) so that NO_DRAFT requests are never given draft tokens; "ok" or
-    why not. Idempotent; installed by the plugin in every vLLM process of a run, the runner included (where an
-    in-process engine core would use it)."""
-    global _NO_DRAFT
-    if _NO_DRAFT is not None:
-        return _NO_DRAFT
-    try:
-        import inspect
+    why not (then pass 2 gets an engine of its own). Installed by the plugin in every vLLM process of a run, the
+    runner included (where an in-process engine core would use it)."""
+    import inspect
 
-        from vllm.sampling_params import SamplingParams
-        from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.core.sched.scheduler import Scheduler
 
-        if unread_here(READ_ON):
-            _NO_DRAFT = unread_here(READ_ON)
-            return _NO_DRAFT
-        if "extra_args" not in inspect.signature(SamplingParams).parameters or \
-                list(inspect.signature(Scheduler.add_request).parameters) != ["self", "request"] or \
-                "throttle_prefills" not in inspect.signature(Scheduler.schedule).parameters:
-            _NO_DRAFT = "Scheduler.schedule/add_request or SamplingParams.extra_args changed"
-            return _NO_DRAFT
-        add_request, schedule = Scheduler.add_request, Scheduler.schedule
+    if unread_here(READ_ON):
+        return unread_here(READ_ON)
+    if "extra_args" not in inspect.signature(SamplingParams).parameters or \
+            list(inspect.signature(Scheduler.add_request).parameters) != ["self", "request"] or \
+            "throttle_prefills" not in inspect.signature(Scheduler.schedule).parameters:
+        return "Scheduler.schedule/add_request or SamplingParams.extra_args changed"
+    add_request, schedule = Scheduler.add_request, Scheduler.schedule
 
-        @functools.wraps(add_request)
-        def add_request_noting(self, request):
-            extra = getattr(request.sampling_params, "extra_args", None) if request.sampling_params else None
-            if extra and extra.get(NO_DRAFT):
-                self.__dict__.setdefault("_batchjson_no_draft", set()).add(request.request_id)
-            return add_request(self, request)
+    @functools.wraps(add_request)
+    def add_request_noting(self, request):
+        extra = getattr(request.sampling_params, "extra_args", None) if request.sampling_params else None
+        if extra and extra.get(NO_DRAFT):
+            self.__dict__.setdefault("_batchjson_no_draft", set()).add(request.request_id)
+        return add_request(self, request)
 
-        @functools.wraps(schedule)
-        def schedule_without_drafts(self, *args, **kwargs):
-            flagged = self.__dict__.get("_batchjson_no_draft")
-            if flagged:
-                for request_id in list(flagged):
-                    request = self.requests.get(request_id)
-                    if request is None or request.is_finished():
-                        flagged.discard(request_id)
-                    elif request.spec_token_ids:
-                        request.spec_token_ids = []
-            return schedule(self, *args, **kwargs)
+    @functools.wraps(schedule)
+    def schedule_without_drafts(self, *args, **kwargs):
+        flagged = self.__dict__.get("_batchjson_no_draft")
+        if flagged:
+            for request_id in list(flagged):
+                request = self.requests.get(request_id)
+                if request is None or request.is_finished():
+                    flagged.discard(request_id)
+                elif request.spec_token_ids:
+                    request.spec_token_ids = []
+        return schedule(self, *args, **kwargs)
 
-        Scheduler.add_request, Scheduler.schedule = add_request_noting, schedule_without_drafts
-        _NO_DRAFT = "ok"
-    except Exception as e:  # noqa: BLE001 - never break the engine: pass 2 gets an engine of its own instead
-        _NO_DRAFT = f"{type(e).__name__}: {e}"
-    return _NO_DRAFT
-
+    Scheduler.add_request, Scheduler.schedule = add_request_noting, schedule_without_drafts
+    return "ok"
 
 
 # Read on: vllm/v1/worker/gpu_model_runner.py of these versions (the V1 model runner, which the CPU runner
@@ -142,7 +160,6 @@ def install_no_draft() -> str:
 # drafter forward, keeps the padded bookkeeping (prepare_next_token_ids_padded) and hands the scheduler zeroed drafts
 # (its own path for requests near max_model_len). self.requests[req_id].sampling_params, self.input_batch.req_ids.
 RUNNER_READ_ON = ("0.26.", "0.32.")
-_IDLE_DRAFTER: str | None = None
 
 
 def no_draft_batch(requests: dict, req_ids: list[str]) -> bool:
@@ -156,41 +173,33 @@ def no_draft_batch(requests: dict, req_ids: list[str]) -> bool:
     return bool(req_ids)
 
 
+@installs_once
 def install_idle_drafter() -> str:
     """Patch the V1 model runner (in this process) so that a draft model runs no forward in a step whose requests
     all asked for no drafts (pass 2 alone on pass 1's engine: measured x2.29 pass 2's time without it, BENCHMARKS.md);
-    "ok" or why not. Only draft-model methods: ngram and suffix drafting cost no forward pass, and suffix decoding
-    keeps per-request state that every step must see. Idempotent."""
-    global _IDLE_DRAFTER
-    if _IDLE_DRAFTER is not None:
-        return _IDLE_DRAFTER
-    try:
-        import inspect
+    "ok" or why not (then the drafter runs as vLLM has it). Only draft-model methods: ngram and suffix drafting cost
+    no forward pass, and suffix decoding keeps per-request state that every step must see."""
+    import inspect
 
-        if unread_here(RUNNER_READ_ON):
-            _IDLE_DRAFTER = unread_here(RUNNER_READ_ON)
-            return _IDLE_DRAFTER
-        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    if unread_here(RUNNER_READ_ON):
+        return unread_here(RUNNER_READ_ON)
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-        fits = GPUModelRunner._input_fits_in_drafter
-        if list(inspect.signature(fits).parameters) != ["self", "common_attn_metadata"]:
-            _IDLE_DRAFTER = "GPUModelRunner._input_fits_in_drafter changed"
-            return _IDLE_DRAFTER
+    fits = GPUModelRunner._input_fits_in_drafter
+    if list(inspect.signature(fits).parameters) != ["self", "common_attn_metadata"]:
+        return "GPUModelRunner._input_fits_in_drafter changed"
 
-        @functools.wraps(fits)
-        def fits_unless_no_draft_batch(self, common_attn_metadata):
-            if self.speculative_config.uses_draft_model() and \
-                    no_draft_batch(self.requests, self.input_batch.req_ids):
-                return False
-            return fits(self, common_attn_metadata)
+    @functools.wraps(fits)
+    def fits_unless_no_draft_batch(self, common_attn_metadata):
+        if self.speculative_config.uses_draft_model() and \
+                no_draft_batch(self.requests, self.input_batch.req_ids):
+            return False
+        return fits(self, common_attn_metadata)
 
-        GPUModelRunner._input_fits_in_drafter = fits_unless_no_draft_batch
-        _IDLE_DRAFTER = "ok"
-    except Exception as e:  # noqa: BLE001 - never break the engine: the drafter then runs as vLLM has it
-        _IDLE_DRAFTER = f"{type(e).__name__}: {e}"
-    return _IDLE_DRAFTER
+    GPUModelRunner._input_fits_in_drafter = fits_unless_no_draft_batch
+    return "ok"
 
-_FAST_GUARD: str | None = None
+
 VLLM_CHECK = None  # vLLM's own check (the tests compare it with `repeats`)
 
 
@@ -223,28 +232,22 @@ def repeats(token_ids, params) -> bool:
             return True
 
 
+@installs_once
 def install_fast_loop_guard() -> str:
-    """Replace vLLM's per-token repetition check with `repeats` (in this process); "ok" or why not."""
-    global _FAST_GUARD
-    if _FAST_GUARD is not None:
-        return _FAST_GUARD
-    try:
-        import inspect
+    """Replace vLLM's per-token repetition check with `repeats` (in this process); "ok" or why not (then vLLM's own
+    check stays)."""
+    import inspect
 
-        import vllm
-        from vllm.v1.core.sched import utils
+    import vllm
+    from vllm.v1.core.sched import utils
 
-        global VLLM_CHECK
-        VLLM_CHECK = utils.check_sequence_repetition
-        if not vllm.__version__.startswith(READ_ON) or \
-                list(inspect.signature(VLLM_CHECK).parameters) != ["token_ids", "params"]:
-            _FAST_GUARD = f"vLLM {vllm.__version__}: check_sequence_repetition is not the one this was read on"
-            return _FAST_GUARD
-        utils.check_sequence_repetition = repeats
-        _FAST_GUARD = "ok"
-    except Exception as e:  # noqa: BLE001 - never break the engine: vLLM's own check stays
-        _FAST_GUARD = f"{type(e).__name__}: {e}"
-    return _FAST_GUARD
+    global VLLM_CHECK
+    VLLM_CHECK = utils.check_sequence_repetition
+    if not vllm.__version__.startswith(READ_ON) or \
+            list(inspect.signature(VLLM_CHECK).parameters) != ["token_ids", "params"]:
+        return f"vLLM {vllm.__version__}: check_sequence_repetition is not the one this was read on"
+    utils.check_sequence_repetition = repeats
+    return "ok"
 
 
 # Read on: the parts the step profiler (profiler.py) times, in vLLM 0.26 on a GPU and 0.32 on CPU: what is timed, part

@@ -267,16 +267,37 @@ def test_a_vllm_the_patches_were_not_read_on_gets_neither_and_says_why(monkeypat
     from vllm.v1.core.sched.scheduler import Scheduler
 
     assert vllm.__version__.startswith(internals.READ_ON)
-    for name in ("_NO_DRAFT", "_FAST_GUARD"):  # as in a fresh process; monkeypatch puts back the real state
-        monkeypatch.setattr(internals, name, None)
     monkeypatch.setattr(internals, "VLLM_CHECK", internals.VLLM_CHECK)
     monkeypatch.setattr(vllm, "__version__", UNREAD)
     before = Scheduler.add_request, Scheduler.schedule, utils.check_sequence_repetition
-    assert internals.install_no_draft() == f"vLLM {UNREAD} is not a version this patch was read on (0.26.x, 0.32.x, 0.33.x)"
-    assert "check_sequence_repetition is not the one this was read on" in internals.install_fast_loop_guard()
-    assert not internals.no_draft_ready()
-    assert (Scheduler.add_request, Scheduler.schedule, utils.check_sequence_repetition) == before  # untouched
-    assert internals.notice() == internals.unread(UNREAD)
+    kept = internals.reset()  # as in a fresh process
+    try:
+        assert internals.install_no_draft() == \
+            f"vLLM {UNREAD} is not a version this patch was read on (0.26.x, 0.32.x, 0.33.x)"
+        assert "check_sequence_repetition is not the one this was read on" in internals.install_fast_loop_guard()
+        assert not internals.no_draft_ready()
+        assert (Scheduler.add_request, Scheduler.schedule, utils.check_sequence_repetition) == before  # untouched
+        assert internals.notice() == internals.unread(UNREAD)
+    finally:
+        internals.reset(kept)
+
+
+def test_an_install_runs_once_and_its_exception_is_its_answer():
+    """installs_once: the first answer is every later call's; an exception is an answer, never raised."""
+    calls = []
+
+    @internals.installs_once
+    def install_broken() -> str:
+        calls.append(1)
+        raise RuntimeError("no such attribute")
+
+    kept = internals.reset()
+    try:
+        assert install_broken() == install_broken() == "RuntimeError: no such attribute" and len(calls) == 1
+        assert internals.reset() == {"broken": "RuntimeError: no such attribute"}
+        assert install_broken() == "RuntimeError: no such attribute" and len(calls) == 2  # forgotten: run again
+    finally:
+        internals.reset(kept)
 
 
 def test_the_profiler_times_nothing_on_a_vllm_it_was_not_read_on(monkeypatch, tmp_path):
