@@ -403,6 +403,15 @@ def notice() -> str:
                                         + "; ".join(why for why in (no_draft, guard) if why != "ok") + ")")
 
 
+def notice_code() -> str:
+    """The report's code for notice(): "" (no notice), "unread-vllm" (a version not in READ_ON) or "patches-off"."""
+    if not notice():
+        return ""
+    import vllm
+
+    return "unread-vllm" if unread(vllm.__version__) else "patches-off"
+
+
 def unread(version: str) -> str:
     """The report's line for a vLLM version that READ_ON does not cover ("" for one it does)."""
     if version.startswith(READ_ON):

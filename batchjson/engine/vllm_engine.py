@@ -157,7 +157,7 @@ class VllmEngine(Engine):
         # Requests without a draft on a speculative engine (pass 2): through batchjson's scheduler patch.
         internals.install()  # for an engine core in this process; the plugin installs both in vLLM's processes
         self.no_draft = self.speculative is not None and internals.no_draft_ready()
-        self.notice = internals.notice()
+        self.notice, self.notice_code = internals.notice(), internals.notice_code()
         self.use(decoding)
         # Engine processes started from here die with this process, however it dies (see plugin.py).
         os.environ["BATCHJSON_RUNNER_PID"] = str(os.getpid())

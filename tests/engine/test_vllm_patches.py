@@ -19,7 +19,7 @@ from batchjson.job import run_job
 from batchjson.records import Prompt
 from batchjson.report import PassStats, RunReport
 from batchjson.spec import DecodingSpec, ModelSpec, SpeculativeSpec, load_spec
-from helpers import TINY_SCHEMA, write_job, write_rows
+from helpers import TINY_SCHEMA, codes, write_job, write_rows
 
 # The answer's JSON is in the prompt, so that n-gram lookup finds drafts even for a random model.
 PROMPTS = [f'<|im_start|>user\nAnswer like {{"name":"thing{i % 7}","n":{i % 10}}}: item {i}<|im_end|>\n'
@@ -277,7 +277,7 @@ def test_a_vllm_the_patches_were_not_read_on_gets_neither_and_says_why(monkeypat
         assert "check_sequence_repetition is not the one this was read on" in internals.install_fast_loop_guard()
         assert not internals.no_draft_ready()
         assert (Scheduler.add_request, Scheduler.schedule, utils.check_sequence_repetition) == before  # untouched
-        assert internals.notice() == internals.unread(UNREAD)
+        assert internals.notice() == internals.unread(UNREAD) and internals.notice_code() == "unread-vllm"
     finally:
         internals.reset(kept)
 
@@ -334,7 +334,7 @@ def test_a_run_on_an_unread_vllm_says_so_once_in_its_summary(tmp_path, tiny_mode
     class Unread(FakeEngines):
         def start(self, *args):
             engine = super().start(*args)
-            engine.notice = line
+            engine.notice, engine.notice_code = line, "unread-vllm"
             return engine
 
     write_rows(tmp_path / "in.parquet", 24)
@@ -343,6 +343,7 @@ def test_a_run_on_an_unread_vllm_says_so_once_in_its_summary(tmp_path, tiny_mode
     assert report.passes["pass2"].rows > 0
     assert report.summary().splitlines().count(f"  note: {line}") == 1
     assert report.to_dict()["passes"]["pass1"]["notice"] == line
+    assert codes(report.to_dict()["passes"]["pass1"]).count("unread-vllm") == 1
 
     merged = PassStats()
     merged.merge(PassStats(notice=line).to_dict())
