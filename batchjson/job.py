@@ -19,7 +19,7 @@ from batchjson.executors.base import Queue
 from batchjson.executors.inline import run_inline
 from batchjson.engine.devices import Layout
 from batchjson.executors.local import local_layout
-from batchjson.report import PassStats, RunReport, process_age
+from batchjson.report import NoteCode, PassStats, RunReport, process_age
 from batchjson.engine.base import EngineFactory
 from batchjson.ends import run_ends
 from batchjson.spec import JobSpec
@@ -77,7 +77,7 @@ class JobRun:
                 storage.check_inputs(scan.fingerprints)
                 for key, why in commits.damaged(list(self.refs), self.spec.input.id_column).items():
                     commits.drop(key)
-                    report.notes.append(f"unit {key}: {why}; the unit was redone")
+                    report.note("unit-redone", f"unit {key}: {why}; the unit was redone")
                 # A repeated id is processed where it was committed already, else at its first occurrence.
                 self.owners = {row_id: next((p for p in places if commits.done(Stage.FIRST, p[0])), places[0])
                                for row_id, places in scan.repeated.items()}
@@ -144,8 +144,8 @@ class JobRun:
             for stage, d in counts.items():
                 stats[stage].merge(d)
 
-        def on_note(stage: str, text: str) -> None:
-            stats[stage].note = "; ".join(filter(None, (stats[stage].note, text)))
+        def on_note(stage: str, code: NoteCode, text: str) -> None:
+            stats[stage].note = "; ".join(filter(None, (stats[stage].note, stats[stage].event(code, text))))
 
         try:
             if layout:

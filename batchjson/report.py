@@ -6,10 +6,32 @@ import os
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
+from typing import Literal
 
 from batchjson.records import Stage
 
 RESCUED = Stage.SECOND.label  # valid_by_pass's key of the rows the fallback pass rescued
+
+# What a note says happened, as a stable code next to its text in the report's "events" (the text is for people and
+# may be reworded; a program or a test reads the code).
+NoteCode = Literal[
+    "replica-died",  # a replica (process or actor) died; its open units were handed to others
+    "engine-restarted",  # the engine died and was restarted (its rows in flight were redone)
+    "engine-hung",  # the engine made no step for model.hang_timeout_s: killed and restarted
+    "speculation-off",  # speculation switched off after repeated engine deaths
+    "auto-no-speculation",  # auto chose no speculation: pass 2 could not share a speculative engine in this vLLM
+    "shared-engine",  # the pass decoded on the previous pass's engine, with no engine start of its own
+    "unit-redone",  # a damaged unit was dropped and redone
+    "unread-vllm",  # the engine's vLLM is not a version batchjson's patches were read on: they are off
+    "patches-off",  # batchjson's engine patches are off in this vLLM (a check failed)
+    "engine-notice",  # anything else an engine says about itself
+]
+
+
+def record(events: list[dict], code: NoteCode, text: str) -> None:
+    """Add a note's code and text to `events`, once."""
+    if {"code": code, "text": text} not in events:
+        events.append({"code": code, "text": text})
 
 
 def process_age(at: float) -> float | None:
@@ -37,6 +59,10 @@ class PassStats:
     reasons: Counter = field(default_factory=Counter)
     speculative: dict = field(default_factory=dict)
     note: str = ""
+    """What happened to the pass, in words ("; " between notes); each event's code is in `events`."""
+    events: list = field(default_factory=list)
+    """One {"code": NoteCode, "text": ...} per note the pass was given (`note`, and `notice`), in order: the code
+    is stable, the text as it was given (`note` keeps the first of some)."""
     grammar: str = ""
     """The grammar backend this pass decoded with, and why it was chosen."""
     notice: str = ""
@@ -60,6 +86,11 @@ class PassStats:
     first_request_s: float | None = None
     """Seconds from the run's start to this pass's first request to an engine (the earliest replica's; a replica in
     a process of its own counts from its worker's start)."""
+
+    def event(self, code: NoteCode, text: str) -> str:
+        """Record an event of this pass (its code and text in `events`); returns the text, for `note`."""
+        record(self.events, code, text)
+        return text
 
     def add(self, ok: bool, reason: str | None, prompt_tokens: int, output_tokens: int) -> None:
         self.rows += 1
@@ -87,6 +118,8 @@ class PassStats:
         self.notice = self.notice or other.get("notice", "")
         self.auto += other.get("auto", [])
         self.recipe += other.get("recipe", [])
+        for e in other.get("events", []):
+            record(self.events, e["code"], e["text"])
         if other["note"] and other["note"] not in self.note:
             self.note = "; ".join(filter(None, (self.note, other["note"])))
 
@@ -123,6 +156,8 @@ class RunReport:
     seconds: float = 0.0
     max_reject_rate: float = 0.0
     notes: list[str] = field(default_factory=list)
+    events: list = field(default_factory=list)
+    """The notes' codes: one {"code": NoteCode, "text": ...} per note of `notes`, in order."""
     verified: dict = field(default_factory=dict)
     """The exactly-once check that ends every run (see verify.py): ok, complete, problems."""
     verified_summary: str = ""
@@ -139,6 +174,11 @@ class RunReport:
     storage_retries: dict = field(default_factory=dict)
     """Reads of object storage that batchjson retried in this process, by the store's error (location.reading).
     pyarrow's own retries of each request are not in it: pyarrow reports none."""
+
+    def note(self, code: NoteCode, text: str) -> None:
+        """Add a note about the run (the summary's "note:" lines) and its code."""
+        self.notes.append(text)
+        record(self.events, code, text)
 
     def lay_out(self, layout) -> None:
         """Record where the replicas ran (an engine/devices.py Layout)."""

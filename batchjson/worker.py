@@ -197,7 +197,8 @@ class Worker:
         for p in self.passes[1:]:
             later = self.stats[p.stage]
             if later.rows and not later.engine_starts:
-                later.note = later.note or "decoded on pass 1's engine, beside pass 1 (no engine start of its own)"
+                later.note = later.note or later.event(
+                    "shared-engine", "decoded on pass 1's engine, beside pass 1 (no engine start of its own)")
                 later.grammar = later.grammar or first.grammar
         channel.send("stats", {stage: s.to_dict() for stage, s in self.stats.items() if s.rows or s.engine_starts})
 
@@ -267,8 +268,9 @@ class Worker:
         if not (first.last or self.engines.drafts_optional):
             # Pass 2 could not run on a speculative engine here: a draft would cost it an engine start of its own.
             self.speculative = None
-            self.stats[Stage.FIRST].note = ("auto: no speculation: this vLLM cannot decode pass 2 without a draft on "
-                                            "a speculative engine, so pass 2 shares pass 1's engine without one")
+            self.stats[Stage.FIRST].note = self.stats[Stage.FIRST].event(
+                "auto-no-speculation", "auto: no speculation: this vLLM cannot decode pass 2 without a draft on a "
+                "speculative engine, so pass 2 shares pass 1's engine without one")
             return None
         todo = (r.rows for key, r in self.refs.items() if not self.storage.commits.listed(Stage.FIRST, key))
         rows = sum(todo) // self.share
@@ -309,7 +311,8 @@ class Worker:
             for policy in self.policies:
                 policy.engine_started(engine, stage, seconds)
         stats.grammar = stats.grammar or (self.engine.choice.summary if self.engine.choice else "")
-        stats.notice = stats.notice or self.engine.notice
+        if self.engine.notice and not stats.notice:
+            stats.notice = stats.event(self.engine.notice_code or "engine-notice", self.engine.notice)
         return self.engine
 
     def _close_engine(self) -> None:
@@ -397,15 +400,18 @@ class Worker:
         stats = self.stats[stage]
         if self.speculative and deaths >= DEATHS_BEFORE_NO_SPECULATION:
             self.speculative, deaths = None, 0
-            stats.note = f"speculation switched off after {DEATHS_BEFORE_NO_SPECULATION} engine deaths"
+            stats.note = stats.event("speculation-off",
+                                     f"speculation switched off after {DEATHS_BEFORE_NO_SPECULATION} engine deaths")
         elif deaths >= DEATHS_BEFORE_GIVING_UP:
             raise EngineError(f"the engine died {deaths} times ({died}). Finished units are kept: rerun the same "
                               "command to resume.") from died
         hung = "hung:" in str(died)
         if hung:
             stats.hung += 1
-        stats.note = stats.note or (f"engine hung and was restarted (no step for {self.spec.model.hang_timeout_s:.0f} s, "
-                                    "model.hang_timeout_s)" if hung else f"engine restarted after {deaths} death(s)")
+        stats.note = stats.note or stats.event(*(
+            ("engine-hung", f"engine hung and was restarted (no step for {self.spec.model.hang_timeout_s:.0f} s, "
+                            "model.hang_timeout_s)") if hung else
+            ("engine-restarted", f"engine restarted after {deaths} death(s)")))
         return deaths
 
 

@@ -144,6 +144,11 @@ max_reject_rate = 1.0
     return job
 
 
+def codes(noted) -> list[str]:
+    """The note codes (report.NoteCode) of a pass's stats or of a run report: the object or its to_dict()."""
+    return [e["code"] for e in (noted["events"] if isinstance(noted, dict) else noted.events)]
+
+
 def ids_of(folder: Path) -> list[str]:
     """The ids of the rows in the Parquet files directly in `folder` (what a dataset reader of it reads)."""
     files = sorted(str(p) for p in folder.glob("*.parquet"))

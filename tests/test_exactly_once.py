@@ -27,7 +27,7 @@ from batchjson.job import run_job
 from batchjson.spec import load_spec
 from batchjson.storage import PartName, Storage
 from batchjson.verify import verify_job
-from helpers import ENV, HERE, assert_exactly_once, ids_of, write_job, write_rows
+from helpers import ENV, HERE, assert_exactly_once, codes, ids_of, write_job, write_rows
 
 STEPS = ["begin", "staged output", "staged rejects", "staged requeue", "committed", "published output",
          "published rejects", "published requeue"]
@@ -181,7 +181,7 @@ def test_a_deleted_output_part_is_found_and_redone(tmp_path, tiny_model):
     report = run(job, engine_factory=FakeEngines(valid=1.0))
     key = PartName.parse(victim.name).key
     assert report.passes["pass1"].rows == 4
-    assert report.notes == [f"unit {key}: {victim.name} was missing; the unit was redone"]
+    assert codes(report) == ["unit-redone"] and report.events[0]["text"].startswith(f"unit {key}: ")
     assert verify_cli(job).exit_code == 0
     assert_exactly_once([f"r{i:05d}" for i in range(12)], tmp_path / "out", tmp_path / "out" / "_rejects")
 
@@ -249,8 +249,8 @@ def test_a_corrupt_part_file_fails_verify_and_a_rerun_redoes_its_unit(tmp_path, 
     assert result.exit_code == 3 and f"{victim} does not read as Parquet" in result.output, result.output
     assert "Run the job again: it redoes the unit" in result.output
     report = run(job, engine_factory=FakeEngines(valid=0.4, seed=7))
-    (note,) = report.notes
-    assert report.passes["pass1"].rows == 4 and note.startswith(f"unit {PartName.parse(victim.name).key}: ")
+    assert codes(report) == ["unit-redone"] and report.passes["pass1"].rows == 4
+    assert report.events[0]["text"].startswith(f"unit {PartName.parse(victim.name).key}: ")
     again = verify_job(load_spec(job))
     assert again.complete and again.output_rows + again.reject_rows == 12
     assert (rows_read(tmp_path / "out"), rows_read(tmp_path / "out" / "_rejects")) == \

@@ -13,7 +13,7 @@ from batchjson.engine.fake import FakeEngines
 from batchjson.errors import SpecError
 from batchjson.job import run_job
 from batchjson.spec import load_spec
-from helpers import assert_exactly_once, write_job, write_rows
+from helpers import assert_exactly_once, codes, write_job, write_rows
 
 ROWS = 600
 
@@ -98,6 +98,6 @@ def test_an_engine_death_right_after_the_switch_loses_no_row(tmp_path, tiny_mode
     report = run_job(spec, engine_factory=WrappedEngines(engines, DiesAfterTheSwitch), progress=False)
     out = Path(spec.output.path)
     assert_exactly_once([f"r{i:05d}" for i in range(ROWS)], out, out / "_rejects")
-    assert len(engines.started) == 2 and "restarted" in report.passes["pass1"].note
+    assert len(engines.started) == 2 and "engine-restarted" in codes(report.passes["pass1"])
     assert engines.engines[1].decoding["p1"].temperature == 0.7  # the new engine decodes with the new settings
     assert report.passes["pass1"].recipe[0]["recipe"] == "fallback" and report.passes["pass1"].valid > 0.7 * ROWS

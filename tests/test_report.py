@@ -8,7 +8,7 @@ from batchjson.engine import EngineWrapper, WrappedEngines
 from batchjson.engine.fake import FakeEngines
 from batchjson.job import run_job
 from batchjson.spec import load_spec
-from helpers import write_job, write_rows
+from helpers import codes, write_job, write_rows
 
 
 def test_the_report_says_where_the_runs_time_went(tmp_path, tiny_model):
@@ -26,3 +26,24 @@ def test_the_report_says_where_the_runs_time_went(tmp_path, tiny_model):
     assert 0 <= t["checked"] <= t["passes"] <= t["verified"] <= report["seconds"]
     closed = sum(p["engine_close_s"] for p in report["passes"].values())
     assert 0.5 <= closed < t["passes"]
+
+
+def test_each_note_keeps_its_code_next_to_its_text():
+    """A note's text stays where readers find it (`note`, `notes`); its code is in `events`, once per distinct note,
+    also when merged from a replica's counts, and a replica's counts without events (an older batchjson) merge."""
+    from batchjson.report import PassStats, RunReport
+
+    stats = PassStats()
+    stats.note = stats.event("engine-restarted", "engine restarted after 1 death(s)")
+    older = PassStats(note="replica 1 died").to_dict()
+    del older["events"]
+    for other in (stats.to_dict(), older):
+        stats.merge(other)
+    assert stats.note == "engine restarted after 1 death(s); replica 1 died"
+    assert stats.to_dict()["events"] == [{"code": "engine-restarted", "text": "engine restarted after 1 death(s)"}]
+
+    report = RunReport("h", 1, "out", "rej")
+    report.note("unit-redone", "unit a.parquet#0: the record was missing; the unit was redone")
+    d = report.to_dict()
+    assert d["notes"] == ["unit a.parquet#0: the record was missing; the unit was redone"]
+    assert codes(d) == ["unit-redone"] and "note: unit a.parquet#0" in report.summary()

@@ -10,7 +10,7 @@ import pytest
 from batchjson.records import Reason
 from batchjson.job import run_job
 from batchjson.spec import load_spec
-from helpers import assert_exactly_once, write_job, write_rows
+from helpers import assert_exactly_once, codes, write_job, write_rows
 
 pytestmark = pytest.mark.engine
 
@@ -96,7 +96,7 @@ def test_pass_two_reuses_the_engine_when_its_settings_allow(tmp_path, tiny_model
 
     report = run_job(spec, engine_factory=Counting(), progress=False)
     assert len(starts) == 1
-    assert report.passes["pass2"].rows == 12 and "beside pass 1" in report.passes["pass2"].note
+    assert report.passes["pass2"].rows == 12 and "shared-engine" in codes(report.passes["pass2"])
     assert report.valid_by_pass.get("pass2", 0) > 0  # the fallback's own budget and sampling were used
     d = report.to_dict()
     assert d["passes"]["pass1"]["failed_output_token_share"] == 1.0

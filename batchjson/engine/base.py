@@ -26,7 +26,8 @@ class Engine(ABC):
     flight when the last stream stopped (another engine takes them over); and `choice`, the grammar backend the
     engine decodes with (the report's grammar line; None when there is none); and `notice`, what the run's report
     should say about the engine itself ("" for nothing; VllmEngine: its vLLM is one batchjson's patches were not read
-    on, see internals.notice); and `tokenizer`, the model's tokenizer where the engine loaded one (the worker renders
+    on, see internals.notice), with its code in `notice_code` (a report.NoteCode; "" for the generic
+    "engine-notice"); and `tokenizer`, the model's tokenizer where the engine loaded one (the worker renders
     prompts with it instead of loading it again; None: the worker loads it from the model's files).
     """
 
@@ -34,6 +35,7 @@ class Engine(ABC):
     unfinished: Sequence[Prompt] = ()
     choice: Choice | None = None
     notice: str = ""
+    notice_code: str = ""
     tokenizer: object | None = None
 
     @abstractmethod
@@ -100,6 +102,7 @@ class EngineWrapper(Engine):
     unfinished = property(lambda self: self.inner.unfinished)
     choice = property(lambda self: self.inner.choice)
     notice = property(lambda self: self.inner.notice)
+    notice_code = property(lambda self: self.inner.notice_code)
     tokenizer = property(lambda self: self.inner.tokenizer)
 
     def accepts(self, decoding: DecodingSpec, speculative: SpeculativeSpec | None) -> bool:

@@ -1,5 +1,6 @@
-"""Everything that touches vLLM's internals: two scheduler patches, one model-runner patch, the engine-process
-watcher and the plugin flag of a forked engine process, each with its check.
+"""Everything that touches vLLM's internals: two scheduler patches, one model-runner patch, the step profiler's
+timers, the engine-process watcher, the engine's shutdown and the plugin flag of a forked engine process, each with
+its check.
 
 The scheduler patches are installed by the plugin (plugin.py) in each vLLM process of a run, and in the runner by
 VllmEngine (no_draft_ready).
@@ -26,13 +27,17 @@ token by token, one Python call per token compared, for each pattern size (57 si
 pattern sizes where the last token recurs, and compares whole slices in C): 16.75 -> 2.42 us per output token
 (`bench/guard_cost.py`). Checked against the versions it was read on (READ_ON); the tests compare both answers.
 
-**Read, not changed: the engine processes and the plugin flag.** `watch_engine_processes` reads the sync client's
-processes and output queue, and `let_forked_child_load_plugins` resets vLLM's once-per-process plugin flag. They
-change nothing in vLLM's behaviour, and without them a killed engine hangs the runner, or a forked engine process
-outlives it: so they check the names they use instead of READ_ON, and step aside where a name is missing.
+**The step profiler's timers.** When a run asks for it (BATCHJSON_PROFILE_STEPS), profiler.py times each part of
+an engine step: `time_engine_steps` wraps the methods of TIMED with its timer, each on its own (a part this vLLM
+lacks is skipped and recorded). Checked against PROFILER_READ_ON: on another version every part is skipped.
+
+**Read, not changed: the engine processes, its shutdown and the plugin flag.** `watch_engine_processes` reads the
+sync client's processes and output queue, `shut_down` calls the client's shutdown, and
+`let_forked_child_load_plugins` resets vLLM's once-per-process plugin flag. They change nothing in vLLM's behaviour,
+and without them a killed engine hangs the runner, or a forked engine process outlives it: so they check the names
+they use instead of READ_ON, and step aside where a name is missing.
 
 `notice()` is the line the run's report gives when a patch is off in this vLLM (a version not in READ_ON).
-The step profiler (profiler.py) patches vLLM's internals too, only when a run asks for it, for measurement.
 """
 
 from __future__ import annotations
@@ -57,7 +62,7 @@ NO_DRAFT = "batchjson_no_draft"  # the SamplingParams.extra_args key
 # to keep a uniform CUDA graph. check_sequence_repetition(token_ids, params) in
 # vllm/v1/core/sched/utils.py, called by check_stop through the module's name (the same file in 0.32 and 0.33).
 READ_ON = ("0.26.", "0.32.", "0.33.")  # the vLLM versions both patches were read on
-_NO_DRAFT: str | None = None  # "ok", or why the patch is not installed in this process
+_ANSWERS: dict[str, str] = {}  # a patch's name -> "ok", or why it is not installed in this process
 
 
 def unread_here(read_on: tuple[str, ...]) -> str:
@@ -67,6 +72,33 @@ def unread_here(read_on: tuple[str, ...]) -> str:
     if vllm.__version__.startswith(read_on):
         return ""
     return f"vLLM {vllm.__version__} is not a version this patch was read on ({'x, '.join(read_on)}x)"
+
+
+def installs_once(install: Callable[[], str]) -> Callable[[], str]:
+    """A patch's install, run once per process: its answer ("ok", or why the patch is not installed) is kept and
+    returned by every later call, and an exception becomes the answer ("TypeName: message"): a patch never breaks
+    the engine, vLLM's own behaviour stays."""
+    name = install.__name__.removeprefix("install_")
+
+    @functools.wraps(install)
+    def once() -> str:
+        if name not in _ANSWERS:
+            try:
+                _ANSWERS[name] = install()
+            except Exception as e:  # noqa: BLE001
+                _ANSWERS[name] = f"{type(e).__name__}: {e}"
+        return _ANSWERS[name]
+
+    return once
+
+
+def reset(answers: dict[str, str] | None = None) -> dict[str, str]:
+    """Forget the answers kept so far (tests: as in a fresh process, though the patches made stay made) and keep
+    `answers` instead; returns the forgotten ones, so a test can put them back."""
+    forgotten = dict(_ANSWERS)
+    _ANSWERS.clear()
+    _ANSWERS.update(answers or {})
+    return forgotten
 
 
 def install() -> None:
@@ -81,54 +113,45 @@ def no_draft_ready() -> bool:
     return install_no_draft() == "ok"
 
 
+@installs_once
 def install_no_draft() -> str:
     """Patch the scheduler class (in this process) so that NO_DRAFT requests are never given draft tokens; "ok" or
-    why not. Idempotent; installed by the plugin in every vLLM process of a run, the runner included (where an
-    in-process engine core would use it)."""
-    global _NO_DRAFT
-    if _NO_DRAFT is not None:
-        return _NO_DRAFT
-    try:
-        import inspect
+    why not (then pass 2 gets an engine of its own). Installed by the plugin in every vLLM process of a run, the
+    runner included (where an in-process engine core would use it)."""
+    import inspect
 
-        from vllm.sampling_params import SamplingParams
-        from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.core.sched.scheduler import Scheduler
 
-        if unread_here(READ_ON):
-            _NO_DRAFT = unread_here(READ_ON)
-            return _NO_DRAFT
-        if "extra_args" not in inspect.signature(SamplingParams).parameters or \
-                list(inspect.signature(Scheduler.add_request).parameters) != ["self", "request"] or \
-                "throttle_prefills" not in inspect.signature(Scheduler.schedule).parameters:
-            _NO_DRAFT = "Scheduler.schedule/add_request or SamplingParams.extra_args changed"
-            return _NO_DRAFT
-        add_request, schedule = Scheduler.add_request, Scheduler.schedule
+    if unread_here(READ_ON):
+        return unread_here(READ_ON)
+    if "extra_args" not in inspect.signature(SamplingParams).parameters or \
+            list(inspect.signature(Scheduler.add_request).parameters) != ["self", "request"] or \
+            "throttle_prefills" not in inspect.signature(Scheduler.schedule).parameters:
+        return "Scheduler.schedule/add_request or SamplingParams.extra_args changed"
+    add_request, schedule = Scheduler.add_request, Scheduler.schedule
 
-        @functools.wraps(add_request)
-        def add_request_noting(self, request):
-            extra = getattr(request.sampling_params, "extra_args", None) if request.sampling_params else None
-            if extra and extra.get(NO_DRAFT):
-                self.__dict__.setdefault("_batchjson_no_draft", set()).add(request.request_id)
-            return add_request(self, request)
+    @functools.wraps(add_request)
+    def add_request_noting(self, request):
+        extra = getattr(request.sampling_params, "extra_args", None) if request.sampling_params else None
+        if extra and extra.get(NO_DRAFT):
+            self.__dict__.setdefault("_batchjson_no_draft", set()).add(request.request_id)
+        return add_request(self, request)
 
-        @functools.wraps(schedule)
-        def schedule_without_drafts(self, *args, **kwargs):
-            flagged = self.__dict__.get("_batchjson_no_draft")
-            if flagged:
-                for request_id in list(flagged):
-                    request = self.requests.get(request_id)
-                    if request is None or request.is_finished():
-                        flagged.discard(request_id)
-                    elif request.spec_token_ids:
-                        request.spec_token_ids = []
-            return schedule(self, *args, **kwargs)
+    @functools.wraps(schedule)
+    def schedule_without_drafts(self, *args, **kwargs):
+        flagged = self.__dict__.get("_batchjson_no_draft")
+        if flagged:
+            for request_id in list(flagged):
+                request = self.requests.get(request_id)
+                if request is None or request.is_finished():
+                    flagged.discard(request_id)
+                elif request.spec_token_ids:
+                    request.spec_token_ids = []
+        return schedule(self, *args, **kwargs)
 
-        Scheduler.add_request, Scheduler.schedule = add_request_noting, schedule_without_drafts
-        _NO_DRAFT = "ok"
-    except Exception as e:  # noqa: BLE001 - never break the engine: pass 2 gets an engine of its own instead
-        _NO_DRAFT = f"{type(e).__name__}: {e}"
-    return _NO_DRAFT
-
+    Scheduler.add_request, Scheduler.schedule = add_request_noting, schedule_without_drafts
+    return "ok"
 
 
 # Read on: vllm/v1/worker/gpu_model_runner.py of these versions (the V1 model runner, which the CPU runner
@@ -141,7 +164,6 @@ def install_no_draft() -> str:
 # answer there from outside, so on V2 a pass-2 step still pays the draft forward (README, "What a request without a
 # draft still costs").
 RUNNER_READ_ON = ("0.26.", "0.32.", "0.33.")
-_IDLE_DRAFTER: str | None = None
 
 
 def no_draft_batch(requests: dict, req_ids: list[str]) -> bool:
@@ -155,41 +177,33 @@ def no_draft_batch(requests: dict, req_ids: list[str]) -> bool:
     return bool(req_ids)
 
 
+@installs_once
 def install_idle_drafter() -> str:
     """Patch the V1 model runner (in this process) so that a draft model runs no forward in a step whose requests
     all asked for no drafts (pass 2 alone on pass 1's engine: measured x2.29 pass 2's time without it, BENCHMARKS.md);
-    "ok" or why not. Only draft-model methods: ngram and suffix drafting cost no forward pass, and suffix decoding
-    keeps per-request state that every step must see. Idempotent."""
-    global _IDLE_DRAFTER
-    if _IDLE_DRAFTER is not None:
-        return _IDLE_DRAFTER
-    try:
-        import inspect
+    "ok" or why not (then the drafter runs as vLLM has it). Only draft-model methods: ngram and suffix drafting cost
+    no forward pass, and suffix decoding keeps per-request state that every step must see."""
+    import inspect
 
-        if unread_here(RUNNER_READ_ON):
-            _IDLE_DRAFTER = unread_here(RUNNER_READ_ON)
-            return _IDLE_DRAFTER
-        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    if unread_here(RUNNER_READ_ON):
+        return unread_here(RUNNER_READ_ON)
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-        fits = GPUModelRunner._input_fits_in_drafter
-        if list(inspect.signature(fits).parameters) != ["self", "common_attn_metadata"]:
-            _IDLE_DRAFTER = "GPUModelRunner._input_fits_in_drafter changed"
-            return _IDLE_DRAFTER
+    fits = GPUModelRunner._input_fits_in_drafter
+    if list(inspect.signature(fits).parameters) != ["self", "common_attn_metadata"]:
+        return "GPUModelRunner._input_fits_in_drafter changed"
 
-        @functools.wraps(fits)
-        def fits_unless_no_draft_batch(self, common_attn_metadata):
-            if self.speculative_config.uses_draft_model() and \
-                    no_draft_batch(self.requests, self.input_batch.req_ids):
-                return False
-            return fits(self, common_attn_metadata)
+    @functools.wraps(fits)
+    def fits_unless_no_draft_batch(self, common_attn_metadata):
+        if self.speculative_config.uses_draft_model() and \
+                no_draft_batch(self.requests, self.input_batch.req_ids):
+            return False
+        return fits(self, common_attn_metadata)
 
-        GPUModelRunner._input_fits_in_drafter = fits_unless_no_draft_batch
-        _IDLE_DRAFTER = "ok"
-    except Exception as e:  # noqa: BLE001 - never break the engine: the drafter then runs as vLLM has it
-        _IDLE_DRAFTER = f"{type(e).__name__}: {e}"
-    return _IDLE_DRAFTER
+    GPUModelRunner._input_fits_in_drafter = fits_unless_no_draft_batch
+    return "ok"
 
-_FAST_GUARD: str | None = None
+
 VLLM_CHECK = None  # vLLM's own check (the tests compare it with `repeats`)
 
 
@@ -222,28 +236,163 @@ def repeats(token_ids, params) -> bool:
             return True
 
 
+@installs_once
 def install_fast_loop_guard() -> str:
-    """Replace vLLM's per-token repetition check with `repeats` (in this process); "ok" or why not."""
-    global _FAST_GUARD
-    if _FAST_GUARD is not None:
-        return _FAST_GUARD
+    """Replace vLLM's per-token repetition check with `repeats` (in this process); "ok" or why not (then vLLM's own
+    check stays)."""
+    import inspect
+
+    import vllm
+    from vllm.v1.core.sched import utils
+
+    global VLLM_CHECK
+    VLLM_CHECK = utils.check_sequence_repetition
+    if not vllm.__version__.startswith(READ_ON) or \
+            list(inspect.signature(VLLM_CHECK).parameters) != ["token_ids", "params"]:
+        return f"vLLM {vllm.__version__}: check_sequence_repetition is not the one this was read on"
+    utils.check_sequence_repetition = repeats
+    return "ok"
+
+
+# Read on: the parts the step profiler (profiler.py) times, in vLLM 0.26 on a GPU and 0.32 on CPU: what is timed, part
+# by part: (module, class, method, part, wait for the GPU around it). Each is patched on its own: a module that does
+# not import or a class or method that this vLLM lacks skips that entry (recorded in the profile file's "patches"),
+# never the others. vLLM 0.26 on a GPU runs a dense model without speculation on the V2 model runner
+# (vllm/v1/worker/gpu/, VllmConfig.use_v2_model_runner: default for non-MoE models) and with ngram, suffix or
+# draft_model speculation on the V1 one (vllm/v1/worker/gpu_model_runner.py); 0.32 on CPU uses V1's subclass
+# CPUModelRunner. Parts nest: sample_tokens holds sample, rejection_sampler and propose; V2's sample holds the logits,
+# the grammar bitmask's application, and the (rejection) sampler. Scheduler.schedule returns a SchedulerOutput with
+# total_num_scheduled_tokens; EngineCore.shutdown(self) ends the engine core.
+PROFILER_READ_ON = ("0.26.", "0.32.")
+V1 = "vllm.v1.worker.gpu_model_runner"
+V2 = "vllm.v1.worker.gpu.model_runner"
+TIMED = (
+    ("vllm.v1.core.sched.scheduler", "Scheduler", "schedule", "schedule", False),
+    ("vllm.v1.core.sched.scheduler", "Scheduler", "update_from_output", "update_from_output", False),
+    ("vllm.v1.structured_output", "StructuredOutputManager", "grammar_bitmask", "grammar_bitmask", False),
+    ("vllm.v1.engine.core", "EngineCore", "step", "engine_step", False),
+    ("vllm.v1.engine.core", "EngineCore", "step_with_batch_queue", "engine_step", False),
+    (V1, "GPUModelRunner", "execute_model", "forward", True),
+    (V1, "GPUModelRunner", "sample_tokens", "sample_tokens", True),
+    (V1, "GPUModelRunner", "propose_draft_token_ids", "propose", True),
+    ("vllm.v1.sample.rejection_sampler", "RejectionSampler", "forward", "rejection_sampler", True),
+    (V2, "GPUModelRunner", "execute_model", "forward", True),
+    (V2, "GPUModelRunner", "sample_tokens", "sample_tokens", True),
+    (V2, "GPUModelRunner", "sample", "sample", True),
+    ("vllm.v1.worker.gpu.spec_decode.rejection_sampler", "RejectionSampler", "__call__", "rejection_sampler", True),
+    ("vllm.v1.worker.gpu.spec_decode.speculator", "BaseSpeculator", "propose", "propose", True),
+)
+# V2's speculators override BaseSpeculator.propose in these modules: imported (when they import) so that every
+# subclass that defines propose is timed.
+V2_SPECULATORS = ("vllm.v1.worker.gpu.spec_decode.autoregressive.speculator",
+                  "vllm.v1.worker.gpu.spec_decode.dflash.speculator",
+                  "vllm.v1.worker.gpu.spec_decode.eagle.speculator")
+Timer = Callable[[Callable, str, bool], Callable]  # (method, part, runs on the GPU) -> the timed method
+
+
+def time_engine_steps(timer: Timer, on_step: Callable[[], None],
+                      on_shutdown: Callable[[], None]) -> tuple[dict[str, str], list[str]]:
+    """Replace each method of TIMED (in this process) with `timer(method, part, gpu)`; call `on_step()` after each
+    schedule that schedules a token, and `on_shutdown()` before the engine core shuts down (an error there never
+    stops the shutdown). Returns what happened to each entry ("ok", "ok: <classes>", "skipped: ...", "error: ..."),
+    keyed by module.Class.method without "vllm.", and the errors; never raises for one entry. On a vLLM not in
+    PROFILER_READ_ON every entry is skipped, with why."""
+    unread_why = unread_here(PROFILER_READ_ON)
+    patches: dict[str, str] = {}
+    errors: list[str] = []
+    for module, cls_name, name, part, gpu in TIMED:
+        key = f"{module.removeprefix('vllm.')}.{cls_name}.{name}"
+        if unread_why:
+            patches[key] = f"skipped: {unread_why}"
+            continue
+        try:
+            patches[key] = _time_method(module, cls_name, name, part, gpu, timer, on_step)
+        except Exception as e:  # noqa: BLE001
+            patches[key] = f"error: {type(e).__name__}: {e}"
+            errors.append(f"patching {key}: {type(e).__name__}: {e}")
+    if unread_why:
+        return patches, errors
     try:
-        import inspect
+        from vllm.v1.engine.core import EngineCore
 
-        import vllm
-        from vllm.v1.core.sched import utils
+        shutdown = EngineCore.shutdown
 
-        global VLLM_CHECK
-        VLLM_CHECK = utils.check_sequence_repetition
-        if not vllm.__version__.startswith(READ_ON) or \
-                list(inspect.signature(VLLM_CHECK).parameters) != ["token_ids", "params"]:
-            _FAST_GUARD = f"vLLM {vllm.__version__}: check_sequence_repetition is not the one this was read on"
-            return _FAST_GUARD
-        utils.check_sequence_repetition = repeats
-        _FAST_GUARD = "ok"
-    except Exception as e:  # noqa: BLE001 - never break the engine: vLLM's own check stays
-        _FAST_GUARD = f"{type(e).__name__}: {e}"
-    return _FAST_GUARD
+        @functools.wraps(shutdown)
+        def call_then_shutdown(self, *args, **kwargs):
+            try:
+                on_shutdown()
+            except Exception:  # noqa: BLE001 - never stop a shutdown over a profile
+                pass
+            return shutdown(self, *args, **kwargs)
+
+        EngineCore.shutdown = call_then_shutdown
+    except Exception as e:  # noqa: BLE001
+        errors.append(f"patching EngineCore.shutdown: {type(e).__name__}: {e}")
+    return patches, errors
+
+
+def _cuda_platform() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cuda_alike()
+
+
+def _subclasses(cls) -> list:
+    out = []
+    for sub in cls.__subclasses__():
+        out += [sub] + _subclasses(sub)
+    return out
+
+
+def _time_method(module: str, cls_name: str, name: str, part: str, gpu: bool, timer: Timer,
+                 on_step: Callable[[], None]) -> str:
+    """Time one method of TIMED; returns what happened ("ok", "skipped: ...")."""
+    import importlib
+
+    if module.startswith("vllm.v1.worker.gpu.") and not _cuda_platform():  # V2: GPU only (the CPU runner is V1's)
+        return "skipped: not a CUDA platform"
+    try:
+        mod = importlib.import_module(module)
+    except Exception as e:  # noqa: BLE001 - a module this vLLM lacks or cannot import here
+        return f"skipped: import {module}: {type(e).__name__}: {e}"
+    cls = getattr(mod, cls_name, None)
+    if cls is None:
+        return f"skipped: no {module}.{cls_name}"
+    classes = [cls]
+    if name == "propose" and cls_name == "BaseSpeculator":
+        for extra in V2_SPECULATORS:
+            try:
+                importlib.import_module(extra)
+            except Exception:  # noqa: BLE001
+                pass
+        classes += _subclasses(cls)
+    patched = []
+    for c in classes:
+        fn = c.__dict__.get(name)
+        if fn is None or getattr(fn, "_batchjson_timed", False) or getattr(fn, "__isabstractmethod__", False):
+            continue
+        if name == "schedule" and c is cls:
+            fn = _counting(fn, on_step)
+        timed = timer(fn, part, gpu)
+        timed._batchjson_timed = True
+        setattr(c, name, timed)
+        patched.append(c.__name__)
+    if not patched:
+        return f"skipped: {cls_name}.{name} not found"
+    return "ok" if patched == [cls_name] else "ok: " + ", ".join(patched)
+
+
+def _counting(schedule, on_step: Callable[[], None]):
+    """The scheduler's schedule, calling `on_step()` after each step that schedules any token."""
+
+    @functools.wraps(schedule)
+    def counted(self, *args, **kwargs):
+        out = schedule(self, *args, **kwargs)
+        if out.total_num_scheduled_tokens > 0:
+            on_step()
+        return out
+
+    return counted
 
 
 def notice() -> str:
@@ -256,6 +405,15 @@ def notice() -> str:
 
     return unread(vllm.__version__) or (f"batchjson's engine patches are off in vLLM {vllm.__version__} ("
                                         + "; ".join(why for why in (no_draft, guard) if why != "ok") + ")")
+
+
+def notice_code() -> str:
+    """The report's code for notice(): "" (no notice), "unread-vllm" (a version not in READ_ON) or "patches-off"."""
+    if not notice():
+        return ""
+    import vllm
+
+    return "unread-vllm" if unread(vllm.__version__) else "patches-off"
 
 
 def unread(version: str) -> str:
@@ -304,6 +462,16 @@ def watch_engine_processes(llm, closed: threading.Event, dead_exc: type[Exceptio
 
     threading.Thread(target=watch, name="batchjson-engine-watch", daemon=True).start()
     return True
+
+
+def shut_down(llm) -> None:
+    """Shut the engine core of `llm` (a vllm.LLM) down now: its processes end and free their memory. vLLM's LLM has no
+    shutdown of its own; its LLMEngine's client (engine_core) has. Never raises: a dead engine may fail its own
+    shutdown, and its processes are gone either way."""
+    try:
+        llm.llm_engine.engine_core.shutdown()
+    except Exception:  # noqa: BLE001
+        pass
 
 
 def _kill_tree(processes) -> None:

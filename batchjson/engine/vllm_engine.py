@@ -4,7 +4,7 @@ its factory.
 Over 250 lines because it is one adapter: vLLM is imported here only (in `_vllm`, on first use), and a change in
 vLLM's API (as guided decoding becoming StructuredOutputsParams) should touch this file alone; split, the class's
 start, stream and shutdown would each see part of vLLM. What touches vLLM's internals (the scheduler patches, the
-engine-process watcher) is in internals.py; `engine_kwargs` builds the engine's arguments without vLLM.
+engine-process watcher, the shutdown) is in internals.py; `engine_kwargs` builds the engine's arguments without vLLM.
 """
 
 from __future__ import annotations
@@ -157,7 +157,7 @@ class VllmEngine(Engine):
         # Requests without a draft on a speculative engine (pass 2): through batchjson's scheduler patch.
         internals.install()  # for an engine core in this process; the plugin installs both in vLLM's processes
         self.no_draft = self.speculative is not None and internals.no_draft_ready()
-        self.notice = internals.notice()
+        self.notice, self.notice_code = internals.notice(), internals.notice_code()
         self.use(decoding)
         # Engine processes started from here die with this process, however it dies (see plugin.py).
         os.environ["BATCHJSON_RUNNER_PID"] = str(os.getpid())
@@ -324,10 +324,7 @@ class VllmEngine(Engine):
         if self.llm is None:
             return
         self._closed.set()
-        try:
-            self.llm.llm_engine.engine_core.shutdown()
-        except Exception:  # a dead engine may fail its own shutdown; its processes are gone either way
-            pass
+        internals.shut_down(self.llm)
         self.llm = None
         gc.collect()
 

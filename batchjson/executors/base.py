@@ -240,10 +240,10 @@ class Pool:
             return None
 
     def drive(self, work: Queue, stop: threading.Event, on_done: Callable, on_stats: Callable,
-              on_note: Callable[[str, str], None]) -> None:
+              on_note: Callable[[str, str, str], None]) -> None:
         """Serve the workers until every pair is committed and every worker has reported: hand out work, take back
         a dead worker's pairs (a new worker takes its place). Deaths are noted on the stage of the work they cost
-        (`on_note(stage, text)`)."""
+        (`on_note(stage, code, text)`, code a report.NoteCode)."""
         reported: set[int] = set()
         while True:
             if stop.is_set():
@@ -256,7 +256,7 @@ class Pool:
                     continue  # it finished and then exited: the end of the run, or a crash after it
                 for stage in sorted({stage for stage, _ in lost}) or [Stage.FIRST]:
                     count = sum(s == stage for s, _ in lost)
-                    on_note(stage, f"replica {slot} died; {count} open unit(s) handed to others")
+                    on_note(stage, "replica-died", f"replica {slot} died; {count} open unit(s) handed to others")
                 reported.discard(slot)
                 if not self.replace(slot) and not self.live:
                     raise EngineError(f"every replica died (each slot restarted {RESPAWNS_PER_SLOT} times). "

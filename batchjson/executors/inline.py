@@ -1,5 +1,12 @@
 """A pool of one worker in this process: a one-engine run takes the same path as many, with the queue called
-directly instead of through mailboxes. Signals reach the worker here, so a stop ends the stream at its next step."""
+directly instead of through mailboxes. Signals reach the worker here, so a stop ends the stream at its next step.
+
+It shares the queue, the channel and the worker's body with the other pools, not `Pool.drive`: drive() owns the
+driver's thread while the workers run elsewhere, and a worker's end is a death to it. Here the worker runs on the
+driver's thread, so its exceptions reach the job as they are (a BatchjsonError the job tells by type, a bug's
+traceback) and are never respawned, and the counts it sends after a stop still reach the report (drive() returns at
+the stop, leaving replicas' last messages unread).
+"""
 
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ from batchjson.engine import speculation
 from batchjson.engine.fake import FakeEngines
 from batchjson.job import run_job
 from batchjson.spec import SpeculativeSpec, load_spec
-from helpers import assert_exactly_once, write_job, write_rows  # noqa: E402
+from helpers import assert_exactly_once, codes, write_job, write_rows  # noqa: E402
 
 AUTO = SpeculativeSpec(method="auto")
 
@@ -112,7 +112,7 @@ def test_auto_on_the_engine_keeps_none_for_a_short_pass_and_pass2_reuses_it(tmp_
     assert choice["chosen"] == "none" and choice["platform"] == "cpu", choice
     assert report.passes["pass1"].speculative == {}
     if "pass2" in report.passes:
-        assert "previous pass's engine" in report.passes["pass2"].note
+        assert "shared-engine" in codes(report.passes["pass2"])
         assert report.passes["pass2"].engine_starts == 0
     assert engines.starts - starts <= 1
     assert report.to_dict()["engine_starts"] == 1
@@ -203,7 +203,7 @@ def test_both_passes_share_one_engine_start_and_pass_2_never_drafts(tmp_path, ti
     if method == "ngram":
         assert sum(e.drafted["p1"] for e in engines.engines) == report["passes"]["pass1"]["rows"]
     if starts == 1:
-        assert "beside pass 1" in report["passes"]["pass2"]["note"]
+        assert "shared-engine" in codes(report["passes"]["pass2"])
     assert_exactly_once([f"r{i:05d}" for i in range(40)], tmp_path / "out", tmp_path / "out" / "_rejects")
 
 

@@ -19,7 +19,7 @@ from batchjson.job import run_job
 from batchjson.records import Prompt
 from batchjson.report import PassStats, RunReport
 from batchjson.spec import DecodingSpec, ModelSpec, SpeculativeSpec, load_spec
-from helpers import TINY_SCHEMA, write_job, write_rows
+from helpers import TINY_SCHEMA, codes, write_job, write_rows
 
 # The answer's JSON is in the prompt, so that n-gram lookup finds drafts even for a random model.
 PROMPTS = [f'<|im_start|>user\nAnswer like {{"name":"thing{i % 7}","n":{i % 10}}}: item {i}<|im_end|>\n'
@@ -160,7 +160,7 @@ def test_profiler_records_skips_and_errors(monkeypatch, tmp_path):
     from batchjson.engine import profiler
 
     profile = tmp_path / "p.json"
-    monkeypatch.setattr(profiler, "TIMED", profiler.TIMED + (
+    monkeypatch.setattr(internals, "TIMED", internals.TIMED + (
         ("vllm.v1.no_such_module", "X", "y", "y", False), ("vllm.v1.engine.core", "EngineCore", "no_such", "z", False)))
     profiler.install_profiler(profile, sync=False)
     got = read_profile(profile)
@@ -267,16 +267,55 @@ def test_a_vllm_the_patches_were_not_read_on_gets_neither_and_says_why(monkeypat
     from vllm.v1.core.sched.scheduler import Scheduler
 
     assert vllm.__version__.startswith(internals.READ_ON)
-    for name in ("_NO_DRAFT", "_FAST_GUARD"):  # as in a fresh process; monkeypatch puts back the real state
-        monkeypatch.setattr(internals, name, None)
     monkeypatch.setattr(internals, "VLLM_CHECK", internals.VLLM_CHECK)
     monkeypatch.setattr(vllm, "__version__", UNREAD)
     before = Scheduler.add_request, Scheduler.schedule, utils.check_sequence_repetition
-    assert internals.install_no_draft() == f"vLLM {UNREAD} is not a version this patch was read on (0.26.x, 0.32.x, 0.33.x)"
-    assert "check_sequence_repetition is not the one this was read on" in internals.install_fast_loop_guard()
-    assert not internals.no_draft_ready()
-    assert (Scheduler.add_request, Scheduler.schedule, utils.check_sequence_repetition) == before  # untouched
-    assert internals.notice() == internals.unread(UNREAD)
+    kept = internals.reset()  # as in a fresh process
+    try:
+        assert internals.install_no_draft() == \
+            f"vLLM {UNREAD} is not a version this patch was read on (0.26.x, 0.32.x, 0.33.x)"
+        assert "check_sequence_repetition is not the one this was read on" in internals.install_fast_loop_guard()
+        assert not internals.no_draft_ready()
+        assert (Scheduler.add_request, Scheduler.schedule, utils.check_sequence_repetition) == before  # untouched
+        assert internals.notice() == internals.unread(UNREAD) and internals.notice_code() == "unread-vllm"
+    finally:
+        internals.reset(kept)
+
+
+def test_an_install_runs_once_and_its_exception_is_its_answer():
+    """installs_once: the first answer is every later call's; an exception is an answer, never raised."""
+    calls = []
+
+    @internals.installs_once
+    def install_broken() -> str:
+        calls.append(1)
+        raise RuntimeError("no such attribute")
+
+    kept = internals.reset()
+    try:
+        assert install_broken() == install_broken() == "RuntimeError: no such attribute" and len(calls) == 1
+        assert internals.reset() == {"broken": "RuntimeError: no such attribute"}
+        assert install_broken() == "RuntimeError: no such attribute" and len(calls) == 2  # forgotten: run again
+    finally:
+        internals.reset(kept)
+
+
+def test_the_profiler_times_nothing_on_a_vllm_it_was_not_read_on(monkeypatch, tmp_path):
+    """Outside PROFILER_READ_ON every part is skipped, with why, and no vLLM class is touched."""
+    import vllm
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.engine.core import EngineCore
+
+    from batchjson.engine import profiler
+
+    monkeypatch.setattr(vllm, "__version__", UNREAD)
+    before = Scheduler.schedule, EngineCore.shutdown
+    profiler.install_profiler(tmp_path / "p.json", sync=False)
+    got = read_profile(tmp_path / "p.json")
+    assert len(got["patches"]) == len(internals.TIMED) and not got["errors"]
+    assert set(got["patches"].values()) == {
+        f"skipped: vLLM {UNREAD} is not a version this patch was read on (0.26.x, 0.32.x)"}
+    assert (Scheduler.schedule, EngineCore.shutdown) == before
 
 
 def test_the_report_line_for_a_vllm_outside_read_on():
@@ -295,7 +334,7 @@ def test_a_run_on_an_unread_vllm_says_so_once_in_its_summary(tmp_path, tiny_mode
     class Unread(FakeEngines):
         def start(self, *args):
             engine = super().start(*args)
-            engine.notice = line
+            engine.notice, engine.notice_code = line, "unread-vllm"
             return engine
 
     write_rows(tmp_path / "in.parquet", 24)
@@ -304,6 +343,7 @@ def test_a_run_on_an_unread_vllm_says_so_once_in_its_summary(tmp_path, tiny_mode
     assert report.passes["pass2"].rows > 0
     assert report.summary().splitlines().count(f"  note: {line}") == 1
     assert report.to_dict()["passes"]["pass1"]["notice"] == line
+    assert codes(report.to_dict()["passes"]["pass1"]).count("unread-vllm") == 1
 
     merged = PassStats()
     merged.merge(PassStats(notice=line).to_dict())

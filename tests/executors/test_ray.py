@@ -13,7 +13,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from helpers import ENV, assert_exactly_once, write_job, write_rows
+from helpers import ENV, assert_exactly_once, codes, write_job, write_rows
 
 pytest.importorskip("ray", reason="Ray mode needs the ray extra: pip install 'batchjson[ray]'")
 
@@ -57,5 +57,5 @@ def test_ray_replica_killed_mid_run(tmp_path, tiny_model, engines):
     report = json.loads((out / "_report.json").read_text())  # stdout carries vLLM's log lines too
     assert report["replicas"] == 2
     assert report["verified"]["ok"] and report["verified"]["complete"], report["verified"]
-    assert "died" in report["passes"]["pass1"]["note"], report["passes"]["pass1"]
+    assert "replica-died" in codes(report["passes"]["pass1"]), report["passes"]["pass1"]
     assert_exactly_once([f"r{i:05d}" for i in range(160)], out, out / "_rejects")

@@ -20,7 +20,7 @@ import pytest
 from batchjson.engine.fake import FakeEngines
 from batchjson.job import run_job
 from batchjson.spec import load_spec
-from helpers import ENV, HERE, assert_exactly_once, write_job, write_rows
+from helpers import ENV, HERE, assert_exactly_once, codes, write_job, write_rows
 
 
 class SlowReplicaEngines(FakeEngines):
@@ -83,7 +83,7 @@ def kill_a_replica(out: Path, args: list[str], env: dict, count: int, which: int
     report = json.loads((out / "_report.json").read_text())
     assert report["verified"]["ok"] and report["verified"]["complete"], report["verified"]
     # Its units went to the others; the note is on the pass of the work it held (pass 2's alone, at times).
-    assert any("died" in p["note"] for p in report["passes"].values()), report["passes"]
+    assert any("replica-died" in codes(p) for p in report["passes"].values()), report["passes"]
     return report
 
 

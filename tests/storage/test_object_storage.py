@@ -25,7 +25,7 @@ from batchjson.job import run_job
 from batchjson.spec import load_spec, with_input
 from batchjson.storage import Lease, PartName
 from batchjson.verify import verify_job
-from helpers import ENV, HERE, write_job, write_rows
+from helpers import ENV, HERE, codes, write_job, write_rows
 from s3_proxy import FaultProxy
 
 LEASE = 3.0  # seconds: the lease expiry of the runs these tests kill
@@ -249,8 +249,8 @@ def test_a_truncated_part_on_s3_fails_verify_and_a_rerun_redoes_its_unit(tmp_pat
     result = cli("verify", job, "--output", out)
     assert result.exit_code == 3 and f"s3://{part} does not read as Parquet" in result.output, result.output
     report = run_job(load_spec(job), out, engine_factory=FakeEngines(valid=1.0), progress=False)
-    (note,) = report.notes
-    assert report.passes["pass1"].rows == 4 and note.startswith(f"unit {PartName.parse(part.rsplit('/', 1)[1]).key}: ")
+    assert codes(report) == ["unit-redone"] and report.passes["pass1"].rows == 4
+    assert report.events[0]["text"].startswith(f"unit {PartName.parse(part.rsplit('/', 1)[1]).key}: ")
     assert cli("verify", job, "--output", out).exit_code == 0 and rows_read(out) == 12
     assert sorted(ids_at(out)) == [f"r{i:05d}" for i in range(12)]
 
