@@ -65,7 +65,8 @@ class JobRun:
 
             check_draft(self.spec.model.path, self.spec.speculative.draft_model)
         scan = self.source.scan()  # a null id fails here, before the output folder is claimed
-        layout = None if self.ray else local_layout(self.replicas, self.spec.model)  # Ray's: once connected
+        # the local replicas' layout (auto: by the job's rows too); Ray's once connected
+        layout = None if self.ray else local_layout(self.replicas, self.spec.model, sum(r.rows for r in mine))
         storage, commits = self.storage, self.storage.commits
         report = RunReport(self.spec.hash(), input_rows, str(storage.output), str(storage.rejects),
                            max_reject_rate=self.spec.output.max_reject_rate)

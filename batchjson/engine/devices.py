@@ -22,12 +22,15 @@ GIB = 1 << 30
 VLLM_GPU_MEMORY_UTILIZATION = 0.9
 
 # replicas_per_gpu = "auto": rows of (the model's weights at most this share of one GPU's memory, at least this many
-# host cores per replica, replicas per GPU), tried in order; the first row that holds gives the count. A row sharing
-# a GPU belongs here only once it was measured to pay on whole runs against one engine per GPU, for models of that
-# size on hosts of that many cores per replica (BENCHMARKS.md, "Replicas per GPU"); one that did not pay everywhere
-# (the 1.5B target must never be slower) is not added. Not measured yet: until then "auto" is one per GPU everywhere.
-REPLICAS_PER_GPU_RULE: tuple[tuple[float, int, int], ...] = (
-    (1.0, 0, 1),
+# host cores per replica, at least this many rows to decode per replica, replicas per GPU), tried in order; the first
+# row that holds gives the count. A row sharing a GPU belongs here only once it was measured to pay on whole runs
+# against one engine per GPU, for models of that size, on hosts of that many cores per replica, on jobs of that many
+# rows (BENCHMARKS.md, "Replicas per GPU"). Measured on an H200 (140 GiB, 16 cores), SmolLM2-135M (0.25 GiB, 0.18% of
+# it), 30,000 rows: 2 replicas 134.8 s against one's 209.9 s, the same valid rows. Below its rows (a small job ends
+# before a second engine's start pays), above its share (the 1.5B target, 2.4%), or with fewer cores: one per GPU.
+REPLICAS_PER_GPU_RULE: tuple[tuple[float, int, int, int], ...] = (
+    (0.004, 8, 15_000, 2),
+    (1.0, 0, 0, 1),
 )
 
 
@@ -128,29 +131,34 @@ def memory_share(engine: dict, share: int) -> dict:
     return {"gpu_memory_utilization": math.floor(VLLM_GPU_MEMORY_UTILIZATION / share * 1000) / 1000}
 
 
-def auto_per_gpu(weights: int | None, memory: int | None, cores: int, groups: int) -> tuple[int, str]:
+def auto_per_gpu(weights: int | None, memory: int | None, cores: int, groups: int,
+                 rows: int | None = None) -> tuple[int, str]:
     """replicas_per_gpu = "auto": the first row of REPLICAS_PER_GPU_RULE that the model's weights (bytes on each
-    GPU), the GPU's memory and the host's cores per replica allow; and why, in words."""
+    GPU), the GPU's memory, the host's cores per replica and the rows to decode per replica (None: unknown, as many
+    as it takes) allow; and why, in words."""
     if not weights or not memory:
         return 1, "auto: the model's weights or the GPU's memory are unknown"
     share = weights / memory
-    for most, cores_each, n in REPLICAS_PER_GPU_RULE:
-        if share <= most and cores // max(1, groups * n) >= cores_each:
-            size = f"weights {weights / GIB:.2f} GiB, {share:.1%} of a {memory / GIB:.0f} GiB GPU"
+    size = f"weights {weights / GIB:.2f} GiB, {share:.1%} of a {memory / GIB:.0f} GiB GPU"
+    for most, cores_each, rows_each, n in REPLICAS_PER_GPU_RULE:
+        replicas = max(1, groups * n)
+        if share <= most and cores // replicas >= cores_each and (rows is None or rows // replicas >= rows_each):
             if n == 1:
-                return 1, f"auto: {size}, {cores} cores: no measured rule shares a GPU for that"
-            return n, f"auto: {size}, {cores // (groups * n)} cores per replica: measured to pay"
+                job = f", {rows:,} rows" if rows is not None else ""
+                return 1, f"auto: {size}, {cores} cores{job}: no measured rule shares a GPU for that"
+            return n, f"auto: {size}, {cores // replicas} cores per replica: measured to pay"
     return 1, "auto: no rule applies"
 
 
-def choose_per_gpu(model: ModelSpec, groups: int, per: int, cores: int, memory: int | None) -> tuple[int, str]:
-    """Replicas per GPU (group of `per` GPUs) for `model` on `groups` groups, and why."""
+def choose_per_gpu(model: ModelSpec, groups: int, per: int, cores: int, memory: int | None,
+                   rows: int | None = None) -> tuple[int, str]:
+    """Replicas per GPU (group of `per` GPUs) for `model` on `groups` groups, for a job of `rows` rows, and why."""
     if model.replicas_per_gpu != "auto":
         return int(model.replicas_per_gpu), f"model.replicas_per_gpu = {model.replicas_per_gpu}"
     from batchjson.engine.models import resolve_model, weight_bytes
 
     weights = weight_bytes(resolve_model(model.path))
-    return auto_per_gpu(weights // per if weights else None, memory, cores, groups)
+    return auto_per_gpu(weights // per if weights else None, memory, cores, groups, rows)
 
 
 def replica_count(gpus: int, per: int, per_gpu: int, requested: int | None, where: str, hint: str) -> int:

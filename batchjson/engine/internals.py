@@ -108,6 +108,19 @@ def install() -> None:
     install_idle_drafter()
 
 
+def install_in_runner() -> None:
+    """The patches the runner's own process needs: the scheduler's (whether pass 2 can go without drafts is
+    decided here, and they serve an engine core in this process). The model runner's only where the engine core runs
+    in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0): elsewhere the plugin patches it in the engine process, and
+    importing the GPU model runner here would only add its import to the start (bare vLLM's runner never imports it)."""
+    install_no_draft()
+    install_fast_loop_guard()
+    import vllm.envs
+
+    if not vllm.envs.VLLM_ENABLE_V1_MULTIPROCESSING:
+        install_idle_drafter()
+
+
 def no_draft_ready() -> bool:
     """Whether requests can opt out of drafts in this vLLM (installs the patch in this process if not yet)."""
     return install_no_draft() == "ok"

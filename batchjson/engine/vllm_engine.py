@@ -155,7 +155,7 @@ class VllmEngine(Engine):
         self._sampling = vllm.SamplingParams
         self.params: dict[str, Any] = {}  # stage -> SamplingParams
         # Requests without a draft on a speculative engine (pass 2): through batchjson's scheduler patch.
-        internals.install()  # for an engine core in this process; the plugin installs both in vLLM's processes
+        internals.install_in_runner()  # the plugin installs them all in vLLM's processes
         self.no_draft = self.speculative is not None and internals.no_draft_ready()
         self.notice, self.notice_code = internals.notice(), internals.notice_code()
         self.use(decoding)

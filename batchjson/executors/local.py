@@ -16,15 +16,16 @@ from batchjson.spec import ModelSpec
 THREADS_PER_REPLICA = 4
 
 
-def local_layout(requested: int | None, model: ModelSpec) -> Layout:
+def local_layout(requested: int | None, model: ModelSpec, rows: int | None = None) -> Layout:
     """Each local replica's placement: every GPU of the host in groups of gpus_per_replica, replicas_per_gpu on each
-    group, or as many as asked for. Without GPUs (a CPU build) one replica, or as many CPU replicas as asked for."""
+    group (auto: by the model's size, the cores and the job's `rows` to decode), or as many as asked for. Without
+    GPUs (a CPU build) one replica, or as many CPU replicas as asked for."""
     gpus = visible_gpus()
     if not gpus:
         refuse_without_gpus(model, "this host")
         return Layout((Placement(),) * (requested or 1))
     per = gpus_per_replica(model.engine)
-    n, why = choose_per_gpu(model, len(gpus) // per, per, host_cores(), gpu_memory())
+    n, why = choose_per_gpu(model, len(gpus) // per, per, host_cores(), gpu_memory(), rows)
     return lay_out(gpus, model.engine, n, requested, "this host", "Ask for fewer (--replicas, model.replicas), let "
                    "more share each GPU (model.replicas_per_gpu), or run on a Ray cluster (--ray).", why)
 

@@ -128,14 +128,24 @@ def test_the_spec_hash_ignores_replicas_per_gpu(tmp_path, tiny_model):
     assert load_spec(job).hash() == before
 
 
-def test_auto_is_one_per_gpu_until_a_measured_rule_says_more():
-    n, why = auto_per_gpu(int(0.27 * GIB), 140 * GIB, 16, 1)
-    assert n == 1 and "no measured rule shares a GPU" in why and "0.27 GiB" in why
-    assert auto_per_gpu(None, 140 * GIB, 16, 1) == (1, "auto: the model's weights or the GPU's memory are unknown")
+def test_auto_shares_a_gpu_only_where_it_was_measured_to_pay():
+    """The measured rule: SmolLM2-135M on an H200 of a 16-core host, 30,000 rows: two replicas. A smaller job, fewer
+    cores, or the 1.5B target: one."""
+    smol, target, h200 = int(0.25 * GIB), int(3.31 * GIB), 140 * GIB
+    n, why = auto_per_gpu(smol, h200, 16, 1, 30_000)
+    assert n == 2 and "measured to pay" in why and "8 cores per replica" in why
+    assert auto_per_gpu(smol, h200, 16, 1, None)[0] == 2  # rows unknown: the rule's share and cores decide
+    n, why = auto_per_gpu(smol, h200, 16, 1, 600)  # a small job: ends before a second engine's start pays
+    assert n == 1 and "no measured rule shares a GPU" in why and "600 rows" in why and "0.25 GiB" in why
+    assert auto_per_gpu(smol, h200, 8, 1, 30_000)[0] == 1  # 4 cores each: fewer than measured
+    assert auto_per_gpu(smol, h200, 32, 2, 60_000)[0] == 2  # two GPUs, 8 cores and 15,000 rows for each replica
+    assert auto_per_gpu(smol, h200, 32, 2, 40_000)[0] == 1  # 10,000 rows each
+    assert auto_per_gpu(target, h200, 64, 1, 1_000_000)[0] == 1  # the 1.5B: never shared
+    assert auto_per_gpu(None, h200, 16, 1) == (1, "auto: the model's weights or the GPU's memory are unknown")
 
 
 def test_the_auto_rule_shares_a_gpu_only_for_small_models_with_cores_to_spare(monkeypatch):
-    monkeypatch.setattr(devices, "REPLICAS_PER_GPU_RULE", ((0.01, 4, 3), (0.01, 4, 2), (1.0, 0, 1)))
+    monkeypatch.setattr(devices, "REPLICAS_PER_GPU_RULE", ((0.01, 4, 0, 3), (0.01, 4, 0, 2), (1.0, 0, 0, 1)))
     small, big, gpu = int(0.27 * GIB), 3 * GIB, 140 * GIB
     assert auto_per_gpu(small, gpu, 16, 1)[0] == 3  # 5 cores for each of 3
     assert auto_per_gpu(small, gpu, 10, 1)[0] == 2  # 3 each would be too few for 3: two, 5 each
@@ -148,7 +158,7 @@ def test_the_auto_rule_shares_a_gpu_only_for_small_models_with_cores_to_spare(mo
 def test_auto_reads_the_models_weights(tmp_path, monkeypatch):
     (tmp_path / "config.json").write_text("{}")
     (tmp_path / "model.safetensors").write_bytes(b"\0" * 4096)
-    monkeypatch.setattr(devices, "REPLICAS_PER_GPU_RULE", ((0.01, 1, 2), (1.0, 0, 1)))
+    monkeypatch.setattr(devices, "REPLICAS_PER_GPU_RULE", ((0.01, 1, 0, 2), (1.0, 0, 0, 1)))
     assert choose_per_gpu(ModelSpec(path=str(tmp_path)), 1, 1, 8, 1 << 20)[0] == 2  # 4 KiB of a 1 MiB GPU
     assert choose_per_gpu(ModelSpec(path=str(tmp_path)), 1, 1, 8, 1 << 18)[0] == 1  # 1.6% of it
     assert choose_per_gpu(ModelSpec(path=str(tmp_path), replicas_per_gpu=4), 1, 1, 8, None) == (4, "model.replicas_per_gpu = 4")
