@@ -17,9 +17,8 @@
 #   first batchjson start after a bare warm-up is the slowest, so that penalty falls on the shared GPU); replicasmore:
 #   3, bare vLLM, 4; replicas15: the 1.5B, 1 and 2.
 # PLAN inflight64: the 1.5B at 64 requests in flight, none and suffix, bare vLLM then batchjson.
-# PLAN all: the plans named in PLANS (default: replicas target pass2 replicasmore t30k
-#   inflightdraft inflight64 replicas15) in that
-#   order, within BUDGET_S.
+# PLAN all: the plans named in PLANS (default: target replicasmore t30k inflightdraft replicas15 pass2 inflight64
+#   replicas) in that order, within BUDGET_S.
 set -u
 export PYTHONPATH=/tmp/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
 res=/tmp/res
@@ -85,7 +84,7 @@ run_plan() {
   esac
 }
 if [ "$plan" = all ]; then
-  for p in ${PLANS:-replicas target pass2 replicasmore t30k inflightdraft inflight64 replicas15}; do run_plan $p; done
+  for p in ${PLANS:-target replicasmore t30k inflightdraft replicas15 pass2 inflight64 replicas}; do run_plan $p; done
 else
   run_plan $plan
 fi
