@@ -24,6 +24,7 @@ from batchjson.engine import internals
 ENV_PROFILE = "BATCHJSON_PROFILE_STEPS"
 ENV_PROFILE_SYNC = "BATCHJSON_PROFILE_SYNC"
 DUMP_EVERY_S = 2.0
+EARLY_DUMPS = 64  # the first parts timed are written at once: a short run's counts do not hang on its shutdown's
 
 
 class StepProfile:
@@ -36,6 +37,7 @@ class StepProfile:
         self.patches: dict[str, str] = {}
         self.errors: list[str] = []
         self.steps = 0
+        self.added = 0  # parts timed so far
         self.lock = threading.Lock()
         self.last_dump = time.monotonic()
         self.started = time.time()
@@ -49,7 +51,8 @@ class StepProfile:
             entry = self.parts.setdefault(part, [0, 0.0])
             entry[0] += 1
             entry[1] += seconds
-        if time.monotonic() - self.last_dump > DUMP_EVERY_S:
+            self.added += 1
+        if self.added <= EARLY_DUMPS or time.monotonic() - self.last_dump > DUMP_EVERY_S:
             self.dump()
 
     def dump(self) -> None:
