@@ -92,6 +92,11 @@ class PassStats:
         record(self.events, code, text)
         return text
 
+    def first_note(self, code: NoteCode, text: str) -> None:
+        """Record an event; `note` keeps the first one it was given."""
+        self.event(code, text)
+        self.note = self.note or text
+
     def add(self, ok: bool, reason: str | None, prompt_tokens: int, output_tokens: int) -> None:
         self.rows += 1
         self.valid += ok

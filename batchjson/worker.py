@@ -197,8 +197,8 @@ class Worker:
         for p in self.passes[1:]:
             later = self.stats[p.stage]
             if later.rows and not later.engine_starts:
-                later.note = later.note or later.event(
-                    "shared-engine", "decoded on pass 1's engine, beside pass 1 (no engine start of its own)")
+                later.first_note("shared-engine",
+                                 "decoded on pass 1's engine, beside pass 1 (no engine start of its own)")
                 later.grammar = later.grammar or first.grammar
         channel.send("stats", {stage: s.to_dict() for stage, s in self.stats.items() if s.rows or s.engine_starts})
 
@@ -408,10 +408,11 @@ class Worker:
         hung = "hung:" in str(died)
         if hung:
             stats.hung += 1
-        stats.note = stats.note or stats.event(*(
-            ("engine-hung", f"engine hung and was restarted (no step for {self.spec.model.hang_timeout_s:.0f} s, "
-                            "model.hang_timeout_s)") if hung else
-            ("engine-restarted", f"engine restarted after {deaths} death(s)")))
+        if hung:
+            stats.first_note("engine-hung", f"engine hung and was restarted (no step for "
+                             f"{self.spec.model.hang_timeout_s:.0f} s, model.hang_timeout_s)")
+        else:
+            stats.first_note("engine-restarted", f"engine restarted after {deaths} death(s)")
         return deaths
 
 

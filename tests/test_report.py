@@ -7,6 +7,7 @@ import time
 from batchjson.engine import EngineWrapper, WrappedEngines
 from batchjson.engine.fake import FakeEngines
 from batchjson.job import run_job
+from batchjson.report import PassStats
 from batchjson.spec import load_spec
 from helpers import codes, write_job, write_rows
 
@@ -47,3 +48,12 @@ def test_each_note_keeps_its_code_next_to_its_text():
     d = report.to_dict()
     assert d["notes"] == ["unit a.parquet#0: the record was missing; the unit was redone"]
     assert codes(d) == ["unit-redone"] and "note: unit a.parquet#0" in report.summary()
+
+
+def test_every_note_is_an_event_though_the_note_keeps_the_first():
+    """An engine that hung after a restart: the pass's note stays the first, its events hold both, in order."""
+    stats = PassStats()
+    stats.first_note("engine-restarted", "engine restarted after 1 death(s)")
+    stats.first_note("engine-hung", "engine hung and was restarted")
+    assert stats.note == "engine restarted after 1 death(s)"
+    assert [e["code"] for e in stats.events] == ["engine-restarted", "engine-hung"]
