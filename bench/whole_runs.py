@@ -22,6 +22,8 @@ Runs, in the order given (compare only runs of one call: machines differ by +-30
   <run>+p2                pass 1 stops every row at 8 tokens, so pass 2 (max_tokens as given, no drafts) decodes all
                           rows on pass 1's engine: draft+p2 against none+p2 is what the drafter costs requests
                           without drafts (draft+p2-noadapt: not with -noguard).
+  <run>+trace             the same under bench/start_trace.py (its main thread's stack sampled: where the time before the
+                          engine decodes goes): auto+trace, none+rpg2+trace.
   <run>+rpgN              the same with [model] replicas_per_gpu = N (N engine replicas share each GPU); last in
                           the name (none@512+rpg2, none+p2+rpg2). --replicas-per-gpu 1,2,3,4 runs each batchjson run of --runs so.
   before:<run>            the same job run by an earlier batchjson tree (--before DIR, its package folder's parent).
@@ -105,7 +107,8 @@ def bare(task: str, rows: int, model: str, max_tokens: int, method: str, seqs: i
 
 def batchjson_run(name: str, args, work: Path, t_launch: float, timeout: float) -> dict:
     tree, _, run = name.rpartition(":")
-    run, _, per_gpu = run.partition("+rpg")
+    traced = "+trace" in run
+    run, _, per_gpu = run.replace("+trace", "").partition("+rpg")
     base, _, size = run.partition("@")
     pass2 = "+p2" in base
     method, *flags = base.replace("+p2", "").split("-no")
@@ -136,8 +139,12 @@ def batchjson_run(name: str, args, work: Path, t_launch: float, timeout: float) 
     env = os.environ | {"PYTHONUNBUFFERED": "1"}
     if tree:  # the earlier tree first on the path, and not this one's from the working folder
         env["PYTHONPATH"] = os.pathsep.join(filter(None, (args.before, env.get("PYTHONPATH"))))
-    proc = subprocess.run(cli("run", str(job), "--output", str(out), "--fresh"),
-                          capture_output=True, text=True, timeout=timeout, env=env, cwd=folder)
+    command = cli("run", str(job), "--output", str(out), "--fresh")
+    if traced:  # the same run with its main thread's stack sampled (bench/start_trace.py)
+        command = [sys.executable, "-m", "bench", "start-trace", str(job), "--output", str(out),
+                   "--out", str(folder / "trace.json")]
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, (str(Path(__file__).parent.parent), env.get("PYTHONPATH"))))
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env, cwd=folder)
     done = round(time.time() - t_launch, 2)
     report_file = out / "_report.json"
     if proc.returncode != 0 or not report_file.exists():
@@ -162,7 +169,8 @@ def batchjson_run(name: str, args, work: Path, t_launch: float, timeout: float) 
             "replicas": report.get("replicas"), "replicas_per_gpu": report.get("replicas_per_gpu"),
             "layout": report.get("layout", ""), "timeline": report.get("timeline"),
             "engine_close_s": round(p1.get("engine_close_s", 0) + p2.get("engine_close_s", 0), 2),
-            "chosen": auto.get("chosen", method), "why": auto.get("why", ""), "summary": proc.stdout[-2500:]}
+            "chosen": auto.get("chosen", method), "why": auto.get("why", ""), "summary": proc.stdout[-2500:],
+            **({"trace": json.loads((folder / "trace.json").read_text())["segments"]} if traced else {})}
 
 
 # ---------------------------------------------------------------- the call

@@ -8,17 +8,18 @@
 #   bash bench/gpu/qwen_session.sh convert q15|q05|smol      # (after site) unpack.sh's conversion, then the ready mark
 #   bash bench/gpu/qwen_session.sh wait SECONDS OUT_DIR      # until every plan is done or SECONDS pass; then collect
 # PLAN small: SmolLM2-135M, the 600-row small job, ABAB against bare vLLM (warm compile caches for both).
-# PLAN target: the 1.5B target, task C, 6,000 rows: the default against bare vLLM, both warm.
+# PLAN target: the 1.5B target, task C, 6,000 rows: the default against bare vLLM, both warm (the first default run
+#   with its main thread's stack sampled: bench/start_trace.py).
 # PLAN inflight: the 1.5B at 16 requests in flight: none / suffix / ngram, bare vLLM then batchjson (which finds the
 #   compile cache bare filled for the same configuration); inflightdraft: the same with the 0.5B draft model.
 # PLAN pass2: what the 0.5B drafter costs pass 2's requests (no drafts) on the 1.5B: every row goes to pass 2.
-# PLAN t30k: the 1.5B, 30,000 rows of task C, the default against bare vLLM.
+# PLAN t30k: the 1.5B, 30,000 rows of task C, the default against bare vLLM, then two replicas on the GPU.
 # PLAN replicas: 2 then 1 engine replicas on one GPU (model.replicas_per_gpu), SmolLM2, 30,000 rows (2 first: the
 #   first batchjson start after a bare warm-up is the slowest, so that penalty falls on the shared GPU); replicasmore:
-#   3, bare vLLM, 4; replicas15: the 1.5B, 1 and 2.
+#   3 then 2 after a warm-up; smolmore: bare vLLM, 4; replicas15: the 1.5B, 1 and 2.
 # PLAN inflight64: the 1.5B at 64 requests in flight, none and suffix, bare vLLM then batchjson.
-# PLAN all: the plans named in PLANS (default: target replicasmore t30k inflightdraft replicas15 pass2 inflight64
-#   replicas) in that order, within BUDGET_S.
+# PLAN all: the plans named in PLANS (default: replicasmore target t30k inflightdraft smolmore: SmolLM2's first, as
+#   its files come first) in that order, within BUDGET_S.
 set -u
 export PYTHONPATH=/tmp/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
 res=/tmp/res
@@ -65,7 +66,7 @@ run_plan() {
     small) need smol && wr smol-C600 --task C --rows 600 --model $smol --timeout 120 \
              --runs warm-none,auto,bare-none,auto,bare-none ;;
     target) need q15 && wr t15-C6000 --task C --rows 6000 --model $q15 --timeout 200 \
-             --runs warm-none,auto,bare-none,auto ;;
+             --runs warm-none,auto+trace,bare-none,auto ;;
     inflight) need q15 && wr t15-C320-16 --task C --rows 320 --model $q15 --timeout 150 \
              --runs bare-none@16,none@16,bare-suffix@16,suffix@16,bare-ngram@16,ngram@16 ;;
     inflightdraft) need q15 && need q05 && wr t15-C320-16d --task C --rows 320 --model $q15 --draft $q05 \
@@ -75,16 +76,18 @@ run_plan() {
     replicas) need smol && wr rpg-smol-C30000 --task C --rows 30000 --model $smol --timeout 300 \
              --runs warm-none,none+rpg2,none+rpg1 ;;
     replicasmore) need smol && wr rpg-smol-C30000-more --task C --rows 30000 --model $smol --timeout 300 \
-             --runs none+rpg3,bare-none,none+rpg4 ;;
+             --runs warm-none,none+rpg3,none+rpg2 ;;
+    smolmore) need smol && wr rpg-smol-C30000-bare --task C --rows 30000 --model $smol --timeout 300 \
+             --runs bare-none,none+rpg4 ;;
     replicas15) need q15 && wr rpg-t15-C30000 --task C --rows 30000 --model $q15 --timeout 300 \
              --runs none+rpg1,none+rpg2 ;;
     inflight64) need q15 && wr t15-C1000-64 --task C --rows 1000 --model $q15 --timeout 150 \
              --runs bare-none@64,none@64,bare-suffix@64,suffix@64 ;;
-    t30k) need q15 && wr t15-C30000 --task C --rows 30000 --model $q15 --timeout 300 --runs bare-none,auto ;;
+    t30k) need q15 && wr t15-C30000 --task C --rows 30000 --model $q15 --timeout 300 --runs bare-none,auto,none+rpg2 ;;
   esac
 }
 if [ "$plan" = all ]; then
-  for p in ${PLANS:-target replicasmore t30k inflightdraft replicas15 pass2 inflight64 replicas}; do run_plan $p; done
+  for p in ${PLANS:-replicasmore target t30k inflightdraft smolmore}; do run_plan $p; done
 else
   run_plan $plan
 fi
