@@ -179,23 +179,30 @@ def install_no_draft() -> str:
 RUNNER_READ_ON = ("0.26.", "0.32.", "0.33.")
 
 
-def no_draft_batch(requests: dict, req_ids: list[str]) -> bool:
-    """Whether every request of a step asked for no drafts (NO_DRAFT in its SamplingParams.extra_args)."""
+def few_drafted(requests: dict, req_ids: list[str]) -> bool:
+    """Whether at most half of a step's requests want drafts (the others asked for none: NO_DRAFT in their
+    SamplingParams.extra_args). A draft model's forwards cost every request of the step; they pay only where most of
+    it is drafted for: with k drafts accepted at rate a, a step whose share f of requests is drafted for gains
+    (1 + f*a*k) / (1 + a*k) of what an all-drafted step gains, so at f = 1/2 (a*k ~ 4) a draft model must gain
+    more than x1.66 at a full step to break even (the 0.5B draft on the 1.5B: x0.54-0.76 at 64 in flight and at a
+    full batch, BENCHMARKS.md)."""
+    drafted = 0
     for req_id in req_ids:
         state = requests.get(req_id)
         params = getattr(state, "sampling_params", None)
         extra = getattr(params, "extra_args", None)
-        if not (extra and extra.get(NO_DRAFT)):
-            return False
-    return bool(req_ids)
+        drafted += not (extra and extra.get(NO_DRAFT))
+    return bool(req_ids) and 2 * drafted <= len(req_ids)
 
 
 @installs_once
 def install_idle_drafter() -> str:
-    """Patch the V1 model runner (in this process) so that a draft model runs no forward in a step whose requests
-    all asked for no drafts (pass 2 on pass 1's draft-model engine: x2.29 the time of pass 2 without speculation
-    before, x1.46 after, on an H200, BENCHMARKS.md run12: the rest is steps shared with pass 1);
-    "ok" or why not (then the drafter runs as vLLM has it). Only draft-model methods: ngram and suffix drafting cost
+    """Patch the V1 model runner (in this process) so that a draft model runs no forward in a step where at most
+    half of the requests want drafts (few_drafted): pass 2 on pass 1's draft-model engine. Pass 2 took x2.29 the
+    time of pass 2 without speculation before; x1.46 when only steps of pass-2 requests alone skipped the drafter
+    (H200, BENCHMARKS.md run12: the rest was steps shared with pass 1's last requests). A skipped step's drafted
+    requests decode one token as without speculation (vLLM's own path for a step it cannot draft for), so outputs
+    stay the same. "ok" or why not (then the drafter runs as vLLM has it). Only draft-model methods: ngram and suffix drafting cost
     no forward pass, and suffix decoding keeps per-request state that every step must see."""
     import inspect
 
@@ -208,13 +215,12 @@ def install_idle_drafter() -> str:
         return "GPUModelRunner._input_fits_in_drafter changed"
 
     @functools.wraps(fits)
-    def fits_unless_no_draft_batch(self, common_attn_metadata):
-        if self.speculative_config.uses_draft_model() and \
-                no_draft_batch(self.requests, self.input_batch.req_ids):
+    def fits_unless_few_drafted(self, common_attn_metadata):
+        if self.speculative_config.uses_draft_model() and few_drafted(self.requests, self.input_batch.req_ids):
             return False
         return fits(self, common_attn_metadata)
 
-    GPUModelRunner._input_fits_in_drafter = fits_unless_no_draft_batch
+    GPUModelRunner._input_fits_in_drafter = fits_unless_few_drafted
     return "ok"
 
 

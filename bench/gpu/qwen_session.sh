@@ -18,7 +18,7 @@
 #   first batchjson start after a bare warm-up is the slowest, so that penalty falls on the shared GPU); replicasmore:
 #   3 then 2 after a warm-up; smolmore: bare vLLM, 4; replicas15: the 1.5B, 1 and 2.
 # PLAN inflight64: the 1.5B at 64 requests in flight, none and suffix, bare vLLM then batchjson.
-# PLAN all: the plans named in PLANS (default: replicasmore target t30k inflightdraft smolmore: SmolLM2's first, as
+# PLAN all: the plans named in PLANS (default: replicasmore target pass2 t30k inflightdraft smolmore: SmolLM2's first, as
 #   its files come first) in that order, within BUDGET_S.
 set -u
 export PYTHONPATH=/tmp/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
@@ -87,7 +87,7 @@ run_plan() {
   esac
 }
 if [ "$plan" = all ]; then
-  for p in ${PLANS:-replicasmore target t30k inflightdraft smolmore}; do run_plan $p; done
+  for p in ${PLANS:-replicasmore target pass2 t30k inflightdraft smolmore}; do run_plan $p; done
 else
   run_plan $plan
 fi
