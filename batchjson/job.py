@@ -148,6 +148,8 @@ class JobRun:
         def on_note(stage: str, code: NoteCode, text: str) -> None:
             stats[stage].note = "; ".join(filter(None, (stats[stage].note, stats[stage].event(code, text))))
 
+        if layout is not None and report.resumed and self.replicas is None:  # auto: by the rows left to decode
+            layout = local_layout(None, self.spec.model, sum(b.total for b in bars.values()))
         try:
             if layout:
                 report.lay_out(layout)

@@ -16,7 +16,8 @@ from batchjson.executors.local import local_layout, threads_per_replica
 from batchjson.executors.ray import ray_layout
 from batchjson.report import RunReport
 from batchjson.spec import ModelSpec, load_spec
-from helpers import write_job, write_rows
+from batchjson.job import run_job
+from helpers import at_commit_step, write_job, write_rows
 
 HINT = "(hint)"
 
@@ -206,3 +207,29 @@ def test_the_report_says_how_many_per_gpu_and_why():
     cpu = RunReport("h", 10, "out", "rej")
     cpu.lay_out(Layout((Placement(),)))
     assert "replicas:" not in cpu.summary()
+
+
+def test_a_resumed_run_lays_out_its_replicas_by_the_rows_it_has_left(tmp_path, tiny_model, engines, monkeypatch):
+    """auto's replicas per GPU count the rows a run has left to decode: a resumed run of 16 rows with 8 done lays out
+    its replicas for 8 (the job's 16 only check that the layout is possible, before the output folder is claimed)."""
+    import batchjson.job
+
+    class Stop(Exception):
+        pass
+
+    def stop():
+        raise Stop
+
+    write_rows(tmp_path / "in.parquet", 16)
+    spec = load_spec(write_job(tmp_path, tiny_model, tmp_path / "in.parquet", batch_size=4))
+    real, asked = batchjson.job.local_layout, []
+    monkeypatch.setattr(batchjson.job, "local_layout",
+                        lambda requested, model, rows=None: asked.append(rows) or real(requested, model, rows))
+    at_commit_step("committed", 2, stop, monkeypatch.setattr)  # the first run dies after its second unit
+    with pytest.raises(Stop):
+        run_job(spec, engine_factory=engines, progress=False)
+    assert asked == [16]
+    at_commit_step("committed", 0, stop, monkeypatch.setattr)
+    report = run_job(spec, engine_factory=engines, progress=False)
+    assert report.resumed and asked == [16, 16, 8]
+    assert report.valid + report.rejected == 16
