@@ -13,12 +13,13 @@
 # PLAN inflight: the 1.5B at 16 requests in flight: none / suffix / ngram, bare vLLM then batchjson (which finds the
 #   compile cache bare filled for the same configuration); inflightdraft: the same with the 0.5B draft model.
 # PLAN pass2: what the 0.5B drafter costs pass 2's requests (no drafts) on the 1.5B: every row goes to pass 2.
-# PLAN t30k: the 1.5B, 30,000 rows of task C, the default against bare vLLM, then two replicas on the GPU.
+# PLAN t30k: the 1.5B, 30,000 rows of task C, the default against bare vLLM.
 # PLAN replicas: 2 then 1 engine replicas on one GPU (model.replicas_per_gpu), SmolLM2, 30,000 rows (2 first: the
 #   first batchjson start after a bare warm-up is the slowest, so that penalty falls on the shared GPU); replicasmore:
-#   3 then 2 after a warm-up; smolmore: bare vLLM, 4; replicas15: the 1.5B, 1 and 2.
+#   3 then 2 after a warm-up; smolmore: bare vLLM, 4; replicas15: the 1.5B with 2 (t30k's default is its 1).
 # PLAN inflight64: the 1.5B at 64 requests in flight, none and suffix, bare vLLM then batchjson.
-# PLAN all: the plans named in PLANS (default: replicasmore target pass2 t30k inflightdraft smolmore: SmolLM2's first, as
+# PLAN all: the plans named in PLANS (default: replicasmore target t30k pass2 replicas15 inflightdraft smolmore: SmolLM2's
+#   first, as
 #   its files come first) in that order, within BUDGET_S.
 set -u
 export PYTHONPATH=/tmp/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
@@ -80,14 +81,14 @@ run_plan() {
     smolmore) need smol && wr rpg-smol-C30000-bare --task C --rows 30000 --model $smol --timeout 300 \
              --runs bare-none,none+rpg4 ;;
     replicas15) need q15 && wr rpg-t15-C30000 --task C --rows 30000 --model $q15 --timeout 300 \
-             --runs none+rpg1,none+rpg2 ;;
+             --runs none+rpg2 ;;
     inflight64) need q15 && wr t15-C1000-64 --task C --rows 1000 --model $q15 --timeout 150 \
              --runs bare-none@64,none@64,bare-suffix@64,suffix@64 ;;
-    t30k) need q15 && wr t15-C30000 --task C --rows 30000 --model $q15 --timeout 300 --runs bare-none,auto,none+rpg2 ;;
+    t30k) need q15 && wr t15-C30000 --task C --rows 30000 --model $q15 --timeout 300 --runs bare-none,auto ;;
   esac
 }
 if [ "$plan" = all ]; then
-  for p in ${PLANS:-replicasmore target pass2 t30k inflightdraft smolmore}; do run_plan $p; done
+  for p in ${PLANS:-replicasmore target t30k pass2 replicas15 inflightdraft smolmore}; do run_plan $p; done
 else
   run_plan $plan
 fi
