@@ -18,9 +18,8 @@
 #   first batchjson start after a bare warm-up is the slowest, so that penalty falls on the shared GPU); replicasmore:
 #   3 then 2 after a warm-up; smolmore: bare vLLM, 4; replicas15: the 1.5B with 2 (t30k's default is its 1).
 # PLAN inflight64: the 1.5B at 64 requests in flight, none and suffix, bare vLLM then batchjson.
-# PLAN all: the plans named in PLANS (default: replicasmore target t30k pass2 replicas15 inflightdraft smolmore: SmolLM2's
-#   first, as
-#   its files come first) in that order, within BUDGET_S.
+# PLAN all: the plans named in PLANS (default: replicasmore target t30k pass2 replicas15 inflightdraft smolmore;
+#   SmolLM2's first, as its files come first) in that order, within BUDGET_S.
 set -u
 export PYTHONPATH=/tmp/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
 res=/tmp/res
