@@ -130,17 +130,19 @@ def test_the_spec_hash_ignores_replicas_per_gpu(tmp_path, tiny_model):
 
 
 def test_auto_shares_a_gpu_only_where_it_was_measured_to_pay():
-    """The measured rule: SmolLM2-135M on an H200 of a 16-core host, 30,000 rows: two replicas. A smaller job, fewer
-    cores, or the 1.5B target: one."""
+    """The measured rule: SmolLM2-135M on an H200 of a 16-core host, 30,000 rows: three replicas (5 cores and 10,000
+    rows for each). A smaller job, fewer cores, or the 1.5B target: one."""
     smol, target, h200 = int(0.25 * GIB), int(3.31 * GIB), 140 * GIB
     n, why = auto_per_gpu(smol, h200, 16, 1, 30_000)
-    assert n == 2 and "measured to pay" in why and "8 cores per replica" in why
-    assert auto_per_gpu(smol, h200, 16, 1, None)[0] == 2  # rows unknown: the rule's share and cores decide
+    assert n == 3 and "measured to pay" in why and "5 cores per replica" in why
+    assert auto_per_gpu(smol, h200, 16, 1, None)[0] == 3  # rows unknown: the rule's share and cores decide
     n, why = auto_per_gpu(smol, h200, 16, 1, 600)  # a small job: ends before a second engine's start pays
     assert n == 1 and "no measured rule shares a GPU" in why and "600 rows" in why and "0.25 GiB" in why
-    assert auto_per_gpu(smol, h200, 8, 1, 30_000)[0] == 1  # 4 cores each: fewer than measured
-    assert auto_per_gpu(smol, h200, 32, 2, 60_000)[0] == 2  # two GPUs, 8 cores and 15,000 rows for each replica
-    assert auto_per_gpu(smol, h200, 32, 2, 40_000)[0] == 1  # 10,000 rows each
+    assert auto_per_gpu(smol, h200, 16, 1, 25_000)[0] == 1  # 8,333 rows each
+    assert auto_per_gpu(smol, h200, 14, 1, 30_000)[0] == 1  # 4 cores each
+    assert auto_per_gpu(smol, h200, 20, 1, 40_000)[0] == 3
+    assert auto_per_gpu(smol, h200, 32, 2, 60_000)[0] == 3  # two GPUs, 5 cores and 10,000 rows for each replica
+    assert auto_per_gpu(smol, h200, 32, 2, 40_000)[0] == 1  # 6,667 rows each
     assert auto_per_gpu(target, h200, 64, 1, 1_000_000)[0] == 1  # the 1.5B: never shared
     assert auto_per_gpu(None, h200, 16, 1) == (1, "auto: the model's weights or the GPU's memory are unknown")
 
