@@ -7,7 +7,8 @@
 #
 # Writes DEST/: unpack.sh convert_gguf.py arctic_inference-*.whl (~0.5 MB)
 #               partNN (vllm + deps, ~102 MB)  smolNN (model GGUF, ~98 MB), split into CHUNK-sized files (default 19M)
-#               with QWEN=1: q15_NN (1.5B GGUF, 1,117 MB) q05_NN (0.5B GGUF, 491 MB), split into QCHUNK (default 60M).
+#               with QWEN=1: q15_NN (1.5B GGUF, 1,117 MB) q05_NN (0.5B GGUF, 491 MB), split into QCHUNK (default 28M:
+#               two per transfer beside the project's own files).
 # Downloads are cached in ${BUNDLE_CACHE:-/tmp/batchjson-bundle}; a rebuild takes seconds. Needs a python3 with
 # torch (arctic-inference's build imports it): put the project's .venv first on PATH.
 set -euo pipefail
@@ -51,8 +52,8 @@ rm -f "$DEST"/part?? "$DEST"/smol?? "$DEST"/q15_?? "$DEST"/q05_?? "$DEST"/arctic
 split -b "$CHUNK" -d "$CACHE/site.tar.xz" "$DEST/part"
 split -b "$CHUNK" -d "$CACHE/smol.tar" "$DEST/smol"
 if [ "${QWEN:-0}" = 1 ]; then
-  split -b "${QCHUNK:-60M}" -d "$CACHE/qwen/coder-1.5b.gguf" "$DEST/q15_"
-  split -b "${QCHUNK:-60M}" -d "$CACHE/qwen/coder-0.5b.gguf" "$DEST/q05_"
+  split -b "${QCHUNK:-28M}" -d "$CACHE/qwen/coder-1.5b.gguf" "$DEST/q15_"
+  split -b "${QCHUNK:-28M}" -d "$CACHE/qwen/coder-0.5b.gguf" "$DEST/q05_"
   cp "$HERE/qwen.sha256" "$DEST/"
 fi
 cp "$CACHE"/arctic/wheel/arctic_inference-*-cp312-abi3-*.whl "$HERE/unpack.sh" "$HERE/convert_gguf.py" "$DEST/"
