@@ -200,10 +200,11 @@ def install_idle_drafter() -> str:
     """Patch the V1 model runner (in this process) so that a draft model runs no forward in a step where at most
     half of the requests want drafts (few_drafted): pass 2 on pass 1's draft-model engine. Pass 2 took x2.29 the
     time of pass 2 without speculation before; x1.46 when only steps of pass-2 requests alone skipped the drafter
-    (H200, BENCHMARKS.md run12: the rest was steps shared with pass 1's last requests). A skipped step's drafted
-    requests decode one token as without speculation (vLLM's own path for a step it cannot draft for), so outputs
-    stay the same. "ok" or why not (then the drafter runs as vLLM has it). Only draft-model methods: ngram and suffix drafting cost
-    no forward pass, and suffix decoding keeps per-request state that every step must see."""
+    (H200, BENCHMARKS.md run12), x1.41 with this rule (run13: the rest is the engine's own, README, "What a request
+    without a draft still costs"). A skipped step's drafted requests decode one token as without speculation
+    (vLLM's own path for a step it cannot draft for), so outputs stay the same. "ok" or why not (then the drafter
+    runs as vLLM has it). Only draft-model methods: ngram and suffix drafting cost no forward pass, and suffix
+    decoding keeps per-request state that every step must see."""
     import inspect
 
     if why := unread_here(RUNNER_READ_ON):
