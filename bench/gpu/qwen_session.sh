@@ -18,8 +18,9 @@
 #   first batchjson start after a bare warm-up is the slowest, so that penalty falls on the shared GPU); replicasmore:
 #   3 then 2 after a warm-up; smolmore: bare vLLM, 4; replicas15: the 1.5B with 2 (t30k's default is its 1).
 # PLAN inflight64: the 1.5B at 64 requests in flight, none and suffix, bare vLLM then batchjson.
-# PLAN all: the plans named in PLANS (default: replicasmore target t30k pass2 replicas15 inflightdraft smolmore;
-#   SmolLM2's first, as its files come first) in that order, within BUDGET_S.
+# PLAN inflightngram: batchjson's n-gram lookup at 16 in flight beside bare's (run10 lost it).
+# PLAN all: the plans named in PLANS (default: what run13 left: smolmore inflightdraft replicas15 inflightngram
+#   inflight64; SmolLM2's first, as its files come first) in that order, within BUDGET_S.
 set -u
 export PYTHONPATH=/tmp/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
 res=/tmp/res
@@ -69,6 +70,8 @@ run_plan() {
              --runs warm-none,auto+trace,bare-none,auto ;;
     inflight) need q15 && wr t15-C320-16 --task C --rows 320 --model $q15 --timeout 150 \
              --runs bare-none@16,none@16,bare-suffix@16,suffix@16,bare-ngram@16,ngram@16 ;;
+    inflightngram) need q15 && wr t15-C320-16n --task C --rows 320 --model $q15 --timeout 150 \
+             --runs bare-ngram@16,ngram@16 ;;
     inflightdraft) need q15 && need q05 && wr t15-C320-16d --task C --rows 320 --model $q15 --draft $q05 \
              --timeout 150 --runs bare-draft@16,draft@16 ;;
     pass2) need q15 && need q05 && wr t15-C1000-p2 --task C --rows 1000 --model $q15 --draft $q05 --timeout 200 \
@@ -87,7 +90,7 @@ run_plan() {
   esac
 }
 if [ "$plan" = all ]; then
-  for p in ${PLANS:-replicasmore target t30k pass2 replicas15 inflightdraft smolmore}; do run_plan $p; done
+  for p in ${PLANS:-smolmore inflightdraft replicas15 inflightngram inflight64}; do run_plan $p; done
 else
   run_plan $plan
 fi
