@@ -6,7 +6,8 @@ Runs `batchjson run JOB --output DIR --fresh` in this process (the user's comman
 sampling the main thread's stack every `--every` seconds from another thread (cheap: no tracing hook), and prints
 the run as segments: from when to when the main thread was in which batchjson function, and which module it was
 importing there (the outermost import in the stack). The engine's own processes are not sampled; the time the
-runner waits on them shows as the batchjson frame that waits (the engine's start). The segments and every sample go to --out as JSON.
+runner waits on them shows as the batchjson frame that waits (the engine's start). The segments and every sample
+go to --out as JSON.
 """
 
 from __future__ import annotations

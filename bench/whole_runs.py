@@ -22,8 +22,8 @@ Runs, in the order given (compare only runs of one call: machines differ by +-30
   <run>+p2                pass 1 stops every row at 8 tokens, so pass 2 (max_tokens as given, no drafts) decodes all
                           rows on pass 1's engine: draft+p2 against none+p2 is what the drafter costs requests
                           without drafts (draft+p2-noadapt: not with -noguard).
-  <run>+trace             the same under bench/start_trace.py (its main thread's stack sampled: where the time before the
-                          engine decodes goes): auto+trace, none+rpg2+trace.
+  <run>+trace             the same under bench/start_trace.py (its main thread's stack sampled: where the time
+                          before the engine decodes goes): auto+trace, none+rpg2+trace.
   <run>+rpgN              the same with [model] replicas_per_gpu = N (N engine replicas share each GPU); last in
                           the name (none@512+rpg2, none+p2+rpg2). --replicas-per-gpu 1,2,3,4 runs each batchjson run of --runs so.
   before:<run>            the same job run by an earlier batchjson tree (--before DIR, its package folder's parent).
@@ -53,7 +53,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench.common import P1, P2, cli
+from bench.common import P1, P2, ROOT, cli
 from bench.replicas import HostSampler
 from bench.tasks import TASKS, schema, score, write_task
 
@@ -143,7 +143,7 @@ def batchjson_run(name: str, args, work: Path, t_launch: float, timeout: float) 
     if traced:  # the same run with its main thread's stack sampled (bench/start_trace.py)
         command = [sys.executable, "-m", "bench", "start-trace", str(job), "--output", str(out),
                    "--out", str(folder / "trace.json")]
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, (str(Path(__file__).parent.parent), env.get("PYTHONPATH"))))
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, (str(ROOT), env.get("PYTHONPATH"))))
     proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env, cwd=folder)
     done = round(time.time() - t_launch, 2)
     report_file = out / "_report.json"
