@@ -16,7 +16,7 @@
 # PLAN t30k: the 1.5B, 30,000 rows of task C, the default against bare vLLM.
 # PLAN replicas: 2 then 1 engine replicas on one GPU (model.replicas_per_gpu), SmolLM2, 30,000 rows (2 first: the
 #   first batchjson start after a bare warm-up is the slowest, so that penalty falls on the shared GPU); replicasmore:
-#   3 then 2 after a warm-up; smolmore: bare vLLM, 4; replicas15: the 1.5B with 2 (t30k's default is its 1).
+#   3 then 2 after a warm-up; smolmore: bare vLLM's one engine, then 3 (the default) and 4; replicas15: the 1.5B with 2 (t30k's default is its 1).
 # PLAN inflight64: the 1.5B at 64 requests in flight, none and suffix, bare vLLM then batchjson.
 # PLAN inflightngram: batchjson's n-gram lookup at 16 in flight beside bare's (run10 lost it).
 # PLAN all: the plans named in PLANS (default: what run13 left: smolmore inflightdraft replicas15 inflightngram
@@ -81,7 +81,7 @@ run_plan() {
     replicasmore) need smol && wr rpg-smol-C30000-more --task C --rows 30000 --model $smol --timeout 300 \
              --runs warm-none,none+rpg3,none+rpg2 ;;
     smolmore) need smol && wr rpg-smol-C30000-bare --task C --rows 30000 --model $smol --timeout 300 \
-             --runs bare-none,none+rpg4 ;;
+             --runs bare-none,none+rpg3,none+rpg4 ;;
     replicas15) need q15 && wr rpg-t15-C30000 --task C --rows 30000 --model $q15 --timeout 300 \
              --runs none+rpg2 ;;
     inflight64) need q15 && wr t15-C1000-64 --task C --rows 1000 --model $q15 --timeout 150 \
