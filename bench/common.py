@@ -201,13 +201,36 @@ def run_cli(job: Path, out: Path, *args: str, timeout: float | None = None, env:
     None, the tail of its output)."""
     env = (env or os.environ) | {"PYTHONUNBUFFERED": "1"}
     try:
-        p = subprocess.run(cli("run", str(job), "--output", str(out), "--fresh", *args), capture_output=True,
-                           text=True, timeout=timeout, env=env)
+        p = run_group(cli("run", str(job), "--output", str(out), "--fresh", *args), timeout, env=env)
     except subprocess.TimeoutExpired:
         return "timeout", None, ""
     report = out / "_report.json"
     ok = p.returncode == 0 and report.exists()
     return p.returncode, json.loads(report.read_text()) if ok else None, (p.stderr or p.stdout)[-1500:]
+
+
+def _kill_group(p: subprocess.Popen) -> None:
+    """Kill `p`'s process group (started with start_new_session): vLLM's engine core too, which outlives a killed
+    parent and keeps its GPU memory (a bare run's timeout left 133 GB held, and every later engine failed to start)."""
+    try:
+        os.killpg(p.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    p.wait()
+
+
+def run_group(command: list[str], timeout: float | None, **kwargs) -> subprocess.CompletedProcess:
+    """subprocess.run(command, capture_output=True, text=True, timeout=timeout, **kwargs), in a process group of its
+    own that is killed at the end, on a timeout (TimeoutExpired raised as subprocess.run does) or a clean exit."""
+    p = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                         **kwargs)
+    try:
+        out, err = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _kill_group(p)
+        raise
+    _kill_group(p)
+    return subprocess.CompletedProcess(command, p.returncode, out, err)
 
 
 def run_isolated(argv: list[str], timeout: float, log: Path, label: str) -> int | None:
@@ -223,9 +246,5 @@ def run_isolated(argv: list[str], timeout: float, log: Path, label: str) -> int 
             rc = p.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             rc = None
-        try:
-            os.killpg(p.pid, signal.SIGKILL)  # the worker's engine core too, even after a clean exit
-        except ProcessLookupError:
-            pass
-        p.wait()
+        _kill_group(p)  # the worker's engine core too, even after a clean exit
     return rc

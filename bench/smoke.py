@@ -26,7 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.common import FAKE, ROOT, table
+from bench.common import FAKE, ROOT, run_group, table
 
 BENCH = ROOT / "bench"
 # Candidates some benchmarks try when they are importable (validators.py, overhead.py's what-ifs), and suffix decoding.
@@ -103,6 +103,24 @@ def static_problems(path: Path) -> list[str]:
 
 # ---------------------------------------------------------------- the runs
 
+def harness_problems(w: Path) -> list[str]:
+    """A run killed at its timeout takes its children along (run_group): a child that outlives its parent, as
+    vLLM's engine core does, would keep the GPU's memory from every later run of the call."""
+    pid_file = w / "grandchild.pid"
+    code = ("import subprocess, sys, time; c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']);"
+            f" open({str(pid_file)!r}, 'w').write(str(c.pid)); time.sleep(60)")
+    try:
+        run_group([sys.executable, "-c", code], 5)
+        return ["run_group: the run did not time out"]
+    except subprocess.TimeoutExpired:
+        pass
+    pid = pid_file.read_text()
+    time.sleep(0.5)
+    status = Path(f"/proc/{pid}/status")
+    alive = status.exists() and "\tZ" not in status.read_text().split("State:", 1)[1].split("\n", 1)[0]
+    return [f"run_group: the timed-out run's child {pid} still runs"] if alive else []
+
+
 def tokenizer_model(folder: Path) -> Path:
     """A model folder with a tokenizer and a chat template and no weights: enough for batchjson's prompts and the
     fake engine (the embedded SmolLM2 would be converted first, a minute on a fresh machine)."""
@@ -177,6 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"[smoke] static check of {len(list(BENCH.glob('*.py')))} modules: {len(failures)} problem(s)", flush=True)
     w = args.work or Path(tempfile.mkdtemp(prefix="bench-smoke-"))
     w.mkdir(parents=True, exist_ok=True)
+    failures += harness_problems(w)
     model = tokenizer_model(w / "model")
     schemastore_checkout(w / "schemastore")
     env = os.environ | {FAKE: str(model), "BATCHJSON_BENCH_WORK": str(w / "work"), "CUDA_VISIBLE_DEVICES": "",

@@ -53,7 +53,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench.common import P1, P2, ROOT, cli
+from bench.common import P1, P2, ROOT, cli, run_group
 from bench.replicas import HostSampler
 from bench.tasks import TASKS, schema, score, write_task
 
@@ -144,7 +144,7 @@ def batchjson_run(name: str, args, work: Path, t_launch: float, timeout: float) 
         command = [sys.executable, "-m", "bench", "start-trace", str(job), "--output", str(out),
                    "--out", str(folder / "trace.json")]
         env["PYTHONPATH"] = os.pathsep.join(filter(None, (str(ROOT), env.get("PYTHONPATH"))))
-    proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env, cwd=folder)
+    proc = run_group(command, timeout, env=env, cwd=folder)
     done = round(time.time() - t_launch, 2)
     report_file = out / "_report.json"
     if proc.returncode != 0 or not report_file.exists():
@@ -222,10 +222,9 @@ def main() -> int:
                 kind, _, seqs = name.split("-", 1)[1].partition("@")
                 sc = json.dumps({"rows": rows, "method": kind, "seqs": int(seqs) if seqs else None,
                                  "t_launch": t_launch})
-                proc = subprocess.run([sys.executable, __file__, "--task", args.task, "--model", args.model,
-                                       "--max-tokens", str(args.max_tokens), "--_bare", sc]
-                                      + (["--draft", args.draft] if args.draft else []),
-                                      capture_output=True, text=True, timeout=timeout)
+                proc = run_group([sys.executable, __file__, "--task", args.task, "--model", args.model,
+                                  "--max-tokens", str(args.max_tokens), "--_bare", sc]
+                                 + (["--draft", args.draft] if args.draft else []), timeout)
                 line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
                 r = json.loads(line[7:]) if line else {"error": f"rc {proc.returncode}: {proc.stderr[-1500:]}"}
             else:

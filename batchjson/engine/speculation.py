@@ -6,8 +6,8 @@ the job's own outputs (acceptance), the in-flight size and the platform. So `aut
 
 1. starts with the choice that was faster at this in-flight size, for the measured model nearest in size, in our
    measurements (MEASURED_SPEEDUP; on a GPU: on SmolLM2-135M suffix decoding from 1 to 512 requests in flight, ngram
-   only near 32; on the 1.5B suffix only with few in flight (16), no method at 64 or more, a draft model nowhere;
-   none at a full engine batch (the default max_in_flight) and on a CPU);
+   only near 32; on the 1.5B suffix only with few in flight (16), no method at 64 or more, a draft model nowhere
+   (16 to 1024); none at a full engine batch (the default max_in_flight) and on a CPU);
 2. measures that choice on the job's first rows: output tokens per second of decoding, ms per step, tokens per step
    and, with speculation, the acceptance;
 3. when the rest of the pass is long enough (TRIAL_PAYS engine starts), decodes the next rows with the other
@@ -56,7 +56,9 @@ from batchjson.spec import SpeculativeSpec
 # The 1.5B (Qwen2.5-Coder-1.5B-Instruct, 3.1 GB of bfloat16 weights; whole runs, pass-1 decode after the first request
 # against no speculation, each pair in one call; BENCHMARKS.md, "A real target"): suffix x1.48 at 16 in flight
 # (bare vLLM x1.37), x0.85 at 64 (bare x0.80), x0.57 at a full batch; ngram x0.90 at 16 in bare vLLM; the 0.5B
-# draft x0.71 at 64 and x0.72 at a full batch. A bigger target spends more of each step in the GPU, where a verified
+# draft x0.71 at 64 and x0.72 at a full batch; at 16 in flight (run14; its none from run10's sitting, the same task,
+# rows and settings) the draft's pass-1 decode took 20.6 s against none's 11.65 s (x0.57; bare vLLM 20.2 s, x0.56),
+# and batchjson's ngram 18.2 s (x0.64). A bigger target spends more of each step in the GPU, where a verified
 # position costs about what a decoded one does, so speculation pays only with few requests in flight.
 # Keys: platform, then the target's weight gigabytes (the nearest measured size that has the method counts), then
 # the method, then requests in flight.
@@ -65,7 +67,7 @@ MEASURED_SPEEDUP = {
                    "suffix": {1: 1.34, 8: 1.65, 32: 2.29, 128: 1.57, 512: 1.38, 1024: 0.88}},
             3.1: {"ngram": {16: 0.90},
                   "suffix": {16: 1.48, 64: 0.85, 1024: 0.57},
-                  "draft_model": {64: 0.71, 1024: 0.72}}},
+                  "draft_model": {16: 0.57, 64: 0.71, 1024: 0.72}}},
     "cpu": {0.27: {"ngram": {1: 1.0}, "suffix": {1: 1.0}}},
 }
 DRAFT_TOKENS = {"ngram": 4, "suffix": 8}  # k as measured above

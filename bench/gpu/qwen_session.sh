@@ -82,6 +82,8 @@ run_plan() {
              --runs warm-none,none+rpg3,none+rpg2 ;;
     smolmore) need smol && wr rpg-smol-C30000-bare --task C --rows 30000 --model $smol --timeout 300 \
              --runs bare-none,none+rpg3,none+rpg4 ;;
+    smolrpg) need smol && wr rpg-smol-C30000-34 --task C --rows 30000 --model $smol --timeout 300 \
+             --runs none+rpg4,none+rpg3 ;;
     replicas15) need q15 && wr rpg-t15-C30000 --task C --rows 30000 --model $q15 --timeout 300 \
              --runs none+rpg2 ;;
     inflight64) need q15 && wr t15-C1000-64 --task C --rows 1000 --model $q15 --timeout 150 \
