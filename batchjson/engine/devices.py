@@ -27,9 +27,10 @@ VLLM_GPU_MEMORY_UTILIZATION = 0.9
 # against fewer engines per GPU, for models of that size, on hosts of that many cores per replica, on jobs of that many
 # rows (BENCHMARKS.md, "Replicas per GPU"). Measured on an H200 (140 GiB, 16 cores), SmolLM2-135M (0.25 GiB, 0.18% of
 # it), 30,000 rows: 2 replicas 134.8 s against one's 209.9 s, the same valid rows (one sitting); 3 replicas 130.1 s
-# against two's 139.5 s (another). Three hold wherever two did (8 cores and 15,000 rows for each of two), so two has no
-# row of its own. Below its rows (a small job ends before another engine's start pays), above its share (the 1.5B
-# target, 2.4%, not measured with more), or with fewer cores: one per GPU.
+# against two's 139.5 s (another); 4 replicas 163.1 s (a third). Three hold wherever two did (8 cores and 15,000 rows
+# for each of two), so two has no row of its own. Below its rows (a small job ends before another engine's start
+# pays), above its share (the 1.5B target, 2.4%: two replicas 229.1 s against one's 155.1 s, 30,000 rows, two
+# sittings), or with fewer cores: one per GPU.
 REPLICAS_PER_GPU_RULE: tuple[tuple[float, int, int, int], ...] = (
     (0.004, 5, 10_000, 3),
     (1.0, 0, 0, 1),

@@ -11,16 +11,18 @@
 # PLAN target: the 1.5B target, task C, 6,000 rows: the default against bare vLLM, both warm (the first default run
 #   with its main thread's stack sampled: bench/start_trace.py).
 # PLAN inflight: the 1.5B at 16 requests in flight: none / suffix / ngram, bare vLLM then batchjson (which finds the
-#   compile cache bare filled for the same configuration); inflightdraft: the same with the 0.5B draft model.
+#   compile cache bare filled for the same configuration); inflightdraft: none and the 0.5B draft model.
 # PLAN pass2: what the 0.5B drafter costs pass 2's requests (no drafts) on the 1.5B: every row goes to pass 2.
 # PLAN t30k: the 1.5B, 30,000 rows of task C, the default against bare vLLM.
 # PLAN replicas: 2 then 1 engine replicas on one GPU (model.replicas_per_gpu), SmolLM2, 30,000 rows (2 first: the
 #   first batchjson start after a bare warm-up is the slowest, so that penalty falls on the shared GPU); replicasmore:
-#   3 then 2 after a warm-up; smolmore: bare vLLM's one engine, then 3 (the default) and 4; replicas15: the 1.5B with 2 (t30k's default is its 1).
+#   3 then 2 after a warm-up; smolmore: bare vLLM's one engine (500 s: run14's 300 s were too few) and 3 (the
+#   default) after a warm-up; smolrpg: 4 and 3; replicas15: the 1.5B with 2 (t30k's default is its 1); replicas05: the
+#   0.5B with 2 and 1.
 # PLAN inflight64: the 1.5B at 64 requests in flight, none and suffix, bare vLLM then batchjson.
 # PLAN inflightngram: batchjson's n-gram lookup at 16 in flight beside bare's (run10 lost it).
-# PLAN all: the plans named in PLANS (default: what run13 left: smolmore inflightdraft replicas15 inflightngram
-#   inflight64; SmolLM2's first, as its files come first) in that order, within BUDGET_S.
+# PLAN all: the plans named in PLANS (default: what run14 left: smolmore inflightdraft replicas05; SmolLM2's first, as
+#   its files come first) in that order, within BUDGET_S.
 set -u
 export PYTHONPATH=/tmp/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
 res=/tmp/res
@@ -73,17 +75,19 @@ run_plan() {
     inflightngram) need q15 && wr t15-C320-16n --task C --rows 320 --model $q15 --timeout 150 \
              --runs bare-ngram@16,ngram@16 ;;
     inflightdraft) need q15 && need q05 && wr t15-C320-16d --task C --rows 320 --model $q15 --draft $q05 \
-             --timeout 150 --runs bare-draft@16,draft@16 ;;
+             --timeout 150 --runs bare-none@16,none@16,bare-draft@16,draft@16 ;;
     pass2) need q15 && need q05 && wr t15-C1000-p2 --task C --rows 1000 --model $q15 --draft $q05 --timeout 200 \
              --runs none+p2-noadapt,draft+p2-noadapt ;;
     replicas) need smol && wr rpg-smol-C30000 --task C --rows 30000 --model $smol --timeout 300 \
              --runs warm-none,none+rpg2,none+rpg1 ;;
     replicasmore) need smol && wr rpg-smol-C30000-more --task C --rows 30000 --model $smol --timeout 300 \
              --runs warm-none,none+rpg3,none+rpg2 ;;
-    smolmore) need smol && wr rpg-smol-C30000-bare --task C --rows 30000 --model $smol --timeout 300 \
-             --runs bare-none,none+rpg3,none+rpg4 ;;
+    smolmore) need smol && wr rpg-smol-C30000-bare --task C --rows 30000 --model $smol --timeout 500 \
+             --runs warm-none,bare-none,none+rpg3 ;;
     smolrpg) need smol && wr rpg-smol-C30000-34 --task C --rows 30000 --model $smol --timeout 300 \
              --runs none+rpg4,none+rpg3 ;;
+    replicas05) need q05 && wr rpg-q05-C30000 --task C --rows 30000 --model $q05 --timeout 300 \
+             --runs warm-none,none+rpg2,none+rpg1 ;;
     replicas15) need q15 && wr rpg-t15-C30000 --task C --rows 30000 --model $q15 --timeout 300 \
              --runs none+rpg2 ;;
     inflight64) need q15 && wr t15-C1000-64 --task C --rows 1000 --model $q15 --timeout 150 \
@@ -92,7 +96,7 @@ run_plan() {
   esac
 }
 if [ "$plan" = all ]; then
-  for p in ${PLANS:-smolmore inflightdraft replicas15 inflightngram inflight64}; do run_plan $p; done
+  for p in ${PLANS:-smolmore inflightdraft replicas05}; do run_plan $p; done
 else
   run_plan $plan
 fi
