@@ -60,6 +60,37 @@ def gpu_memory() -> int | None:
     return min(sizes) if sizes else None
 
 
+def memory_taken(utilization: float) -> str:
+    """Why an engine that wants `utilization` of its GPU's memory could not start, where nvidia-smi shows it: each
+    visible GPU with less free than that, and the processes holding its memory. vLLM's own check says only that the
+    engine core failed (its cause is in the engine's log); a process left from an earlier run (an engine core whose
+    runner was killed) keeps its memory until it is stopped. Empty where nvidia-smi does not answer or memory was not
+    short."""
+    def query(what: str) -> list[list[str]]:
+        out = subprocess.run(["nvidia-smi", f"--query-{what}", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=30).stdout
+        return [[f.strip() for f in line.split(",")] for line in out.splitlines() if line.strip()]
+    try:
+        gpus = query("gpu=index,uuid,memory.used,memory.total")
+        apps = query("compute-apps=gpu_uuid,pid,process_name,used_memory")
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        seen = {d.strip() for d in visible.split(",")} if visible is not None else None
+        short = []
+        for index, uuid, used, total in gpus:
+            free_mib, total_mib = float(total) - float(used), float(total)
+            if (seen is None or index in seen or uuid in seen) and free_mib < utilization * total_mib:
+                holders = ", ".join(f"pid {pid} ({name}, {float(mib) / 1024:.1f} GiB)"
+                                    for gpu, pid, name, mib in apps if gpu == uuid)
+                short.append(f"GPU {index} has {free_mib / 1024:.1f} of {total_mib / 1024:.1f} GiB free, "
+                             f"{utilization:g} wanted; held by {holders or 'processes nvidia-smi does not list'}")
+    except (OSError, subprocess.SubprocessError, ValueError):
+        return ""
+    if not short:
+        return ""
+    return ("; ".join(short) + ". Stop what holds it if it is not this run's (`nvidia-smi` lists it; an engine left "
+            "from a killed run holds its memory until stopped), or lower model.engine.gpu_memory_utilization.")
+
+
 def host_cores() -> int:
     """The cores this process may run on."""
     try:

@@ -19,7 +19,7 @@ import time
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-from batchjson.engine import internals
+from batchjson.engine import devices, internals
 from batchjson.engine.base import Engine, EngineFactory
 from batchjson.engine.models import resolve_model
 from batchjson.errors import EngineDied, EngineError
@@ -165,8 +165,10 @@ class VllmEngine(Engine):
             self.llm = vllm.LLM(**kwargs)
         except (ValueError, TypeError, OSError, ImportError, RuntimeError) as e:
             # RuntimeError: the engine process failed to start (its own error is logged above), or CUDA memory.
+            taken = "" if self._cpu else devices.memory_taken(
+                kwargs.get("gpu_memory_utilization", devices.VLLM_GPU_MEMORY_UTILIZATION))
             raise EngineError(f"vLLM could not start with model {kwargs['model']}: {e}. "
-                              "Check [model], [model.engine] and [speculative].") from e
+                              + (taken or "Check [model], [model.engine] and [speculative].")) from e
         self.tokenizer = self.llm.get_tokenizer()
         if self.max_in_flight is None:  # the engine's batch, and as many waiting behind it
             scheduler = getattr(getattr(self.llm.llm_engine, "vllm_config", None), "scheduler_config", None)

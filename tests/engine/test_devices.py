@@ -4,12 +4,15 @@ exit 2 naming the key. No GPU is needed: the GPUs are CUDA_VISIBLE_DEVICES, or c
 
 from __future__ import annotations
 
+import os
+
 import pytest
 from click.testing import CliRunner
 
 from batchjson.cli import main
 from batchjson.engine import devices
-from batchjson.engine.devices import GIB, Layout, Placement, auto_per_gpu, choose_per_gpu, lay_out, memory_share
+from batchjson.engine.devices import (GIB, Layout, Placement, auto_per_gpu, choose_per_gpu, lay_out, memory_share,
+                                      memory_taken)
 from batchjson.errors import SpecError
 from batchjson.executors.base import Turns
 from batchjson.executors.local import local_layout, threads_per_replica
@@ -235,3 +238,29 @@ def test_a_resumed_run_lays_out_its_replicas_by_the_rows_it_has_left(tmp_path, t
     report = run_job(spec, engine_factory=engines, progress=False)
     assert report.resumed and asked == [16, 16, 8]
     assert report.valid + report.rejected == 16
+
+
+NVIDIA_SMI = """#!/bin/sh
+case "$1" in
+  --query-gpu=*) printf '0, GPU-aaa, 133005, 143771\\n1, GPU-bbb, 0, 143771\\n' ;;
+  --query-compute-apps=*) printf 'GPU-aaa, 4161, python3, 132990\\n' ;;
+esac
+"""
+
+
+def test_an_engine_that_cannot_start_for_gpu_memory_names_what_holds_it(tmp_path, monkeypatch):
+    """A run killed without its engine core leaves the GPU's memory taken: the next run's message says by whom."""
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text(NVIDIA_SMI)
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    hint = memory_taken(0.9)
+    assert hint.startswith("GPU 0 has 10.5 of 140.4 GiB free, 0.9 wanted; held by pid 4161 (python3, 129.9 GiB). "
+                           "Stop what holds it"), hint
+    assert "GPU 1" not in hint and "model.engine.gpu_memory_utilization" in hint
+    assert memory_taken(0.05) == ""  # enough free for that share: not the cause
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")  # only the free GPU is this run's
+    assert memory_taken(0.9) == ""
+    monkeypatch.setenv("PATH", str(tmp_path / "none"))  # no nvidia-smi: nothing to say
+    assert memory_taken(0.9) == ""
