@@ -221,15 +221,14 @@ def _kill_group(p: subprocess.Popen) -> None:
 
 def run_group(command: list[str], timeout: float | None, **kwargs) -> subprocess.CompletedProcess:
     """subprocess.run(command, capture_output=True, text=True, timeout=timeout, **kwargs), in a process group of its
-    own that is killed at the end, on a timeout (TimeoutExpired raised as subprocess.run does) or a clean exit."""
+    own that is killed at the end, however it ends: a timeout (TimeoutExpired raised as subprocess.run does), a clean
+    exit, or Ctrl-C here (the group, in a session of its own, does not get the terminal's signal)."""
     p = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
                          **kwargs)
     try:
         out, err = p.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
+    finally:
         _kill_group(p)
-        raise
-    _kill_group(p)
     return subprocess.CompletedProcess(command, p.returncode, out, err)
 
 
