@@ -49,12 +49,18 @@ def visible_gpus() -> list[str]:
     return [str(i) for i, line in enumerate(l for l in out.splitlines() if l.startswith("GPU "))]
 
 
+def _smi(query: str) -> list[list[str]]:
+    """nvidia-smi's answer to `--query-QUERY` (e.g. "gpu=memory.total"): a row of fields per GPU or process; raises
+    OSError or SubprocessError where nvidia-smi does not answer."""
+    out = subprocess.run(["nvidia-smi", f"--query-{query}", "--format=csv,noheader,nounits"],
+                         capture_output=True, text=True, timeout=30).stdout
+    return [[f.strip() for f in line.split(",")] for line in out.splitlines() if line.strip()]
+
+
 def gpu_memory() -> int | None:
     """Bytes of memory of this host's smallest GPU (nvidia-smi), or None where nvidia-smi does not say."""
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=30).stdout
-        sizes = [int(float(line)) << 20 for line in out.split() if line.strip()]
+        sizes = [int(float(total)) << 20 for total, in _smi("gpu=memory.total")]
     except (OSError, subprocess.SubprocessError, ValueError):
         return None
     return min(sizes) if sizes else None
@@ -66,19 +72,14 @@ def memory_taken(utilization: float) -> str:
     engine core failed (its cause is in the engine's log); a process left from an earlier run (an engine core whose
     runner was killed) keeps its memory until it is stopped. Empty where nvidia-smi does not answer or memory was not
     short."""
-    def query(what: str) -> list[list[str]]:
-        out = subprocess.run(["nvidia-smi", f"--query-{what}", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=30).stdout
-        return [[f.strip() for f in line.split(",")] for line in out.splitlines() if line.strip()]
     try:
-        gpus = query("gpu=index,uuid,memory.used,memory.total")
-        apps = query("compute-apps=gpu_uuid,pid,process_name,used_memory")
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        seen = {d.strip() for d in visible.split(",")} if visible is not None else None
+        gpus = _smi("gpu=index,uuid,memory.used,memory.total")
+        apps = _smi("compute-apps=gpu_uuid,pid,process_name,used_memory")
+        seen = set(visible_gpus())  # indices or UUIDs
         short = []
         for index, uuid, used, total in gpus:
             free_mib, total_mib = float(total) - float(used), float(total)
-            if (seen is None or index in seen or uuid in seen) and free_mib < utilization * total_mib:
+            if (index in seen or uuid in seen) and free_mib < utilization * total_mib:
                 holders = ", ".join(f"pid {pid} ({name}, {float(mib) / 1024:.1f} GiB)"
                                     for gpu, pid, name, mib in apps if gpu == uuid)
                 short.append(f"GPU {index} has {free_mib / 1024:.1f} of {total_mib / 1024:.1f} GiB free, "

@@ -242,6 +242,7 @@ def test_a_resumed_run_lays_out_its_replicas_by_the_rows_it_has_left(tmp_path, t
 
 NVIDIA_SMI = """#!/bin/sh
 case "$1" in
+  -L) printf 'GPU 0: NVIDIA H200 (UUID: GPU-aaa)\nGPU 1: NVIDIA H200 (UUID: GPU-bbb)\n' ;;
   --query-gpu=*) printf '0, GPU-aaa, 133005, 143771\\n1, GPU-bbb, 0, 143771\\n' ;;
   --query-compute-apps=*) printf 'GPU-aaa, 4161, python3, 132990\\n' ;;
 esac
