@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import sys
 
 from batchjson import cli
 from batchjson.engine.fake import Answer, FakeEngines
@@ -30,7 +31,8 @@ def main() -> None:
         return dataclasses.replace(spec, model=dataclasses.replace(spec.model, path=model))
 
     cli.load_job, cli.run_job = load_job, functools.partial(run, engine_factory=engines)
-    cli.main(prog_name="batchjson")
+    sys.argv[0] = "batchjson"
+    cli.entry()  # the product's way out too: Python's teardown of torch's threads can abort (SIGABRT) a clean run
 
 
 if __name__ == "__main__":
