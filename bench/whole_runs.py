@@ -26,6 +26,8 @@ Runs, in the order given (compare only runs of one call: machines differ by +-30
                           before the engine decodes goes): auto+trace, none+rpg2+trace.
   <run>+rpgN              the same with [model] replicas_per_gpu = N (N engine replicas share each GPU); last in
                           the name (none@512+rpg2, none+p2+rpg2). --replicas-per-gpu 1,2,3,4 runs each batchjson run of --runs so.
+  <run>+gpusN            the same on the host's first N GPUs only (CUDA_VISIBLE_DEVICES): none+gpus1, none+gpus2,
+                          none+rpg1+gpus4 against each other on a multi-GPU host (the layout's replicas start together).
   before:<run>            the same job run by an earlier batchjson tree (--before DIR, its package folder's parent).
   warm-none, warm-suffix  a bare run on 64 rows that fills the compile cache for that engine configuration (a first
                           start on a machine compiles for ~20 s more); not in the table.
@@ -48,11 +50,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from batchjson.engine.devices import visible_gpus
 from bench.common import P1, P2, ROOT, cli, run_group
 from bench.replicas import HostSampler
 from bench.tasks import TASKS, schema, score, write_task
@@ -108,7 +112,8 @@ def bare(task: str, rows: int, model: str, max_tokens: int, method: str, seqs: i
 def batchjson_run(name: str, args, work: Path, t_launch: float, timeout: float) -> dict:
     tree, _, run = name.rpartition(":")
     traced = "+trace" in run
-    run, _, per_gpu = run.replace("+trace", "").partition("+rpg")
+    gpus = re.search(r"\+gpus(\d+)", run)
+    run, _, per_gpu = re.sub(r"\+gpus\d+", "", run.replace("+trace", "")).partition("+rpg")
     base, _, size = run.partition("@")
     pass2 = "+p2" in base
     method, *flags = base.replace("+p2", "").split("-no")
@@ -137,6 +142,8 @@ def batchjson_run(name: str, args, work: Path, t_launch: float, timeout: float) 
     job.write_text(text)
     out = folder / "out"
     env = os.environ | {"PYTHONUNBUFFERED": "1"}
+    if gpus:  # the first N of the GPUs this call sees
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(visible_gpus()[:int(gpus.group(1))])
     if tree:  # the earlier tree first on the path, and not this one's from the working folder
         env["PYTHONPATH"] = os.pathsep.join(filter(None, (args.before, env.get("PYTHONPATH"))))
     command = cli("run", str(job), "--output", str(out), "--fresh")

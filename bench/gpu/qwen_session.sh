@@ -21,6 +21,8 @@
 #   0.5B with 2 and 1.
 # PLAN inflight64: the 1.5B at 64 requests in flight, none and suffix, bare vLLM then batchjson.
 # PLAN inflightngram: batchjson's n-gram lookup at 16 in flight beside bare's (run10 lost it).
+# PLAN gpussmol, gpus15 (a multi-GPU host): SmolLM2 / the 1.5B, 60,000 rows, on every GPU of the host, on 2 of 4,
+#   on 1 (whole_runs' +gpusN); SmolLM2 also with one replica per GPU on every GPU.
 # PLAN all: the plans named in PLANS (default: what run14 left: smolmore inflightdraft replicas05; SmolLM2's first, as
 #   its files come first) in that order, within BUDGET_S.
 set -u
@@ -64,6 +66,13 @@ wr() {  # name, then whole_runs arguments
   nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader >> $res/session.log
 }
 smol=/tmp/models/smollm2 q05=/tmp/models/coder-0.5b q15=/tmp/models/coder-1.5b
+gpu_runs() {  # every GPU of the host (its chosen replicas per GPU; also 1 per GPU with rpg1), 2 of 4, then 1
+  local n=$(nvidia-smi -L | grep -c '^GPU') runs
+  runs="none+gpus$n"
+  [ "${1:-}" = rpg1 ] && runs="$runs,none+rpg1+gpus$n"
+  [ "$n" -gt 2 ] && runs="$runs,none+gpus2"
+  echo "$runs,none+gpus1"
+}
 run_plan() {
   case $1 in
     small) need smol && wr smol-C600 --task C --rows 600 --model $smol --timeout 120 \
@@ -92,6 +101,10 @@ run_plan() {
              --runs none+rpg2 ;;
     inflight64) need q15 && wr t15-C1000-64 --task C --rows 1000 --model $q15 --timeout 150 \
              --runs bare-none@64,none@64,bare-suffix@64,suffix@64 ;;
+    gpussmol) need smol && wr gpus-smol-C60000 --task C --rows 60000 --model $smol --timeout 500 \
+             --runs warm-none,$(gpu_runs rpg1) ;;
+    gpus15) need q15 && wr gpus-t15-C60000 --task C --rows 60000 --model $q15 --timeout 500 \
+             --runs warm-none,$(gpu_runs) ;;
     t30k) need q15 && wr t15-C30000 --task C --rows 30000 --model $q15 --timeout 300 --runs bare-none,auto ;;
   esac
 }
