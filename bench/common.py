@@ -3,6 +3,7 @@ the `batchjson` command line (or its fake-engine twin), the subprocess harness, 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import resource
@@ -219,16 +220,31 @@ def _kill_group(p: subprocess.Popen) -> None:
     p.wait()
 
 
-def run_group(command: list[str], timeout: float | None, **kwargs) -> subprocess.CompletedProcess:
-    """subprocess.run(command, capture_output=True, text=True, timeout=timeout, **kwargs), in a process group of its
-    own that is killed at the end, however it ends: a timeout (TimeoutExpired raised as subprocess.run does), a clean
-    exit, or Ctrl-C here (the group, in a session of its own, does not get the terminal's signal)."""
-    p = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-                         **kwargs)
+@contextlib.contextmanager
+def killed_at_end(p: subprocess.Popen):
+    """Kill `p`'s group (start_new_session) when the block ends, however it ends: a timeout, a clean exit, Ctrl-C
+    here (the group, in a session of its own, does not get the terminal's signal) or a SIGTERM here (it then ends
+    this process as SystemExit 143, once the group is killed)."""
+    main = threading.current_thread() is threading.main_thread()  # only there can a signal handler be set
+    before = signal.signal(signal.SIGTERM, _exit_143) if main else None
     try:
-        out, err = p.communicate(timeout=timeout)
+        yield p
     finally:
         _kill_group(p)
+        if main:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL if before is None else before)
+
+
+def _exit_143(signum, frame) -> None:
+    raise SystemExit(128 + signum)
+
+
+def run_group(command: list[str], timeout: float | None, **kwargs) -> subprocess.CompletedProcess:
+    """subprocess.run(command, capture_output=True, text=True, timeout=timeout, **kwargs), in a process group of its
+    own that is killed at the end (killed_at_end); a timeout raises TimeoutExpired as subprocess.run does."""
+    with killed_at_end(subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                        start_new_session=True, **kwargs)) as p:
+        out, err = p.communicate(timeout=timeout)
     return subprocess.CompletedProcess(command, p.returncode, out, err)
 
 
@@ -239,11 +255,9 @@ def run_isolated(argv: list[str], timeout: float, log: Path, label: str) -> int 
     with open(log, "a") as f:
         f.write(f"\n===== {label} {time.strftime('%H:%M:%S')} =====\n")
         f.flush()
-        p = subprocess.Popen([sys.executable, "-m", "bench", *argv], cwd=ROOT, stdout=f, stderr=subprocess.STDOUT,
-                             start_new_session=True)
-        try:
-            rc = p.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            rc = None
-        _kill_group(p)  # the worker's engine core too, even after a clean exit
-    return rc
+        with killed_at_end(subprocess.Popen([sys.executable, "-m", "bench", *argv], cwd=ROOT, stdout=f,
+                                            stderr=subprocess.STDOUT, start_new_session=True)) as p:
+            try:
+                return p.wait(timeout=timeout)  # the worker's engine core is killed after it, even after a clean exit
+            except subprocess.TimeoutExpired:
+                return None

@@ -104,21 +104,36 @@ def static_problems(path: Path) -> list[str]:
 # ---------------------------------------------------------------- the runs
 
 def harness_problems(w: Path) -> list[str]:
-    """A run killed at its timeout takes its children along (run_group): a child that outlives its parent, as
-    vLLM's engine core does, would keep the GPU's memory from every later run of the call."""
+    """A run killed at its timeout, or whose caller gets a SIGTERM, takes its children along (run_group): a child
+    that outlives its parent, as vLLM's engine core does, would keep the GPU's memory from every later run."""
     pid_file = w / "grandchild.pid"
     code = ("import subprocess, sys, time; c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']);"
             f" open({str(pid_file)!r}, 'w').write(str(c.pid)); time.sleep(60)")
+    problems = []
     try:
         run_group([sys.executable, "-c", code], 5)
-        return ["run_group: the run did not time out"]
+        problems.append("run_group: the run did not time out")
     except subprocess.TimeoutExpired:
-        pass
+        problems += _still_runs(pid_file, "the timed-out run's child")
+    pid_file.unlink(missing_ok=True)
+    caller = subprocess.Popen([sys.executable, "-c", f"from bench.common import run_group; import sys; "
+                               f"run_group([sys.executable, '-c', {code!r}], 60)"], cwd=ROOT)
+    for _ in range(100):
+        if pid_file.exists() and pid_file.read_text():
+            break
+        time.sleep(0.1)
+    caller.terminate()
+    rc = caller.wait(30)
+    problems += [f"run_group: its caller ended with {rc} on SIGTERM, not 143"] if rc != 143 else []
+    return problems + _still_runs(pid_file, "the run's child after its caller's SIGTERM")
+
+
+def _still_runs(pid_file: Path, what: str) -> list[str]:
     pid = pid_file.read_text()
     time.sleep(0.5)
     status = Path(f"/proc/{pid}/status")
     alive = status.exists() and "\tZ" not in status.read_text().split("State:", 1)[1].split("\n", 1)[0]
-    return [f"run_group: the timed-out run's child {pid} still runs"] if alive else []
+    return [f"run_group: {what} {pid} still runs"] if alive else []
 
 
 def tokenizer_model(folder: Path) -> Path:

@@ -23,7 +23,8 @@
 # PLAN inflightngram: batchjson's n-gram lookup at 16 in flight beside bare's (run10 lost it).
 # PLAN gpussmol, gpus15 (a multi-GPU host): SmolLM2 / the 1.5B, 60,000 rows, on every GPU of the host, on 2 of 4,
 #   on 1 (whole_runs' +gpusN); SmolLM2 also with one replica per GPU on every GPU.
-# PLAN all: the plans named in PLANS (default: what run14 left: smolmore inflightdraft replicas05; SmolLM2's first, as
+# PLAN smolmps: SmolLM2, 30,000 rows, 3 replicas on one GPU without CUDA MPS, then 3 and 4 under MPS.
+# PLAN all: the plans named in PLANS (default: what run14 left: smolmps replicas05 smolmore; SmolLM2's first, as
 #   its files come first) in that order, within BUDGET_S.
 set -u
 export PYTHONPATH=/tmp/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
@@ -73,6 +74,14 @@ gpu_runs() {  # every GPU of the host (its chosen replicas per GPU; also 1 per G
   [ "$n" -gt 2 ] && runs="$runs,none+gpus2"
   echo "$runs,none+gpus1"
 }
+mps() {  # CUDA MPS: the replicas' kernels share the GPU at once instead of taking turns (not measured before)
+  export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps/pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps/log
+  if [ "$1" = stop ]; then
+    echo quit | nvidia-cuda-mps-control 2>/dev/null; unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY; return 0
+  fi
+  command -v nvidia-cuda-mps-control >/dev/null || { echo "no nvidia-cuda-mps-control" >> $res/session.log; return 1; }
+  mkdir -p /tmp/mps/pipe /tmp/mps/log && nvidia-cuda-mps-control -d && echo "[$(date +%T)] MPS on" >> $res/session.log
+}
 run_plan() {
   case $1 in
     small) need smol && wr smol-C600 --task C --rows 600 --model $smol --timeout 120 \
@@ -105,11 +114,14 @@ run_plan() {
              --runs warm-none,$(gpu_runs rpg1) ;;
     gpus15) need q15 && wr gpus-t15-C60000 --task C --rows 60000 --model $q15 --timeout 500 \
              --runs warm-none,$(gpu_runs) ;;
+    smolmps) need smol && wr mps-off-smol-C30000 --task C --rows 30000 --model $smol --timeout 300 \
+             --runs warm-none,none+rpg3 && mps start && wr mps-on-smol-C30000 --task C --rows 30000 --model $smol \
+             --timeout 300 --runs none+rpg3,none+rpg4; mps stop ;;
     t30k) need q15 && wr t15-C30000 --task C --rows 30000 --model $q15 --timeout 300 --runs bare-none,auto ;;
   esac
 }
 if [ "$plan" = all ]; then
-  for p in ${PLANS:-smolmore inflightdraft replicas05}; do run_plan $p; done
+  for p in ${PLANS:-smolmps replicas05 smolmore}; do run_plan $p; done
 else
   run_plan $plan
 fi
