@@ -29,6 +29,8 @@ Runs, in the order given (compare only runs of one call: machines differ by +-30
   <run>+gpusN            the same on the host's first N GPUs only (CUDA_VISIBLE_DEVICES): none+gpus1, none+gpus2,
                           none+rpg1+gpus4 against each other on a multi-GPU host (the layout's replicas start together).
   before:<run>            the same job run by an earlier batchjson tree (--before DIR, its package folder's parent).
+  <run>+warm              the same batchjson run on 64 rows, not in the table: it fills the compile cache for
+                          batchjson's own engine configuration (none+rpg3+warm before none+rpg3 and its variants).
   warm-none, warm-suffix  a bare run on 64 rows that fills the compile cache for that engine configuration (a first
                           start on a machine compiles for ~20 s more); not in the table.
 
@@ -109,16 +111,21 @@ def bare(task: str, rows: int, model: str, max_tokens: int, method: str, seqs: i
 
 # ---------------------------------------------------------------- batchjson, by its command line
 
-def batchjson_run(name: str, args, work: Path, t_launch: float, timeout: float) -> dict:
+def warm_up(run: str) -> bool:
+    """A run that only fills compile caches (64 rows, not in the table)."""
+    return run.startswith("warm-") or "+warm" in run
+
+
+def batchjson_run(name: str, args, rows: int, work: Path, t_launch: float, timeout: float) -> dict:
     tree, _, run = name.rpartition(":")
     traced = "+trace" in run
     gpus = re.search(r"\+gpus(\d+)", run)
-    run, _, per_gpu = re.sub(r"\+gpus\d+", "", run.replace("+trace", "")).partition("+rpg")
+    run, _, per_gpu = re.sub(r"\+gpus\d+|\+warm|\+trace", "", run).partition("+rpg")
     base, _, size = run.partition("@")
     pass2 = "+p2" in base
     method, *flags = base.replace("+p2", "").split("-no")
     folder = work / name.replace("@", "-at-").replace(":", "-")
-    data, job = write_task(args.task, args.rows, folder, args.model, max_tokens=args.max_tokens)
+    data, job = write_task(args.task, rows, folder, args.model, max_tokens=args.max_tokens)
     text = job.read_text()
     if method == "autodraft":
         text += f'\n[speculative]\ndraft_model = {json.dumps(args.draft)}\n'
@@ -220,12 +227,12 @@ def main() -> int:
             continue
         timeout = min(args.timeout, left)
         t_launch = time.time()
+        rows = 64 if warm_up(name) else args.rows
         print(f"[whole] {name}: start ({timeout:.0f} s at most)", flush=True)
         sampler = HostSampler()
         sampler.start()
         try:
             if name.startswith(("bare-", "warm-")):
-                rows = 64 if name.startswith("warm-") else args.rows
                 kind, _, seqs = name.split("-", 1)[1].partition("@")
                 sc = json.dumps({"rows": rows, "method": kind, "seqs": int(seqs) if seqs else None,
                                  "t_launch": t_launch})
@@ -235,10 +242,9 @@ def main() -> int:
                 line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
                 r = json.loads(line[7:]) if line else {"error": f"rc {proc.returncode}: {proc.stderr[-1500:]}"}
             else:
-                r = batchjson_run(name, args, work, t_launch, timeout)
+                r = batchjson_run(name, args, rows, work, t_launch, timeout)
         except subprocess.TimeoutExpired:
             r = {"error": f"timed out after {timeout:.0f} s"}
-        rows = 64 if name.startswith("warm-") else args.rows
         r = {"run": name, "rows": rows, "wall_s": round(time.time() - t_launch, 1)} | r | sampler.summary()
         if "valid" in r:
             r["valid_per_s"] = round(r["valid"] / r["wall_s"], 1)
@@ -253,7 +259,7 @@ def main() -> int:
           "| GPU util % mean (max) | host CPU busy mean | chosen |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in results:
-        if r["run"].startswith("warm-"):
+        if warm_up(r["run"]):
             continue
         print(f"| {r['run']} | {r.get('wall_s')} | {r.get('first_request_s')} | {r.get('engine_starts')} | "
               f"{r.get('valid')} | {r.get('correct')} | {r.get('fields')} | {r.get('valid_per_s')} | {r.get('rows_per_s')} | "

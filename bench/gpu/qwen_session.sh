@@ -97,7 +97,7 @@ run_plan() {
     pass2) need q15 && need q05 && wr t15-C1000-p2 --task C --rows 1000 --model $q15 --draft $q05 --timeout 200 \
              --runs none+p2-noadapt,draft+p2-noadapt ;;
     replicas) need smol && wr rpg-smol-C30000 --task C --rows 30000 --model $smol --timeout 300 \
-             --runs warm-none,none+rpg2,none+rpg1 ;;
+             --runs warm-none,none+rpg2+warm,none+rpg2,none+rpg1 ;;
     replicasmore) need smol && wr rpg-smol-C30000-more --task C --rows 30000 --model $smol --timeout 300 \
              --runs warm-none,none+rpg3,none+rpg2 ;;
     smolmore) need smol && wr rpg-smol-C30000-bare --task C --rows 30000 --model $smol --timeout 500 \
@@ -105,7 +105,7 @@ run_plan() {
     smolrpg) need smol && wr rpg-smol-C30000-34 --task C --rows 30000 --model $smol --timeout 300 \
              --runs none+rpg4,none+rpg3 ;;
     replicas05) need q05 && wr rpg-q05-C30000 --task C --rows 30000 --model $q05 --timeout 300 \
-             --runs warm-none,none+rpg2,none+rpg1 ;;
+             --runs warm-none,none+rpg2+warm,none+rpg2,none+rpg1 ;;
     replicas15) need q15 && wr rpg-t15-C30000 --task C --rows 30000 --model $q15 --timeout 300 \
              --runs none+rpg2 ;;
     inflight64) need q15 && wr t15-C1000-64 --task C --rows 1000 --model $q15 --timeout 150 \
@@ -115,7 +115,7 @@ run_plan() {
     gpus15) need q15 && wr gpus-t15-C60000 --task C --rows 60000 --model $q15 --timeout 500 \
              --runs warm-none,$(gpu_runs) ;;
     smolmps) need smol && wr mps-off-smol-C30000 --task C --rows 30000 --model $smol --timeout 300 \
-             --runs warm-none,none+rpg3 && mps start && wr mps-on-smol-C30000 --task C --rows 30000 --model $smol \
+             --runs warm-none,none+rpg3+warm,none+rpg3 && mps start && wr mps-on-smol-C30000 --task C --rows 30000 --model $smol \
              --timeout 300 --runs none+rpg3,none+rpg4; mps stop ;;
     t30k) need q15 && wr t15-C30000 --task C --rows 30000 --model $q15 --timeout 300 --runs bare-none,auto ;;
   esac
