@@ -32,7 +32,7 @@ def main() -> None:
 
     cli.load_job, cli.run_job = load_job, functools.partial(run, engine_factory=engines)
     sys.argv[0] = "batchjson"
-    cli.entry()  # the product's way out too: Python's teardown of torch's threads can abort (SIGABRT) a clean run
+    cli.entry()  # the product's way out: Python's teardown once aborted a finished run here (a native thread pool)
 
 
 if __name__ == "__main__":

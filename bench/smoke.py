@@ -129,7 +129,9 @@ def harness_problems(w: Path) -> list[str]:
 
 
 def _still_runs(pid_file: Path, what: str) -> list[str]:
-    pid = pid_file.read_text()
+    pid = pid_file.read_text() if pid_file.exists() else ""
+    if not pid:
+        return [f"run_group: {what} never started"]
     time.sleep(0.5)
     status = Path(f"/proc/{pid}/status")
     alive = status.exists() and "\tZ" not in status.read_text().split("State:", 1)[1].split("\n", 1)[0]
@@ -176,8 +178,8 @@ def plan(w: Path, model: Path) -> list[tuple]:
         *[(name, ["--help"]) for name in ("compare", "sweep", "scale", "gpu", "spec-profile")],
         ("start-trace", ["--help"]),  # whole-runs' auto+trace below runs it
         # Two replicas on one (pretended) GPU: the fake engine needs none, the layout only CUDA_VISIBLE_DEVICES.
-        ("whole-runs", ["--task", "A", "--rows", "24", "--runs", "none+warm,none+gpus1,auto+trace", "--replicas-per-gpu", "1,2",
-                        "--timeout", "120",
+        ("whole-runs", ["--task", "A", "--rows", "24", "--runs", "none+warm,none+gpus1,auto+trace",
+                        "--replicas-per-gpu", "1,2", "--timeout", "120",
                         "--budget", "230", "--out", str(w / "whole"), "--work", str(w / "whole-work"), *m],
          {"CUDA_VISIBLE_DEVICES": "0"}),
         ("auto-runs", ["--tasks", "A", "--in-flight", "4", "--min-rows", "4", "--timeout", "90",

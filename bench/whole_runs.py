@@ -26,8 +26,8 @@ Runs, in the order given (compare only runs of one call: machines differ by +-30
                           before the engine decodes goes): auto+trace, none+rpg2+trace.
   <run>+rpgN              the same with [model] replicas_per_gpu = N (N engine replicas share each GPU); last in
                           the name (none@512+rpg2, none+p2+rpg2). --replicas-per-gpu 1,2,3,4 runs each batchjson run of --runs so.
-  <run>+gpusN            the same on the host's first N GPUs only (CUDA_VISIBLE_DEVICES): none+gpus1, none+gpus2,
-                          none+rpg1+gpus4 against each other on a multi-GPU host (the layout's replicas start together).
+  <run>+gpusN             the same on only the first N of the GPUs the call sees (CUDA_VISIBLE_DEVICES): none+gpus1,
+                          none+gpus2, none+rpg1+gpus4 against each other on a multi-GPU host.
   before:<run>            the same job run by an earlier batchjson tree (--before DIR, its package folder's parent).
   <run>+warm              the same batchjson run on 64 rows, not in the table: it fills the compile cache for
                           batchjson's own engine configuration (none+rpg3+warm before none+rpg3 and its variants).
@@ -150,7 +150,10 @@ def batchjson_run(name: str, args, rows: int, work: Path, t_launch: float, timeo
     out = folder / "out"
     env = os.environ | {"PYTHONUNBUFFERED": "1"}
     if gpus:  # the first N of the GPUs this call sees
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(visible_gpus()[:int(gpus.group(1))])
+        n, seen = int(gpus.group(1)), visible_gpus()
+        if len(seen) < n:
+            return {"error": f"+gpus{n}: this call sees {len(seen)} GPU(s)"}
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(seen[:n])
     if tree:  # the earlier tree first on the path, and not this one's from the working folder
         env["PYTHONPATH"] = os.pathsep.join(filter(None, (args.before, env.get("PYTHONPATH"))))
     command = cli("run", str(job), "--output", str(out), "--fresh")

@@ -115,8 +115,9 @@ run_plan() {
     gpus15) need q15 && wr gpus-t15-C60000 --task C --rows 60000 --model $q15 --timeout 500 \
              --runs warm-none,$(gpu_runs) ;;
     smolmps) need smol && wr mps-off-smol-C30000 --task C --rows 30000 --model $smol --timeout 300 \
-             --runs warm-none,none+rpg3+warm,none+rpg3 && mps start && wr mps-on-smol-C30000 --task C --rows 30000 --model $smol \
-             --timeout 300 --runs none+rpg3,none+rpg4; mps stop ;;
+             --runs warm-none,none+rpg3+warm,none+rpg3 \
+             && mps start && wr mps-on-smol-C30000 --task C --rows 30000 --model $smol --timeout 300 \
+             --runs none+rpg3,none+rpg4; mps stop ;;
     t30k) need q15 && wr t15-C30000 --task C --rows 30000 --model $q15 --timeout 300 --runs bare-none,auto ;;
   esac
 }
