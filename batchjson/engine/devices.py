@@ -25,14 +25,14 @@ VLLM_GPU_MEMORY_UTILIZATION = 0.9
 # host cores per replica, at least this many rows to decode per replica, replicas per GPU), tried in order; the first
 # row that holds gives the count. A row sharing a GPU belongs here only once it was measured to pay on whole runs
 # against fewer engines per GPU, for models of that size, on hosts of that many cores per replica, on jobs of that many
-# rows (BENCHMARKS.md, "Replicas per GPU"). Measured on an H200 (140 GiB, 16 cores), SmolLM2-135M (0.25 GiB, 0.18% of
-# it), 30,000 rows: 2 replicas 134.8 s against one's 209.9 s, the same valid rows (one sitting); 3 replicas 130.1 s
-# against two's 139.5 s (another); 4 replicas 163.1 s (a third). Three hold wherever two did (8 cores and 15,000 rows
-# for each of two), so two has no row of its own. Below its rows (a small job ends before another engine's start
-# pays), above its share (the 1.5B target, 2.4%: two replicas 229.1 s against one's 155.1 s, 30,000 rows, two
-# sittings), or with fewer cores: one per GPU.
+# rows (BENCHMARKS.md, "Replicas per GPU"). Measured on an H200 (140 GiB, 16 cores), 30,000 rows, each model in one
+# sitting: SmolLM2-135M (0.25 GiB, 0.18% of it) 1, 2, 3, 4 replicas 194.6, 153.3, 118.0, 121.0 s (bare vLLM's one
+# engine 251.4 s); Qwen2.5-Coder-0.5B (1.17 GiB, 0.84%) 1, 2, 3 replicas 179.3, 122.5, 112.4 s; the same valid rows.
+# Three hold wherever two did (8 cores and 15,000 rows for each of two), so two has no row of its own; four gained
+# nothing on three. Below its rows (a small job ends before another engine's start pays), above its share (the 1.5B
+# target, 2.4%: two replicas 229.1 s against one's 155.1 s, two sittings), or with fewer cores: one per GPU.
 REPLICAS_PER_GPU_RULE: tuple[tuple[float, int, int, int], ...] = (
-    (0.004, 5, 10_000, 3),
+    (0.01, 5, 10_000, 3),
     (1.0, 0, 0, 1),
 )
 
