@@ -89,7 +89,7 @@ class JobRun:
                 # Units an earlier passing check read, unchanged since, are counted from their records (verify.py);
                 # a unit holding a repeated id is read, as its rows' other occurrences are in other units.
                 repeats = {key for places in scan.repeated.values() for key, _ in places}
-                verdict = verify(commits, self.source, everything, self.spec.input.id_column,
+                verdict = verify(commits, self.source, everything, self.spec.input.id_column, scan.repeated,
                                  commits.trusted() - repeats)
                 report.timeline["verified"] = mark()
                 if not self.stop.is_set() and self.shard[1] == 1 and verdict.pending and verdict.ok:

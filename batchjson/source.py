@@ -249,8 +249,7 @@ class ParquetSource:
             fingerprints[file_tag(self.root, path)] = self._fingerprint(path, digest.hexdigest()[:16])
             columns.append(column)
         counts = pc.value_counts(pa.chunked_array([c for col in columns for c in col.chunks], pa.string()))
-        repeated = pa.array([v.as_py() for v, n in zip(counts.field("values"), counts.field("counts")) if n.as_py() > 1],
-                            pa.string())
+        repeated = counts.field("values").filter(pc.greater(counts.field("counts"), 1))
         where: dict[str, list[tuple[str, int]]] = {}
         if len(repeated):
             units = {}

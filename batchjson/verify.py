@@ -2,13 +2,17 @@
 and every file a reader of the output or rejects folder reads against the commit records.
 
 Reads only id (and reject reason) columns, the run state and a listing of both folders, so it is cheap enough to
-end every run; a resume reads only the units an earlier check did not (see `verify`'s `trusted`).
+end every run; a resume reads only the units an earlier check did not (see `verify`'s `trusted`). Memory: one unit's
+ids, and across units only the ids the input repeats (see `verify`'s `repeated`).
 """
 
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Collection
 from dataclasses import dataclass, field
+
+import pyarrow as pa
 
 from batchjson.ends import run_ends
 from batchjson.errors import OutputError
@@ -57,19 +61,23 @@ def _few(ids) -> str:
     return ", ".join(map(repr, ids[:SHOWN])) + (f" and {len(ids) - SHOWN} more" if len(ids) > SHOWN else "")
 
 
-def verify(commits: Commits, source: ParquetSource, refs: list[UnitRef], id_column: str,
+def verify(commits: Commits, source: ParquetSource, refs: list[UnitRef], id_column: str, repeated: Collection[str],
            trusted: frozenset[str] = frozenset()) -> Verdict:
     """Check every committed unit of the folder against the input (`refs`: the whole input's plan, in file order,
-    so one file's ids are in memory at a time).
+    so one file's id column is in memory at a time).
+
+    Each unit read must hold exactly its own input rows' ids, so an id can be in two units' files only where the
+    input holds it in both: across units only the ids the input holds more than once (`repeated`, the input scan's)
+    are counted, not every id of the job.
 
     The units in `trusted` are counted from their commit records, not read: a run's own end check passes those
     whose files an earlier passing check read, unchanged since (`Commits.trusted`), and that hold no repeated id.
     No other unit can hold their rows, as each unit read is checked against its own input rows. `batchjson
     verify` trusts none."""
     v = Verdict(units=len(refs))
-    file_ids: tuple[str, list[str]] = ("", [])
-    out_ids: Counter = Counter()  # id -> rows in the output
-    outcomes: Counter = Counter()  # id -> rows in output or rejects for another reason than duplicate_id
+    file_ids: tuple[str, pa.ChunkedArray | None] = ("", None)
+    out_ids: Counter = Counter()  # repeated id -> rows in the output
+    outcomes: Counter = Counter()  # repeated id -> rows in output or rejects for another reason than duplicate_id
 
     def read(stage, key, kind, record) -> list[str] | None:
         columns = [id_column] + (["reason"] if kind == "rejects" else [])
@@ -85,12 +93,14 @@ def verify(commits: Commits, source: ParquetSource, refs: list[UnitRef], id_colu
             return None
         ids = table.column(0).to_pylist()
         if kind == "output":
-            out_ids.update(ids)
-            outcomes.update(ids)
+            if repeated:
+                out_ids.update(i for i in ids if i in repeated)
+                outcomes.update(i for i in ids if i in repeated)
             v.output_rows += len(ids)
         elif kind == "rejects":
-            reasons = table.column(1).to_pylist()
-            outcomes.update(i for i, r in zip(ids, reasons) if r != "duplicate_id")
+            if repeated:
+                reasons = table.column(1).to_pylist()
+                outcomes.update(i for i, r in zip(ids, reasons) if r != "duplicate_id" and i in repeated)
             v.reject_rows += len(ids)
         return ids
 
@@ -110,8 +120,8 @@ def verify(commits: Commits, source: ParquetSource, refs: list[UnitRef], id_colu
             v.pending += "requeue" in p1["files"] and p2 is None
             continue
         if file_ids[0] != ref.file:
-            file_ids = (ref.file, source.id_column(ref.file).to_pylist())
-        expected = Counter(file_ids[1][ref.offset:ref.offset + ref.rows])
+            file_ids = (ref.file, source.id_column(ref.file))
+        expected = Counter(file_ids[1].slice(ref.offset, ref.rows).to_pylist())
         got: Counter = Counter()
         requeued = None
         for kind in p1["files"]:
@@ -167,7 +177,7 @@ def verify_job(spec, output: str | None = None) -> Verdict:
             storage.check_inputs(scan.fingerprints, write=False)
         except OutputError as e:
             problems.append(str(e))
-        verdict = verify(storage.commits, source, source.plan(), spec.input.id_column)
+        verdict = verify(storage.commits, source, source.plan(), spec.input.id_column, scan.repeated)
         verdict.problems[:0] = problems
         return verdict
     finally:

@@ -105,6 +105,28 @@ def test_float_and_bool_ids_are_one_identity(tmp_path, tiny_model):
     assert report.verified["complete"]
 
 
+def test_verify_finds_a_repeated_id_in_output_and_rejects_and_an_id_moved_to_another_unit(tmp_path, tiny_model):
+    """Across units verify counts only the ids the input repeats (the rest must match their own unit's rows): a
+    repeated id's duplicate_id reject turned into another reason leaves it both written and rejected; an id copied
+    into another unit's file is that unit's extra row."""
+    rows(tmp_path / "in.parquet", ["a", "b", "a", "c"])
+    job = write_job(tmp_path, tiny_model, tmp_path / "in.parquet", batch_size=1)
+    assert run(job, engine_factory=FakeEngines(valid=1.0)).verified["complete"]
+    [rejects] = (tmp_path / "out" / "_rejects").glob("*.parquet")
+    table = pq.read_table(rejects)
+    assert table.column("reason").to_pylist() == ["duplicate_id"]
+    pq.write_table(table.set_column(table.schema.get_field_index("reason"), "reason", pa.array(["json_parse"])), rejects)
+    result = verify_cli(job)
+    assert result.exit_code == 3 and "1 id(s) in both output and rejects (or rejected twice): 'a'" in result.output
+    pq.write_table(table, rejects)
+    assert verify_cli(job).exit_code == 0
+    parts = sorted((tmp_path / "out").glob("p1-*.parquet"))
+    first, last = pq.read_table(parts[0]), pq.read_table(parts[-1])
+    pq.write_table(pa.concat_tables([last, first.cast(last.schema)]), parts[-1])
+    result = verify_cli(job)
+    assert result.exit_code == 3 and "holds other rows than the input (missing none; extra 'a')" in result.output
+
+
 def test_glob_input_grows_by_a_file_in_a_new_folder(tmp_path, tiny_model):
     write_rows(tmp_path / "in" / "x" / "a.parquet", 10)
     job = write_job(tmp_path, tiny_model, tmp_path / "in" / "*" / "*.parquet")
