@@ -178,7 +178,7 @@ def plan(w: Path, model: Path) -> list[tuple]:
         *[(name, ["--help"]) for name in ("compare", "sweep", "scale", "gpu", "spec-profile")],
         ("start-trace", ["--help"]),  # whole-runs' auto+trace below runs it
         # Two replicas on one (pretended) GPU: the fake engine needs none, the layout only CUDA_VISIBLE_DEVICES.
-        ("whole-runs", ["--task", "A", "--rows", "24", "--runs", "none+warm,none+gpus1,auto+trace",
+        ("whole-runs", ["--task", "A", "--rows", "24", "--runs", "none+warm,none+gpus1,none+gmu0.3,auto+trace",
                         "--replicas-per-gpu", "1,2", "--timeout", "120",
                         "--budget", "230", "--out", str(w / "whole"), "--work", str(w / "whole-work"), *m],
          {"CUDA_VISIBLE_DEVICES": "0"}),

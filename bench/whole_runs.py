@@ -26,6 +26,8 @@ Runs, in the order given (compare only runs of one call: machines differ by +-30
                           before the engine decodes goes): auto+trace, none+rpg2+trace.
   <run>+rpgN              the same with [model] replicas_per_gpu = N (N engine replicas share each GPU); last in
                           the name (none@512+rpg2, none+p2+rpg2). --replicas-per-gpu 1,2,3,4 runs each batchjson run of --runs so.
+  <run>+gmuX              the same with [model.engine] gpu_memory_utilization = X (each engine's share of its GPU):
+                          none+gmu0.3+rpg1 against none+rpg1 is what a lone engine's KV cache size costs its start.
   <run>+gpusN             the same on only the first N of the GPUs the call sees (CUDA_VISIBLE_DEVICES): none+gpus1,
                           none+gpus2, none+rpg1+gpus4 against each other on a multi-GPU host.
   before:<run>            the same job run by an earlier batchjson tree (--before DIR, its package folder's parent).
@@ -119,8 +121,8 @@ def warm_up(run: str) -> bool:
 def batchjson_run(name: str, args, rows: int, work: Path, t_launch: float, timeout: float) -> dict:
     tree, _, run = name.rpartition(":")
     traced = "+trace" in run
-    gpus = re.search(r"\+gpus(\d+)", run)
-    run, _, per_gpu = re.sub(r"\+gpus\d+|\+warm|\+trace", "", run).partition("+rpg")
+    gpus, share = re.search(r"\+gpus(\d+)", run), re.search(r"\+gmu([0-9.]+)", run)
+    run, _, per_gpu = re.sub(r"\+gpus\d+|\+gmu[0-9.]+|\+warm|\+trace", "", run).partition("+rpg")
     base, _, size = run.partition("@")
     pass2 = "+p2" in base
     method, *flags = base.replace("+p2", "").split("-no")
@@ -142,8 +144,11 @@ def batchjson_run(name: str, args, rows: int, work: Path, t_launch: float, timeo
     if pass2:  # pass 1 stops every row at 8 tokens: all of them are retried by pass 2, on the same engine
         text = text.replace(f"max_tokens = {args.max_tokens}", "max_tokens = 8", 1)
         text += f"\n[fallback]\nmax_tokens = {args.max_tokens}\ntemperature = 0.0\n"  # greedy: the same tokens in both
-    if size:  # the engine's batch as bare's @N: the same engine configuration, so the same compile cache
-        text += f"\n[model.engine]\nmax_num_seqs = {int(size)}\n"
+    engine = {"max_num_seqs": int(size)} if size else {}  # bare's @N: the same configuration, so the same compile cache
+    if share:
+        engine["gpu_memory_utilization"] = float(share.group(1))
+    if engine:
+        text += "\n[model.engine]\n" + "".join(f"{k} = {v}\n" for k, v in engine.items())
     if per_gpu:
         text = text.replace("[model]\n", f"[model]\nreplicas_per_gpu = {int(per_gpu)}\n", 1)
     job.write_text(text)

@@ -26,8 +26,10 @@
 # PLAN smolmps: SmolLM2, 30,000 rows, 3 replicas on one GPU without CUDA MPS, then 3 and 4 under MPS; mpson: only
 #   the MPS half (after smolall, in the same sitting).
 # PLAN smolall: SmolLM2, 30,000 rows, bare vLLM's one engine and batchjson at 1, 3, 2 and 4 replicas, in one sitting.
-# PLAN all: the plans named in PLANS (default: what run15 left: smolmps replicas15; SmolLM2's first, as its files
-#   come first) in that order, within BUDGET_S.
+# PLAN startkv: one engine at 0.9 of the GPU (vLLM's default) against one at 0.3, SmolLM2 and the 0.5B, 6,000 rows,
+#   ABAB after a warm-up of each: run15's lone engines started 16-30 s slower than each of three replicas at 0.3.
+# PLAN all: the plans named in PLANS (default: what run15 left: startkv smolmps replicas15; SmolLM2's first, as its
+#   files come first) in that order, within BUDGET_S.
 set -u
 export PYTHONPATH=/tmp/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
 res=/tmp/res
@@ -124,11 +126,16 @@ run_plan() {
              --runs none+rpg3,none+rpg4; mps stop ;;
     mpson) need smol && mps start && wr mps-on-smol-C30000 --task C --rows 30000 --model $smol --timeout 300 \
              --runs none+rpg3,none+rpg4; mps stop ;;
+    startkv) local ab=none+rpg1,none+gmu0.3+rpg1
+             need smol && wr startkv-smol-C6000 --task C --rows 6000 --model $smol --timeout 200 \
+               --runs none+rpg1+warm,none+gmu0.3+rpg1+warm,$ab,$ab
+             need q05 && wr startkv-q05-C6000 --task C --rows 6000 --model $q05 --timeout 200 \
+               --runs none+rpg1+warm,none+gmu0.3+rpg1+warm,$ab,$ab ;;
     t30k) need q15 && wr t15-C30000 --task C --rows 30000 --model $q15 --timeout 300 --runs bare-none,auto ;;
   esac
 }
 if [ "$plan" = all ]; then
-  for p in ${PLANS:-smolmps replicas15}; do run_plan $p; done
+  for p in ${PLANS:-startkv smolmps replicas15}; do run_plan $p; done
 else
   run_plan $plan
 fi
