@@ -94,8 +94,9 @@ def verify(commits: Commits, source: ParquetSource, refs: list[UnitRef], id_colu
         ids = table.column(0).to_pylist()
         if kind == "output":
             if repeated:
-                out_ids.update(i for i in ids if i in repeated)
-                outcomes.update(i for i in ids if i in repeated)
+                mine = [i for i in ids if i in repeated]
+                out_ids.update(mine)
+                outcomes.update(mine)
             v.output_rows += len(ids)
         elif kind == "rejects":
             if repeated:
