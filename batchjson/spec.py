@@ -28,6 +28,7 @@ from batchjson.schema.bundle import bundle
 from batchjson.schema.shape import bounded, local_refs
 
 IfExists = Literal["resume", "fail", "overwrite"]
+GrammarFills = Literal["batch", "vllm"]
 BACKEND_NAMES = ("auto", "xgrammar", "guidance", "outlines")
 META_COLUMNS = ("_pass", "_finish_reason", "_prompt_tokens", "_output_tokens")
 # Columns batchjson writes next to the id and pass-through columns (output, rejects, re-queue).
@@ -143,6 +144,10 @@ class ModelSpec:
     stuck collective, a stopped process): its processes are killed and it is restarted like a dead engine, its rows
     decoded again, the death counted and the report noting "hung". The longest step seen on a GPU is well under a
     second and a CPU's prefill of a full batch a few seconds: raise it only for very long prompts on slow hardware."""
+    grammar_fills: GrammarFills = "batch"
+    """How the engine fills the grammar's masks each step: "batch" (xgrammar's batch matcher: one call per step, in
+    C++ threads, into pinned buffers; engine/internals.py) or "vllm" (vLLM's own, a Python call per row). The same
+    masks either way; "vllm" is for comparison, and is what runs on a vLLM version batchjson has not read."""
     engine: dict = field(default_factory=dict)
     """Any other vllm.LLM keyword argument, passed through unchanged (e.g. gpu_memory_utilization)."""
     replicas: int | None = None
@@ -159,6 +164,8 @@ class ModelSpec:
                  f"model.structured_output_backend must be one of {list(BACKEND_NAMES)}, "
                  f"got {self.structured_output_backend!r}.")
         _require(self.max_in_flight is None or self.max_in_flight > 0, "model.max_in_flight must be > 0.")
+        _require(self.grammar_fills in typing.get_args(GrammarFills),
+                 f"model.grammar_fills must be one of {list(typing.get_args(GrammarFills))}, got {self.grammar_fills!r}.")
         _require(self.hang_timeout_s > 0, "model.hang_timeout_s must be > 0.")
         _require(self.replicas is None or self.replicas > 0, "model.replicas must be > 0.")
         _require(self.replicas_per_gpu == "auto" or (isinstance(self.replicas_per_gpu, int)
@@ -287,6 +294,7 @@ class JobSpec:
             d.pop(k)
         d["model"].pop("max_in_flight")
         d["model"].pop("hang_timeout_s")
+        d["model"].pop("grammar_fills")  # the same masks either way
         d["model"].pop("replicas")  # where decoding runs does not change what a run writes
         d["model"].pop("replicas_per_gpu")
         for name in ("sampling", "fallback"):  # added later: folders written before resume under the same hash

@@ -310,7 +310,9 @@ class Worker:
             stats.engine_start_s += seconds
             for policy in self.policies:
                 policy.engine_started(engine, stage, seconds)
-        stats.grammar = stats.grammar or (self.engine.choice.summary if self.engine.choice else "")
+        if not stats.grammar and self.engine.choice:
+            fills = self.engine.fills
+            stats.grammar = self.engine.choice.summary + (f"; masks: {fills}" if fills else "")
         if self.engine.notice and not stats.notice:
             stats.notice = stats.event(self.engine.notice_code or "engine-notice", self.engine.notice)
         return self.engine

@@ -29,6 +29,7 @@ COMMANDS = {
     "replicas": ("replicas", "one job on 1 or N engine replicas, or N static shards, on one host"),
     "schemas": ("schemas", "the SchemaStore corpus through the spec loader, grammar backends and Validator"),
     "extract-schemastore": ("extract_schemastore", "build bench/corpus/schemastore.jsonl.gz from SchemaStore"),
+    "grammar": ("grammar", "what the JSON constraint costs a step: no grammar, vLLM's mask fills, batchjson's"),
     "spec-profile": ("spec_profile", "where a speculative step's time goes, per in-flight size (vLLM plugin)"),
     "validators": ("validators", "validation's cost per row: Validator.check against other validators"),
     "openai-batch": ("openai_batch", "import-openai and export-openai: peak memory and time per requests file size"),

@@ -154,6 +154,20 @@ def tokenizer_model(folder: Path) -> Path:
     return folder
 
 
+def byte_tokenizer(folder: Path) -> Path:
+    """A byte-level tokenizer of 256 tokens and an end token, no merges: every text tokenizes, for xgrammar alone
+    (`grammar --matchers`)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    vocab["<|im_end|>"] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>").save_pretrained(folder)
+    return folder
+
+
 def schemastore_checkout(folder: Path) -> Path:
     """A SchemaStore-shaped git repository of two schemas (one referring to the other) and two test instances."""
     files = {"src/schemas/json/order.json": {"type": "object", "properties": {"line": {"$ref": "line.json"}}},
@@ -177,8 +191,11 @@ def plan(w: Path, model: Path) -> list[tuple]:
         ("report", [str(w / "thr" / "overhead.json")]),
         *[(name, ["--help"]) for name in ("compare", "sweep", "scale", "gpu", "spec-profile")],
         ("start-trace", ["--help"]),  # whole-runs' auto+trace below runs it
+        ("grammar", ["--help"]),  # its engine runs need vLLM; xgrammar alone runs on the tokenizer:
+        ("grammar", ["--matchers", str(byte_tokenizer(w / "bytes")), "--task", "C", "--rows", "20", "--seqs", "8,16", "--threads", "1",
+                     "--out", str(w / "grammar")]),
         # Two replicas on one (pretended) GPU: the fake engine needs none, the layout only CUDA_VISIBLE_DEVICES.
-        ("whole-runs", ["--task", "A", "--rows", "24", "--runs", "none+warm,none+gpus1,none+gmu0.3,auto+trace",
+        ("whole-runs", ["--task", "A", "--rows", "24", "--runs", "none+warm,none+gpus1,none+gmu0.3,auto+trace,none-nofills",
                         "--replicas-per-gpu", "1,2", "--timeout", "120",
                         "--budget", "230", "--out", str(w / "whole"), "--work", str(w / "whole-work"), *m],
          {"CUDA_VISIBLE_DEVICES": "0"}),

@@ -19,6 +19,7 @@ Runs, in the order given (compare only runs of one call: machines differ by +-30
                           (batchjson keeps 2N in the engine; before 2026-12 @N set [model] max_in_flight = N instead).
   <run>-noguard           the same with the loop guard off in both passes (repetition_detection = false).
   <run>-noadapt           the same with [sampling] adapt = false (pass 1 keeps its own settings however its rows do).
+  <run>-nofills           the same with [model] grammar_fills = "vllm" (vLLM's own mask fills, not batchjson's).
   <run>+p2                pass 1 stops every row at 8 tokens, so pass 2 (max_tokens as given, no drafts) decodes all
                           rows on pass 1's engine: draft+p2 against none+p2 is what the drafter costs requests
                           without drafts (draft+p2-noadapt: not with -noguard).
@@ -136,6 +137,8 @@ def batchjson_run(name: str, args, rows: int, work: Path, t_launch: float, timeo
     elif method != "auto":
         k = SPECULATIVE.get(method, {}).get("num_speculative_tokens", 4)
         text += f'\n[speculative]\nmethod = "{method}"\nnum_speculative_tokens = {k}\n'
+    if "fills" in flags:
+        text = text.replace("[model]\n", '[model]\ngrammar_fills = "vllm"\n', 1)
     if "adapt" in flags:
         text = text.replace("[sampling]\n", "[sampling]\nadapt = false\n", 1)
     if "guard" in flags:  # write_task writes a [sampling] table and no [fallback] one

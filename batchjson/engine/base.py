@@ -27,7 +27,8 @@ class Engine(ABC):
     engine decodes with (the report's grammar line; None when there is none); and `notice`, what the run's report
     should say about the engine itself ("" for nothing; VllmEngine: its vLLM is one batchjson's patches were not read
     on, see internals.notice), with its code in `notice_code` (a report.NoteCode; "" for the generic
-    "engine-notice"); and `tokenizer`, the model's tokenizer where the engine loaded one (the worker renders
+    "engine-notice"); `fills`, how it fills the grammar's masks (the report's grammar line; "" for no word on it);
+    and `tokenizer`, the model's tokenizer where the engine loaded one (the worker renders
     prompts with it instead of loading it again; None: the worker loads it from the model's files).
     """
 
@@ -36,6 +37,7 @@ class Engine(ABC):
     choice: Choice | None = None
     notice: str = ""
     notice_code: str = ""
+    fills: str = ""
     tokenizer: object | None = None
 
     @abstractmethod
@@ -103,6 +105,7 @@ class EngineWrapper(Engine):
     choice = property(lambda self: self.inner.choice)
     notice = property(lambda self: self.inner.notice)
     notice_code = property(lambda self: self.inner.notice_code)
+    fills = property(lambda self: self.inner.fills)
     tokenizer = property(lambda self: self.inner.tokenizer)
 
     def accepts(self, decoding: DecodingSpec, speculative: SpeculativeSpec | None) -> bool:

@@ -43,6 +43,7 @@ they use instead of READ_ON, and step aside where a name is missing.
 from __future__ import annotations
 
 import functools
+import os
 import re
 import sys
 import threading
@@ -106,6 +107,11 @@ def install() -> None:
     install_no_draft()
     install_fast_loop_guard()
     install_idle_drafter()
+    if fills_wanted():
+        install_batch_fills()
+        if ahead_wanted():
+            install_fills_ahead()
+        install_gathered_masks()
 
 
 def install_in_runner() -> None:
@@ -119,6 +125,11 @@ def install_in_runner() -> None:
 
     if not vllm.envs.VLLM_ENABLE_V1_MULTIPROCESSING:
         install_idle_drafter()
+        if fills_wanted():
+            install_batch_fills()
+            if ahead_wanted():
+                install_fills_ahead()
+            install_gathered_masks()
 
 
 def no_draft_ready() -> bool:
@@ -225,6 +236,443 @@ def install_idle_drafter() -> str:
     return "ok"
 
 
+# ---------------------------------------------------------------- the grammar's masks at a full batch
+# Read on: vllm/v1/structured_output/__init__.py of these versions. StructuredOutputManager.grammar_bitmask(self,
+# requests, structured_output_request_ids, scheduled_spec_decode_tokens) returns one int32 row (vocab/32 words) per
+# request and position, in the order of the ids (a request's k drafted positions, then its bonus position), as a numpy
+# view of a tensor it keeps; a request whose grammar is terminated, or a position it does not constrain, gets -1 (every
+# token allowed). Without a reasoning parser every row of a request is constrained. Its grammars are
+# backend_xgrammar.XgrammarGrammar (`matcher`, an xgrammar GrammarMatcher; `is_terminated()`), advanced and rolled
+# back around the drafted positions. 0.26 and 0.32 differ only with drafts: after a -1 draft (padding), 0.26 fills
+# the bonus row from the grammar and 0.32 leaves it -1; a draft the grammar rejects raises in 0.26 and makes 0.32 copy
+# the last row into the rest. So the drafted path here is 0.26's, and on 0.32 a step with drafts takes vLLM's own.
+FILLS_READ_ON = ("0.26.", "0.32.")
+DRAFTED_FILLS_READ_ON = ("0.26.",)
+GRAMMAR_FILLS_ENV = "BATCHJSON_GRAMMAR_FILLS"  # "batch" (the default) or "vllm": set by VllmEngine from the spec
+FILLS_AHEAD_ENV = "BATCHJSON_FILLS_AHEAD"  # "0": batch fills only when the mask is asked for (bench grammar's "step")
+MASK_BUFFERS = 3  # a buffer is filled again 3 steps later: vLLM keeps at most 2 steps in flight (its batch queue)
+
+
+def fill_threads() -> int:
+    """xgrammar's threads for one engine's fills: vLLM's own count, min(cores/2, 8), of the cores this process may
+    use (an engine replica's share of the host)."""
+    return max(1, min(len(os.sched_getaffinity(0)) // 2, 8))
+
+
+class BatchFills:
+    """One step's grammar masks through xgrammar's BatchGrammarMatcher: one call fills every row of a position in
+    C++ threads, where vLLM makes a Python call per row (in 16-row tasks on a thread pool without drafts, serially
+    with them), then advances each matcher through its drafts with one call per position and rolls them back with
+    one. Rows and values are vLLM's own (see FILLS_READ_ON). The mask is written into one of MASK_BUFFERS buffers
+    in pinned memory where this process runs the GPU model runner, so the runner copies it to the GPU as it is,
+    without first copying it into pinned memory of its own (19.4 MB a step at 1,024 rows of a 151,936-token
+    vocabulary)."""
+
+    def __init__(self, rows: int, words: int, drafted: bool, pinned: bool = False):
+        import torch
+        import xgrammar as xgr
+
+        self.buffers = [torch.empty((rows, words), dtype=torch.int32, pin_memory=pinned) for _ in range(MASK_BUFFERS)]
+        self.turn = 0
+        self.drafted = drafted  # this vLLM's drafted path is the one read (DRAFTED_FILLS_READ_ON)
+        self.batch = xgr.BatchGrammarMatcher(fill_threads())
+        self.thread = None  # the ahead fills' thread, made at the first
+        self.xgr = xgr
+
+    @classmethod
+    def for_manager(cls, manager, drafted: bool) -> "BatchFills":
+        """For a StructuredOutputManager: rows for its batch and drafts, in pinned memory where this process runs the
+        GPU model runner (the one-GPU engine core does)."""
+        import torch
+
+        config = manager.vllm_config
+        k = (config.speculative_config.num_speculative_tokens if config.speculative_config else 0) or 0
+        words = manager.backend.allocate_token_bitmask(1).shape[1]
+        pinned = torch.cuda.is_available() and torch.cuda.is_initialized()
+        return cls(config.scheduler_config.max_num_seqs * (1 + k), words, drafted, pinned)
+
+    def bitmask(self, requests, ids, drafts):
+        """vLLM's grammar_bitmask for these requests, or None where this step is vLLM's own (drafts on an unread
+        vLLM)."""
+        if drafts and any(drafts.get(r) for r in ids):
+            return self._drafted(requests, ids, drafts) if self.drafted else None
+        mask, matchers, rows = self._rows(requests, ids)
+        if matchers:
+            self.batch.batch_fill_next_token_bitmask(matchers, mask, rows)
+        return mask[:len(ids)].numpy()
+
+    def ahead(self, requests, ids):
+        """The same rows as `bitmask` without drafts, filled on a thread of this object's while the caller goes on
+        (xgrammar's fill holds no GIL): a future of the mask."""
+        mask, matchers, rows = self._rows(requests, ids)
+
+        def fill():
+            if matchers:
+                self.batch.batch_fill_next_token_bitmask(matchers, mask, rows)
+            return mask[:len(ids)].numpy()
+
+        if self.thread is None:
+            import concurrent.futures
+
+            self.thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="batchjson-fills")
+        return self.thread.submit(fill)
+
+    def _rows(self, requests, ids):
+        """The next buffer with the rows of terminated grammars set to -1, and the matchers to fill with their rows."""
+        mask = self._next()
+        matchers, rows = [], []
+        for row, req_id in enumerate(ids):
+            grammar = requests[req_id].structured_output_request.grammar
+            if grammar.is_terminated():
+                mask[row] = -1
+            else:
+                matchers.append(grammar.matcher)
+                rows.append(row)
+        return mask, matchers, rows
+
+    def _next(self):
+        mask = self.buffers[self.turn]
+        self.turn = (self.turn + 1) % MASK_BUFFERS
+        return mask
+
+    def _drafted(self, requests, ids, drafts):
+        """vLLM 0.26's rows with drafts: for each request, a row per drafted position filled from the grammar
+        advanced through the drafts before it, then the bonus row; after a -1 draft the drafted rows are -1 and the
+        grammar stays; a terminated grammar's rows are -1; the grammar is rolled back at the end."""
+        mask = self._next()
+        grammars = [requests[r].structured_output_request.grammar for r in ids]
+        tokens = [drafts.get(r, ()) for r in ids]
+        first, row = [], 0
+        for t in tokens:
+            first.append(row)
+            row += len(t) + 1
+        total = row
+        ended = [g.is_terminated() for g in grammars]
+        applying = [True] * len(ids)
+        advanced = [0] * len(ids)
+        unconstrained: list[int] = []
+        live = list(range(len(ids)))
+        position = 0
+        while live:
+            matchers, rows, movers, moves = [], [], [], []
+            for i in live:
+                t, at = tokens[i], first[i] + position
+                bonus = position == len(t)
+                if (bonus or applying[i]) and not ended[i]:
+                    matchers.append(grammars[i].matcher)
+                    rows.append(at)
+                else:
+                    unconstrained.append(at)
+                if bonus:
+                    continue
+                if t[position] == -1:
+                    applying[i] = False
+                elif applying[i] and not ended[i]:
+                    movers.append(i)
+                    moves.append(t[position])
+            if matchers:
+                self.batch.batch_fill_next_token_bitmask(matchers, mask, rows)
+            if movers:
+                moved = [grammars[i].matcher for i in movers]
+                accepted = self.xgr.BatchGrammarMatcher.batch_accept_token(moved, moves)
+                for i, token, ok in zip(movers, moves, accepted):
+                    if not ok:  # vLLM 0.26 raises the same (the scheduler validated every draft before)
+                        raise AssertionError((token, ids[i], drafts))
+                    advanced[i] += 1
+                    ended[i] = grammars[i].matcher.is_terminated()
+            position += 1
+            live = [i for i in live if len(tokens[i]) >= position]
+        for at in unconstrained:
+            mask[at] = -1
+        back = [i for i in range(len(ids)) if advanced[i]]
+        if back:
+            self.xgr.BatchGrammarMatcher.batch_rollback([grammars[i].matcher for i in back],
+                                                        [advanced[i] for i in back])
+        return mask[:total].numpy()
+
+
+def grammar_fills(setting: str) -> str:
+    """The grammar fill path an engine started with `setting` ([model] grammar_fills) runs, for the run's report:
+    "batch (...)", or "vllm (why)". Reads this vLLM and xgrammar; installs nothing."""
+    if setting == "vllm":
+        return 'vllm ([model] grammar_fills = "vllm")'
+    why = _batch_fills_unready()
+    if why:
+        return f"vllm ({why})"
+    ahead = "" if unread_here(AHEAD_READ_ON) or not ahead_wanted() else "; ahead of the step under async scheduling"
+    return f"batch (xgrammar's batch matcher, {fill_threads()} threads{ahead})"
+
+
+def ahead_wanted() -> bool:
+    """Whether batch fills may run ahead of the step (install_fills_ahead): unless BATCHJSON_FILLS_AHEAD=0, which
+    the benchmarks set to measure the batch fills alone."""
+    return os.environ.get(FILLS_AHEAD_ENV, "1") != "0"
+
+
+def fills_wanted() -> bool:
+    """Whether this process's engines fill through BatchFills: unless the run set grammar_fills = "vllm"."""
+    return os.environ.get(GRAMMAR_FILLS_ENV, "batch") != "vllm"
+
+
+def _batch_fills_unready() -> str:
+    """Why BatchFills cannot serve this vLLM and xgrammar ("" where it can)."""
+    import inspect
+
+    if why := unread_here(FILLS_READ_ON):
+        return why
+    import xgrammar as xgr
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    if list(inspect.signature(StructuredOutputManager.grammar_bitmask).parameters) != [
+            "self", "requests", "structured_output_request_ids", "scheduled_spec_decode_tokens"]:
+        return "StructuredOutputManager.grammar_bitmask changed"
+    if not all(hasattr(xgr.BatchGrammarMatcher, name) for name in (
+            "batch_fill_next_token_bitmask", "batch_accept_token", "batch_rollback")):
+        return "this xgrammar has no BatchGrammarMatcher with batch fills, accepts and rollbacks"
+    return ""
+
+
+def fills_for(manager):
+    """A StructuredOutputManager's BatchFills, made at its first fill; False where its grammars are not ours to fill
+    (another backend, a reasoning parser, a diffusion model)."""
+    fills = manager.__dict__.get("_batchjson_fills")
+    if fills is None:
+        from vllm.v1.structured_output.backend_xgrammar import XgrammarBackend
+
+        ours = (isinstance(manager.backend, XgrammarBackend) and manager.reasoner_cls is None
+                and not getattr(manager.vllm_config.model_config, "is_diffusion", False))
+        fills = BatchFills.for_manager(manager, not unread_here(DRAFTED_FILLS_READ_ON)) if ours else False
+        manager.__dict__["_batchjson_fills"] = fills
+    return fills
+
+
+@installs_once
+def install_batch_fills() -> str:
+    """Patch StructuredOutputManager.grammar_bitmask (in this process) to fill through BatchFills where the grammars
+    are xgrammar's and no reasoning parser gates them; vLLM's own fill everywhere else. "ok" or why not (then
+    vLLM's fills run). Installed unless the run set grammar_fills = "vllm" (fills_wanted)."""
+    if why := _batch_fills_unready():
+        return why
+    from vllm.v1.structured_output import StructuredOutputManager
+    from vllm.v1.structured_output.backend_xgrammar import XgrammarBackend, XgrammarGrammar
+
+    own = StructuredOutputManager.grammar_bitmask
+
+    @functools.wraps(own)
+    def grammar_bitmask(self, requests, structured_output_request_ids, scheduled_spec_decode_tokens):
+        fills = fills_for(self) if structured_output_request_ids else False
+        if fills:
+            grammar = requests[structured_output_request_ids[0]].structured_output_request.grammar
+            if isinstance(grammar, XgrammarGrammar):
+                mask = fills.bitmask(requests, structured_output_request_ids, scheduled_spec_decode_tokens)
+                if mask is not None:
+                    return mask
+        return own(self, requests, structured_output_request_ids, scheduled_spec_decode_tokens)
+
+    StructuredOutputManager.grammar_bitmask = grammar_bitmask
+    return "ok"
+
+
+# Read on: vllm/v1/core/sched/scheduler.py and v1/engine/core.py of 0.26. Under async scheduling (EngineCore.
+# step_with_batch_queue) a step whose structured requests still wait for their previous tokens
+# (pending_structured_output_tokens) is scheduled and launched first, and its grammar bitmask is asked for
+# (Scheduler.get_grammar_bitmask(scheduler_output): the scheduled ids still in self.requests that use structured output
+# and are not a prefill chunk, in num_scheduled_tokens order) only after Scheduler.update_from_output(scheduler_output,
+# model_runner_output) has taken the previous step's tokens. There, for each scheduled request still in self.requests and
+# not finished, generated = model_runner_output.sampled_token_ids[req_id_to_index[req_id]]; a request with
+# async_tokens_to_discard > 0 drops its tokens; one token is never trimmed; and if new tokens remain and
+# StructuredOutputManager.should_advance(request) (True without a reasoning parser), grammar.accept_tokens(req_id,
+# tokens) advances it (XgrammarGrammar: matcher.accept_token per token, num_processed_tokens, _is_terminated), a
+# refusal ending the request with an error. No grammar is touched when a request is freed. 0.32 moved this into
+# StructuredOutputManager.accept_tokens, with stale outputs: not read, so the fills are not ahead there.
+AHEAD_READ_ON = ("0.26.",)
+
+
+def accept_ahead(scheduler, scheduler_output, model_runner_output) -> tuple[set, set] | None:
+    """Advance the grammars of the step's one-token requests by their sampled tokens, as update_from_output would,
+    in one batch call: (the ids advanced, the ids whose token the grammar refused), or None where the step is not one
+    this reads (a request with several tokens, no sampled tokens). A refused request is left to vLLM, which refuses it
+    again and ends it with an error, as without this."""
+    import xgrammar as xgr
+    from vllm.v1.structured_output.backend_xgrammar import XgrammarGrammar
+
+    sampled, index = model_runner_output.sampled_token_ids, model_runner_output.req_id_to_index
+    if not sampled:
+        return None
+    grammars, tokens, ids = [], [], []
+    for req_id in scheduler_output.num_scheduled_tokens:
+        request = scheduler.requests.get(req_id)
+        if (request is None or request.is_finished() or not request.use_structured_output
+                or request.async_tokens_to_discard > 0):
+            continue
+        generated = sampled[index[req_id]]
+        if not generated:
+            continue
+        if len(generated) != 1:
+            return None
+        grammar = request.structured_output_request.grammar
+        if not isinstance(grammar, XgrammarGrammar) or grammar.is_terminated():
+            continue  # vLLM's own accept_tokens refuses a terminated grammar without touching it
+        grammars.append(grammar)
+        tokens.append(generated[0])
+        ids.append(req_id)
+    accepted = xgr.BatchGrammarMatcher.batch_accept_token([g.matcher for g in grammars], tokens) if ids else []
+    advanced, refused = set(), set()
+    for req_id, grammar, ok in zip(ids, grammars, accepted):
+        if ok:
+            grammar.num_processed_tokens += 1
+            grammar._is_terminated = grammar.matcher.is_terminated()
+            advanced.add(req_id)
+        else:
+            refused.add(req_id)
+    return advanced, refused
+
+
+@installs_once
+def install_fills_ahead() -> str:
+    """Under async scheduling, fill the next step's masks while update_from_output does its Python work: patch
+    Scheduler.update_from_output to advance the grammars itself first (accept_ahead, one batch call; vLLM's
+    per-request advance is skipped for those, through should_advance) and start the next step's batch fill on a
+    thread, and Scheduler.get_grammar_bitmask to hand that step its mask (after waiting for it). The rows are the ids
+    vLLM would fill plus those of requests that finish in between (still in the model runner's batch for that step;
+    their tokens are dropped, so their rows change nothing). "ok" or why not (then the fill runs when the mask is
+    asked for). Installed with BatchFills."""
+    import inspect
+
+    if why := unread_here(AHEAD_READ_ON) or _batch_fills_unready():
+        return why
+    from vllm.v1.core.sched.output import GrammarOutput
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    update, masks, schedule = Scheduler.update_from_output, Scheduler.get_grammar_bitmask, Scheduler.schedule
+    advance = StructuredOutputManager.should_advance
+    if (list(inspect.signature(update).parameters) != ["self", "scheduler_output", "model_runner_output"]
+            or list(inspect.signature(masks).parameters) != ["self", "scheduler_output"]
+            or list(inspect.signature(advance).parameters) != ["self", "request"]):
+        return "Scheduler.update_from_output/get_grammar_bitmask or should_advance changed"
+
+    @functools.wraps(schedule)
+    def schedule_noting(self, *args, **kwargs):
+        out = schedule(self, *args, **kwargs)
+        self.__dict__["_batchjson_unmasked"] = out  # the latest step, whose mask is still to be asked for
+        return out
+
+    @functools.wraps(update)
+    def update_from_output(self, scheduler_output, model_runner_output):
+        stale = self.__dict__.pop("_batchjson_ahead", None)
+        if stale is not None:
+            stale[2].result()  # never two fills, nor a fill beside an advance
+        upcoming = self.__dict__.get("_batchjson_unmasked")
+        manager = self.structured_output_manager
+        fills = (upcoming is not None and upcoming is not scheduler_output
+                 and upcoming.has_structured_output_requests and not upcoming.scheduled_spec_decode_tokens
+                 and not scheduler_output.scheduled_spec_decode_tokens
+                 and model_runner_output.kv_connector_output is None and fills_for(manager))
+        moved = accept_ahead(self, scheduler_output, model_runner_output) if fills else None
+        if moved is None:
+            return update(self, scheduler_output, model_runner_output)
+        advanced, refused = moved
+        ids = [req_id for req_id in upcoming.num_scheduled_tokens
+               if (request := self.requests.get(req_id)) is not None and request.use_structured_output
+               and not request.is_prefill_chunk and req_id not in refused]
+        if ids:
+            self.__dict__["_batchjson_ahead"] = (upcoming, ids, fills.ahead(self.requests, ids))
+        manager.__dict__["_batchjson_advanced"] = advanced
+        try:
+            return update(self, scheduler_output, model_runner_output)
+        finally:
+            manager.__dict__["_batchjson_advanced"] = None
+
+    @functools.wraps(masks)
+    def get_grammar_bitmask(self, scheduler_output):
+        if self.__dict__.get("_batchjson_unmasked") is scheduler_output:
+            self.__dict__["_batchjson_unmasked"] = None
+        ahead = self.__dict__.pop("_batchjson_ahead", None)
+        if ahead is not None:
+            mask = ahead[2].result()
+            if ahead[0] is scheduler_output:
+                return GrammarOutput(ahead[1], mask)
+        return masks(self, scheduler_output)
+
+    @functools.wraps(advance)
+    def should_advance(self, request):
+        advanced = self.__dict__.get("_batchjson_advanced")
+        if advanced and request.request_id in advanced:
+            return False  # advanced already, by accept_ahead
+        return advance(self, request)
+
+    Scheduler.schedule, Scheduler.update_from_output = schedule_noting, update_from_output
+    Scheduler.get_grammar_bitmask = get_grammar_bitmask
+    StructuredOutputManager.should_advance = should_advance
+    return "ok"
+
+
+# Read on: vllm/v1/structured_output/utils.py and vllm/v1/worker/gpu_model_runner.py of these versions. The V1 model
+# runner (which vLLM 0.26 runs with ngram, suffix and draft-model speculation) calls apply_grammar_bitmask(
+# scheduler_output, grammar_output, input_batch, logits), imported into its module by name: it puts the scheduler's
+# rows (grammar_output.grammar_bitmask, in the order of grammar_output.structured_output_request_ids, 1 + the request's
+# scheduled_spec_decode_tokens rows each) at their logits rows (input_batch.req_ids order, each request's drafted
+# positions before the next) of a new host tensor of -1 as large as the logits, one Python row copy at a time, and
+# copies that to the GPU for xgr.apply_token_bitmask_inplace.
+MASKS_READ_ON = ("0.26.", "0.32.")
+
+
+def gathered_rows(scheduler_output, grammar_output, input_batch) -> tuple[list[int], list[int]]:
+    """(the scheduler's rows, their logits rows) for the requests of this step's grammar output that the runner's
+    batch holds, as apply_grammar_bitmask places them."""
+    drafts = scheduler_output.scheduled_spec_decode_tokens
+    wanted = set(grammar_output.structured_output_request_ids)
+    at, offset = {}, 0
+    for index, req_id in enumerate(input_batch.req_ids):
+        if req_id in wanted:
+            at[req_id] = index + offset
+        offset += len(drafts.get(req_id, ()))
+    source, target, row = [], [], 0
+    for req_id in grammar_output.structured_output_request_ids:
+        n = 1 + len(drafts.get(req_id, ()))
+        if (logit := at.get(req_id)) is not None:
+            source.extend(range(row, row + n))
+            target.extend(range(logit, logit + n))
+        row += n
+    return source, target
+
+
+@installs_once
+def install_gathered_masks() -> str:
+    """Patch the V1 model runner's apply_grammar_bitmask (in this process): on a GPU the scheduler's rows go to the
+    GPU as they are (in pinned memory, from BatchFills) and are put at their logits rows there, instead of a host
+    tensor of -1 the size of the logits (97 MB a step at 1,024 requests x 5 positions of Qwen's vocabulary) filled
+    row by row in Python. The same masks reach the same logits. "ok" or why not. Installed with BatchFills."""
+    import inspect
+
+    if why := unread_here(MASKS_READ_ON):
+        return why
+    import torch
+    import xgrammar as xgr
+    from vllm.v1.worker import gpu_model_runner
+
+    own = getattr(gpu_model_runner, "apply_grammar_bitmask", None)
+    if own is None or list(inspect.signature(own).parameters) != [
+            "scheduler_output", "grammar_output", "input_batch", "logits"]:
+        return "gpu_model_runner.apply_grammar_bitmask changed"
+
+    @functools.wraps(own)
+    def apply_grammar_bitmask(scheduler_output, grammar_output, input_batch, logits):
+        if logits.is_cpu:
+            return own(scheduler_output, grammar_output, input_batch, logits)
+        source, target = gathered_rows(scheduler_output, grammar_output, input_batch)
+        rows = torch.from_numpy(grammar_output.grammar_bitmask).to(logits.device, non_blocking=True)
+        if len(source) != rows.shape[0]:
+            rows = rows[torch.tensor(source, dtype=torch.long).to(logits.device, non_blocking=True)]
+        full = torch.full((logits.shape[0], rows.shape[1]), -1, dtype=rows.dtype, device=logits.device)
+        full[torch.tensor(target, dtype=torch.long).to(logits.device, non_blocking=True)] = rows
+        xgr.apply_token_bitmask_inplace(logits, full)
+
+    gpu_model_runner.apply_grammar_bitmask = apply_grammar_bitmask
+    return "ok"
+
+
 VLLM_CHECK = None  # vLLM's own check (the tests compare it with `repeats`)
 
 
@@ -291,6 +739,9 @@ TIMED = (
     ("vllm.v1.core.sched.scheduler", "Scheduler", "schedule", "schedule", False),
     ("vllm.v1.core.sched.scheduler", "Scheduler", "update_from_output", "update_from_output", False),
     ("vllm.v1.structured_output", "StructuredOutputManager", "grammar_bitmask", "grammar_bitmask", False),
+    ("batchjson.engine.internals", "BatchFills", "bitmask", "batch_fills", False),
+    ("batchjson.engine.internals", "BatchFills", "ahead", "fills_ahead", False),
+    ("vllm.v1.core.sched.scheduler", "Scheduler", "get_grammar_bitmask", "get_grammar_bitmask", False),
     ("vllm.v1.engine.core", "EngineCore", "step", "engine_step", False),
     ("vllm.v1.engine.core", "EngineCore", "step_with_batch_queue", "engine_step", False),
     (V1, "GPUModelRunner", "execute_model", "forward", True),

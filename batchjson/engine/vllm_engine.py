@@ -159,8 +159,11 @@ class VllmEngine(Engine):
         self.no_draft = self.speculative is not None and internals.no_draft_ready()
         self.notice, self.notice_code = internals.notice(), internals.notice_code()
         self.use(decoding)
-        # Engine processes started from here die with this process, however it dies (see plugin.py).
+        # Engine processes started from here die with this process, however it dies (see plugin.py), and fill the
+        # grammar's masks as the spec says (its plugin reads this before the engine's first step).
         os.environ["BATCHJSON_RUNNER_PID"] = str(os.getpid())
+        os.environ[internals.GRAMMAR_FILLS_ENV] = model.grammar_fills
+        self.fills = internals.grammar_fills(model.grammar_fills)
         try:
             self.llm = vllm.LLM(**kwargs)
         except (ValueError, TypeError, OSError, ImportError, RuntimeError) as e:

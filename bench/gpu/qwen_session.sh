@@ -28,10 +28,16 @@
 # PLAN smolall: SmolLM2, 30,000 rows, bare vLLM's one engine and batchjson at 1, 3, 2 and 4 replicas, in one sitting.
 # PLAN startkv: one engine at 0.9 of the GPU (vLLM's default) against one at 0.3, SmolLM2 and the 0.5B, 6,000 rows,
 #   ABAB after a warm-up of each: run15's lone engines started 16-30 s slower than each of three replicas at 0.3.
+# PLAN grammar15: what the JSON constraint costs the 1.5B's step (bench grammar): xgrammar alone on the host's cores,
+#   then bare vLLM at 1,024 in flight with vLLM's mask fills, batchjson's, and no grammar (py-spy on each).
+# PLAN fills15: the 1.5B's step with vLLM's fills, batchjson's (ahead of the step, and not) and no grammar (bench
+#   grammar), whole runs of the
+#   default against bare vLLM and against grammar_fills = "vllm", then n-gram k 4 with each fill and vLLM's fills
+#   again (how many rows differ between two runs of the same configuration).
 # PLAN all: the plans named in PLANS (default: what run15 left: startkv smolmps replicas15; SmolLM2's first, as its
 #   files come first) in that order, within BUDGET_S.
 set -u
-export PYTHONPATH=/tmp/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
+export PYTHONPATH=/tmp/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 PATH=/tmp/spy/bin:$PATH
 res=/tmp/res
 mkdir -p $res
 case "$1" in
@@ -69,6 +75,13 @@ wr() {  # name, then whole_runs arguments
   echo "[$(date +%T)] $name (budget ${b}s)" >> $res/session.log
   python3 bench/whole_runs.py --out $res/$name --work /tmp/wr/$name --budget $b "$@" > $res/$name.log 2>&1
   nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader >> $res/session.log
+}
+gb() {  # name, then `python -m bench grammar` arguments
+  local name=$1; shift
+  local b=$(left); [ "$b" -lt 60 ] && return
+  echo "[$(date +%T)] $name (budget ${b}s)" >> $res/session.log
+  python3 -m bench grammar --out $res/$name --budget $b "$@" > $res/$name.log 2>&1
+  tail -n 12 $res/$name.log >> $res/session.log
 }
 smol=/tmp/models/smollm2 q05=/tmp/models/coder-0.5b q15=/tmp/models/coder-1.5b
 gpu_runs() {  # every GPU of the host (its chosen replicas per GPU; also 1 per GPU with rpg1), 2 of 4, then 1
@@ -131,6 +144,15 @@ run_plan() {
                --runs none+rpg1+warm,none+gmu0.3+rpg1+warm,$ab,$ab
              need q05 && wr startkv-q05-C6000 --task C --rows 6000 --model $q05 --timeout 200 \
                --runs none+rpg1+warm,none+gmu0.3+rpg1+warm,$ab,$ab ;;
+    grammar15) need q15 && gb g15-matchers --matchers $q15 --task C --seqs 256,1024 --threads 8
+             need q15 && gb g15-C6000 --task C --rows 6000 --model $q15 --seqs 1024 --configs vllm,batch,free \
+               --pyspy 6 --timeout 200 ;;
+    fills15) need q15 && gb g15-C6000-fills --task C --rows 6000 --model $q15 --seqs 1024 --configs vllm,batch,step,free \
+               --timeout 200
+             need q15 && wr t15-C6000-fills --task C --rows 6000 --model $q15 --timeout 200 \
+               --runs auto+warm,bare-none,auto,auto-nofills
+             need q15 && gb g15-C6000-ngram --task C --rows 6000 --model $q15 --seqs 1024 \
+               --configs vllm-ngram,batch-ngram,vllm --timeout 200 ;;
     t30k) need q15 && wr t15-C30000 --task C --rows 30000 --model $q15 --timeout 300 --runs bare-none,auto ;;
   esac
 }

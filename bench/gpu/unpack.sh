@@ -9,7 +9,7 @@
 set -e
 here=$(cd "$(dirname "$0")" && pwd)
 mkdir -p /tmp/chunks
-for f in .dev/part?? .dev/smol?? .dev/q15_?? .dev/q05_?? .dev/arctic_inference-*.whl; do
+for f in .dev/part?? .dev/smol?? .dev/q15_?? .dev/q05_?? .dev/arctic_inference-*.whl .dev/py_spy-*.whl; do
   [ -f "$f" ] && mv "$f" /tmp/chunks/
 done
 du -sh /tmp/chunks; ls /tmp/chunks | tr '\n' ' '; echo
@@ -25,6 +25,10 @@ site() {
   cat /tmp/chunks/part?? | xz -d | tar -x -C /tmp
   for whl in /tmp/chunks/arctic_inference-*.whl; do
     [ -f "$whl" ] && python3 -m pip install -q --no-deps --no-index --no-compile --upgrade --target /tmp/site "$whl"
+  done
+  # py-spy (bench grammar --pyspy samples the engine process's stacks), where the transfer brought its wheel
+  for whl in /tmp/chunks/py_spy-*.whl; do
+    [ -f "$whl" ] && python3 -m pip install -q --no-deps --no-index --no-compile --target /tmp/spy "$whl"
   done
   # Fail here, not at the first suffix engine start, if the extension does not load on this Python.
   if [ -d /tmp/site/arctic_inference ]; then

@@ -1,0 +1,315 @@
+"""What the JSON constraint costs a step at a full batch: bare vLLM's one `generate`, with no grammar, with vLLM's own
+mask fills and with batchjson's (engine/internals.py, BatchFills), each in its own process, all in one call.
+
+    python -m bench grammar --model /tmp/models/coder-1.5b --task C --rows 6000 --seqs 1024 \
+        --configs vllm,batch,free,vllm-ngram,batch-ngram --out OUT
+
+Configurations, run in the order given, for each --seqs (vLLM's max_num_seqs, its batch):
+  vllm, batch, step
+                the task's JSON Schema (xgrammar, no whitespace, greedy, --max-tokens), the masks filled by vLLM
+                (grammar_fills = "vllm") or by batchjson's batch fills ("batch": ahead of the step where vLLM allows
+                it); "step": batchjson's batch fills only when the mask is asked for (BATCHJSON_FILLS_AHEAD=0).
+                batchjson's vLLM plugin is loaded into the engine process for the step profiler and the fills.
+  free          no grammar, with the same output lengths: ignore_eos and max_tokens = the mean output length of the
+                first schema configuration of the same --seqs and method (run it first).
+  <cfg>-ngram, <cfg>-suffix   the same with speculation (ngram k 4, suffix k 8, as whole-runs configures them).
+Each reports generate seconds, engine steps, ms per step, the profile's parts per step (the engine core's
+schedule, update_from_output, grammar_bitmask, forward launch, sampling launch; BATCHJSON_PROFILE_SYNC=0, so the
+GPU overlaps as in a plain run), GPU busy (nvidia-smi), valid and correct rows, and a digest of each row's tokens:
+`differ` counts the rows whose tokens differ from the first configuration of the same kind (schema or free),
+method and --seqs. --pyspy S samples the engine process's stacks for S seconds during generate (py-spy, where
+installed), and the table gives the share of samples in grammar work. Results: OUT/grammar-<task>-<rows>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from bench.common import ROOT, dump, run_group, table
+
+KS = {"ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4},
+      "suffix": {"method": "suffix", "num_speculative_tokens": 8}}
+PARTS = ("schedule", "update_from_output", "grammar_bitmask", "get_grammar_bitmask", "forward", "sample_tokens",
+         "engine_step", "fills_ahead")
+GRAMMAR_FRAMES = ("grammar_bitmask", "accept_tokens", "fill_next_token_bitmask", "batch_fill", "apply_grammar_bitmask",
+                  "batch_accept", "validate_tokens", "rollback")
+
+
+def one(cfg: dict) -> dict:
+    """One configuration in this process: bare vLLM's LLM and one generate."""
+    from batchjson.engine import internals
+    from batchjson.engine.profiler import DUMP_EVERY_S, ENV_PROFILE, ENV_PROFILE_SYNC, read_profile
+
+    profile = Path(cfg["profile"])
+    fills, _, method = cfg["name"].partition("-")
+    os.environ.update({"BATCHJSON_RUNNER_PID": str(os.getpid()), ENV_PROFILE: str(profile), ENV_PROFILE_SYNC: "0",
+                       internals.GRAMMAR_FILLS_ENV: "batch" if fills in ("batch", "step") else "vllm",
+                       internals.FILLS_AHEAD_ENV: "0" if fills == "step" else "1"})
+    import vllm
+    from vllm.platforms import current_platform
+    from vllm.sampling_params import StructuredOutputsParams
+
+    from batchjson.schema.validate import Validator
+    from bench.common import check, frame, task_prompts
+    from bench.replicas import HostSampler
+    from bench.tasks import TASKS, schema
+
+    kwargs = dict(model=cfg["model"], max_num_seqs=cfg["seqs"],
+                  structured_outputs_config={"backend": "xgrammar", "disable_any_whitespace": True})
+    if method:  # the draft counters need vLLM's stats
+        kwargs |= {"speculative_config": KS[method], "disable_log_stats": False}
+    if current_platform.is_cpu():
+        kwargs["enforce_eager"] = True
+    llm = vllm.LLM(**kwargs)
+    _, prompts, truths = task_prompts(cfg["task"], cfg["rows"], frame(llm, TASKS[cfg["task"]]["system"]))
+    if fills == "free":
+        params = vllm.SamplingParams(temperature=0.0, max_tokens=cfg["free_tokens"], ignore_eos=True)
+    else:
+        params = vllm.SamplingParams(temperature=0.0, max_tokens=cfg["max_tokens"],
+                                     structured_outputs=StructuredOutputsParams(json=schema(cfg["task"])))
+    flush = vllm.SamplingParams(temperature=0.0, max_tokens=1)
+
+    def profiled() -> dict:  # the engine writes its profile every DUMP_EVERY_S: wait, step once, read
+        time.sleep(DUMP_EVERY_S + 0.2)
+        llm.generate(["{"], flush, use_tqdm=False)
+        return read_profile(profile)
+
+    before = profiled()
+    sampler = HostSampler()
+    sampler.start()
+    spy = _spy(llm, cfg) if cfg.get("pyspy") else None
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    host = sampler.summary()
+    after = profiled()
+    drafted = {m.name: getattr(m, "value", 0) for m in llm.get_metrics()
+               if m.name.startswith("vllm:spec_decode_num")} if method else {}
+    llm.llm_engine.engine_core.shutdown()
+    steps = after["steps"] - before["steps"] - 1  # the flush's step
+    parts = {name: round(1000 * (after["parts"].get(name, {}).get("seconds", 0)
+                                 - before["parts"].get(name, {}).get("seconds", 0)) / max(steps, 1), 2)
+             for name in PARTS}
+    tokens = [list(o.outputs[0].token_ids) for o in outs]
+    result = {"generate_s": round(seconds, 2), "steps": steps, "ms_per_step": round(1000 * seconds / max(steps, 1), 1),
+              "output_tokens": sum(map(len, tokens)), "mean_tokens": round(sum(map(len, tokens)) / len(tokens), 1),
+              "parts_ms_per_step": parts, "gpu_busy": host["gpu_util_mean"], "cpu_busy": host["cpu_busy_mean"],
+              "patches": {k: v for k, v in after["patches"].items() if "structured" in k},
+              "digests": [hashlib.md5(json.dumps(t).encode()).hexdigest()[:12] for t in tokens]}
+    if drafted:
+        d, a = drafted.get("vllm:spec_decode_num_draft_tokens", 0), drafted.get("vllm:spec_decode_num_accepted_tokens", 0)
+        result["acceptance"] = round(a / d, 3) if d else None
+    if fills != "free":
+        validator = Validator(schema(cfg["task"]))
+        checked = [check(cfg["task"], validator, o.outputs[0].text, o.outputs[0].finish_reason or "", t)
+                   for o, t in zip(outs, truths)]
+        result |= {"valid": sum(c[0] for c in checked), "correct": sum(c[1] for c in checked)}
+    if spy:
+        result["pyspy"] = spy()
+    return result
+
+
+def _spy(llm, cfg: dict):
+    """Start py-spy on the engine process 2 s from now for cfg["pyspy"] seconds; returns the call that waits for
+    it and summarises its samples (the share in each grammar frame, and the top leaf functions)."""
+    exe = shutil.which("py-spy")
+    if not exe:
+        return lambda: {"error": "py-spy is not installed"}
+    try:
+        pid = llm.llm_engine.engine_core.resources.engine_manager.processes[0].pid
+    except AttributeError:
+        return lambda: {"error": "no engine process"}
+    raw = Path(cfg["profile"]).with_suffix(".spy.txt")
+    box: dict = {}
+
+    def record():
+        time.sleep(2)
+        box["rc"] = subprocess.run([exe, "record", "-p", str(pid), "-d", str(cfg["pyspy"]), "-r", "200", "-f", "raw",
+                                    "-o", str(raw), "--nonblocking"], capture_output=True, text=True).returncode
+
+    thread = threading.Thread(target=record, daemon=True)
+    thread.start()
+
+    def summary() -> dict:
+        thread.join()
+        return {"rc": box.get("rc"), "file": raw.name, **(spy_shares(raw) if raw.exists() else {})}
+
+    return summary
+
+
+def spy_shares(raw: Path) -> dict:
+    """From py-spy's raw (collapsed) stacks: the share of samples under each grammar frame, and the top leaves."""
+    total, under, leaves = 0, collections.Counter(), collections.Counter()
+    for line in raw.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not count.isdigit():
+            continue
+        n = int(count)
+        total += n
+        frames = stack.split(";")
+        for name in GRAMMAR_FRAMES:
+            if any(name in f for f in frames):
+                under[name] += n
+        leaves[frames[-1][:120]] += n
+    return {"samples": total, "under": {k: round(v / max(total, 1), 3) for k, v in under.most_common()},
+            "top_leaves": [(k, round(v / max(total, 1), 3)) for k, v in leaves.most_common(12)]}
+
+
+def matchers(tokenizer: str, task: str, rows: int, in_flight: int, steps: int, threads: int) -> dict:
+    """xgrammar alone, no engine: `in_flight` matchers of the task's schema (as vLLM compiles it: no whitespace),
+    each at its own place in a ground-truth answer tokenized by `tokenizer`, stepped `steps` times (a finished
+    answer starts the next). Per step, ms: vLLM's fills (a Python call per row, serially; and in vLLM's thread pool
+    of 16-row tasks), the batch matcher's one call, and the tokens' acceptance one call per row against one batch
+    call. The mask's size too."""
+    import concurrent.futures
+
+    import xgrammar as xgr
+    from transformers import AutoTokenizer
+
+    from bench.tasks import rows as task_rows, schema
+
+    tok = AutoTokenizer.from_pretrained(tokenizer)
+    info = xgr.TokenizerInfo.from_huggingface(tok)
+    compiled = xgr.GrammarCompiler(info).compile_json_schema(json.dumps(schema(task)), any_whitespace=False)
+    answers = []
+    for _, _, truth in task_rows(task, rows):
+        probe = xgr.GrammarMatcher(compiled)
+        for separators in ((",", ":"), (", ", ": ")):
+            ids = tok.encode(json.dumps(json.loads(truth), separators=separators), add_special_tokens=False)
+            if all(probe.accept_token(t) for t in ids):
+                answers.append(ids + [tok.eos_token_id])
+                break
+            probe.reset()
+    if not answers:
+        return {"error": "no answer of the task is accepted by its grammar with this tokenizer"}
+    live = []
+    for i in range(in_flight):  # staggered: a running batch holds rows at every point of their answers
+        answer = answers[i % len(answers)]
+        m = xgr.GrammarMatcher(compiled)
+        at = i % len(answer)
+        for t in answer[:at]:
+            m.accept_token(t)
+        live.append([m, answer, at])
+    mask = xgr.allocate_token_bitmask(in_flight, info.vocab_size)
+    batch = xgr.BatchGrammarMatcher(threads)
+    pool = concurrent.futures.ThreadPoolExecutor(threads)
+    clock = collections.Counter()
+
+    def timed(part, fn):
+        t = time.perf_counter()
+        fn()
+        clock[part] += time.perf_counter() - t
+
+    def serial():
+        for i, (m, _, _) in enumerate(live):
+            m.fill_next_token_bitmask(mask, i)
+
+    def pooled():
+        def task_of(lo):
+            for i in range(lo, min(lo + 16, len(live))):
+                live[i][0].fill_next_token_bitmask(mask, i)
+        for f in [pool.submit(task_of, lo) for lo in range(0, len(live), 16)]:
+            f.result()
+
+    for _ in range(steps):
+        timed("fill_serial", serial)
+        timed("fill_pool", pooled)
+        timed("fill_batch", lambda: batch.batch_fill_next_token_bitmask([r[0] for r in live], mask))
+        nexts = [r[1][r[2]] for r in live]
+        timed("accept_each", lambda: [r[0].accept_token(t) for r, t in zip(live, nexts)])
+        for r, t in zip(live, nexts):
+            r[0].rollback(1)
+        timed("accept_batch", lambda: xgr.BatchGrammarMatcher.batch_accept_token([r[0] for r in live], nexts))
+        for r in live:
+            r[2] += 1
+            if r[2] == len(r[1]):
+                r[0].reset()
+                r[2] = 0
+    return {"in_flight": in_flight, "threads": threads, "answers": len(answers), "vocab": info.vocab_size,
+            "mask_mb": round(mask.numel() * 4 / 2**20, 1),
+            **{f"{k}_ms": round(1000 * v / steps, 2) for k, v in sorted(clock.items())}}
+
+
+def main(argv: list[str]) -> int:
+    if argv[:1] == ["_one"]:
+        cfg = json.loads(argv[1])
+        Path(cfg["result"]).write_text(json.dumps(one(cfg)))
+        return 0
+    ap = argparse.ArgumentParser(prog="python -m bench grammar", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", help="the model folder (engine runs)")
+    ap.add_argument("--task", default="C")
+    ap.add_argument("--rows", type=int, default=6000)
+    ap.add_argument("--seqs", default="1024", help="vLLM max_num_seqs values, comma-separated")
+    ap.add_argument("--configs", default="vllm,batch,free")
+    ap.add_argument("--max-tokens", type=int, default=384)
+    ap.add_argument("--timeout", type=float, default=300)
+    ap.add_argument("--budget", type=float, default=0, help="stop starting configurations after this many seconds")
+    ap.add_argument("--pyspy", type=int, default=0, help="seconds of py-spy sampling per configuration (0: none)")
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--matchers", metavar="TOKENIZER", help="xgrammar alone, no engine (see `matchers`): the "
+                    "tokenizer's folder (a model's); --seqs are the matchers in flight, --threads the fill threads")
+    ap.add_argument("--threads", type=int, default=max(1, min((os.cpu_count() or 2) // 2, 8)))
+    args = ap.parse_args(argv)
+    if args.matchers:
+        args.out.mkdir(parents=True, exist_ok=True)
+        got = [matchers(args.matchers, args.task, min(args.rows, 500), int(n), 50, args.threads)
+               for n in args.seqs.split(",")]
+        dump(args.out / f"matchers-{args.task}.json", got)
+        print(table(got, [(k, k) for k in got[0]]))
+        return 1 if any("error" in g for g in got) else 0
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"grammar-{args.task}-{args.rows}.json"
+    results: list[dict] = []
+    began = time.monotonic()
+    for seqs in [int(s) for s in args.seqs.split(",")]:
+        for name in args.configs.split(","):
+            if args.budget and time.monotonic() - began > args.budget:
+                results.append({"name": name, "seqs": seqs, "error": "budget spent"})
+                continue
+            fills, _, method = name.partition("-")
+            firsts = [r for r in results if r["seqs"] == seqs and r.get("method") == method and "mean_tokens" in r
+                      and r["fills"] != "free"]
+            cfg = {"name": name, "seqs": seqs, "model": args.model, "task": args.task, "rows": args.rows,
+                   "max_tokens": args.max_tokens, "pyspy": args.pyspy,
+                   "free_tokens": max(1, round(firsts[0]["mean_tokens"])) if firsts else args.max_tokens,
+                   "profile": str(args.out / f"profile-{name}-{seqs}.json"),
+                   "result": str(args.out / f"result-{name}-{seqs}.json")}
+            for stale in (cfg["profile"], cfg["result"]):
+                Path(stale).unlink(missing_ok=True)
+            t0 = time.monotonic()
+            try:
+                proc = run_group([sys.executable, "-m", "bench", "grammar", "_one", json.dumps(cfg)], args.timeout,
+                                 cwd=ROOT, env=os.environ | {"PYTHONUNBUFFERED": "1"})
+                row = (json.loads(Path(cfg["result"]).read_text()) if proc.returncode == 0
+                       else {"error": f"rc {proc.returncode}: {(proc.stderr or proc.stdout)[-1500:]}"})
+            except subprocess.TimeoutExpired:
+                row = {"error": f"timeout after {args.timeout:.0f} s"}
+            row |= {"name": name, "seqs": seqs, "fills": fills, "method": method, "wall_s": round(time.monotonic() - t0, 1)}
+            same = [r for r in results if r["seqs"] == seqs and r.get("method") == method and "digests" in r
+                    and (r["fills"] == "free") == (fills == "free")]
+            if same and "digests" in row:
+                row["differ"] = sum(a != b for a, b in zip(same[0]["digests"], row["digests"]))
+                row["differ_from"] = same[0]["name"]
+            results.append(row)
+            dump(path, results)
+            print(json.dumps({k: v for k, v in row.items() if k != "digests"}), flush=True)
+    for r in results:
+        r |= {f"{p}_ms": r.get("parts_ms_per_step", {}).get(p) for p in PARTS}
+    print(table(results, [("seqs", "seqs"), ("name", "config"), ("generate_s", "generate s"), ("steps", "steps"),
+                          ("ms_per_step", "ms/step"), ("schedule_ms", "schedule"), ("update_from_output_ms", "update"),
+                          ("get_grammar_bitmask_ms", "masks"),
+                          ("fills_ahead_ms", "ahead"), ("forward_ms", "forward"), ("sample_tokens_ms", "sample"), ("gpu_busy", "GPU %"),
+                          ("mean_tokens", "mean tok"), ("valid", "valid"), ("correct", "correct"),
+                          ("differ", "differ"), ("error", "error")]))
+    return 1 if any("error" in r for r in results) else 0

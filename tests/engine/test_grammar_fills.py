@@ -1,0 +1,192 @@
+"""batchjson's grammar fills (engine/internals.py, BatchFills and the fills ahead of a step): the same masks and the
+same tokens as vLLM's own fills, the drafted rows as vLLM 0.26 makes them, the grammar advanced as vLLM advances it,
+and vLLM's own fills where batchjson has not read the vLLM version or the spec asks for them."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from batchjson.engine import internals
+from batchjson.engine.profiler import read_profile
+from batchjson.records import Prompt
+from batchjson.spec import DecodingSpec, ModelSpec
+from helpers import TINY_SCHEMA
+
+xgr = pytest.importorskip("xgrammar")
+PROMPTS = [f'<|im_start|>user\nAnswer like {{"name":"thing{i % 7}","n":{i % 10}}}: item {i}<|im_end|>\n'
+           "<|im_start|>assistant\n" for i in range(48)]
+
+
+@pytest.fixture(scope="module")
+def grammar_kit(tiny_model):
+    """(the tiny model's tokenizer, TINY_SCHEMA compiled as vLLM compiles it: no whitespace, its vocabulary size)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    info = xgr.TokenizerInfo.from_huggingface(tokenizer)
+    compiled = xgr.GrammarCompiler(info).compile_json_schema(json.dumps(TINY_SCHEMA), any_whitespace=False)
+    return tokenizer, compiled, info.vocab_size
+
+
+def answer_tokens(tokenizer, compiled, text: str) -> list[int]:
+    """`text` as tokens the grammar takes (the tokenizer's own split, checked on a fresh matcher), then the end."""
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    probe = xgr.GrammarMatcher(compiled)
+    assert all(probe.accept_token(t) for t in ids), text
+    return ids + [tokenizer.eos_token_id]
+
+
+def grammars(compiled, vocab: int, n: int, rollback: int = 8):
+    """n of vLLM's XgrammarGrammar around fresh matchers, as its xgrammar backend makes them."""
+    from vllm.v1.structured_output.backend_xgrammar import XgrammarGrammar
+
+    return [XgrammarGrammar(vocab_size=vocab, matcher=xgr.GrammarMatcher(compiled, max_rollback_tokens=rollback),
+                            ctx=compiled) for _ in range(n)]
+
+
+def requests_of(gs) -> dict:
+    return {str(i): SimpleNamespace(structured_output_request=SimpleNamespace(grammar=g)) for i, g in enumerate(gs)}
+
+
+def vllm_rows(gs, tokens, mask) -> int:
+    """vLLM 0.26's serial fill of StructuredOutputManager.grammar_bitmask without a reasoning parser (transcribed):
+    each drafted position's row from the grammar advanced through the drafts before it, then the bonus row; -1 rows
+    after a -1 draft and for a terminated grammar; rolled back at the end. Returns the rows written."""
+    row = 0
+    for grammar, drafts in zip(gs, tokens):
+        apply, advanced = True, 0
+        for token in drafts:
+            if apply and not grammar.is_terminated():
+                grammar.fill_bitmask(mask, row)
+            else:
+                mask[row].fill_(-1)
+            advance = apply
+            if token == -1:
+                apply = advance = False
+            if advance and not grammar.is_terminated():
+                assert grammar.accept_tokens("r", [token])
+                advanced += 1
+            row += 1
+        if not grammar.is_terminated():
+            grammar.fill_bitmask(mask, row)
+        else:
+            mask[row].fill_(-1)
+        row += 1
+        if advanced:
+            grammar.rollback(advanced)
+    return row
+
+
+def test_batch_fills_make_vllms_rows_at_every_step(grammar_kit):
+    """Rows of requests at every point of their answers, a terminated one among them, step after step: the batch
+    fill's rows are the rows of vLLM's call per row."""
+    tokenizer, compiled, vocab = grammar_kit
+    answers = [answer_tokens(tokenizer, compiled, f'{{"name": "w{i % 5}x", "n": {i % 10}}}') for i in range(12)]
+    gs, mine = grammars(compiled, vocab, 12), grammars(compiled, vocab, 12)
+    fills = internals.BatchFills(rows=16, words=xgr.allocate_token_bitmask(1, vocab).shape[1], drafted=True)
+    expected = xgr.allocate_token_bitmask(12, vocab)
+    steps = max(map(len, answers)) + 2
+    for step in range(steps):
+        ids = list(requests_of(mine))
+        got = fills.bitmask(requests_of(mine), ids, {})
+        vllm_rows(gs, [()] * 12, expected)
+        assert (got == expected.numpy()).all(), f"step {step}"
+        for g, m, answer in zip(gs, mine, answers):
+            if step < len(answer):
+                assert g.accept_tokens("r", [answer[step]]) and m.accept_tokens("r", [answer[step]])
+    assert all(g.is_terminated() for g in mine)  # the last steps filled terminated grammars' rows (-1)
+    assert (got == -1).all()
+
+
+def test_drafted_rows_are_vllm_026s_and_the_grammars_come_back(grammar_kit):
+    """Drafts of every kind in one step: none, a full draft, a -1 (rejected) draft in the middle, a draft that ends
+    the answer (the grammar terminates inside the window): the rows are those of vLLM 0.26's loop, and each grammar
+    is back where it was."""
+    tokenizer, compiled, vocab = grammar_kit
+    answer = answer_tokens(tokenizer, compiled, '{"name": "abc", "n": 7}')
+    gs, mine = grammars(compiled, vocab, 4), grammars(compiled, vocab, 4)
+    for g, m in zip(gs, mine):  # all three tokens in
+        assert g.accept_tokens("r", answer[:3]) and m.accept_tokens("r", answer[:3])
+    rest = answer[3:]
+    drafts = [[], rest[:4], [rest[0], -1, -1, -1], rest[-3:]]
+    for g, m in zip(gs[3:], mine[3:]):  # the last request stands three tokens from its end
+        assert g.accept_tokens("r", rest[:-3]) and m.accept_tokens("r", rest[:-3])
+    words = xgr.allocate_token_bitmask(1, vocab).shape[1]
+    fills = internals.BatchFills(rows=32, words=words, drafted=True)
+    expected = xgr.allocate_token_bitmask(32, vocab)
+    rows = vllm_rows(gs, drafts, expected)
+    got = fills.bitmask(requests_of(mine), list(requests_of(mine)), {str(i): d for i, d in enumerate(drafts)})
+    assert got.shape[0] == rows == 1 + 5 + 5 + 4
+    assert (got == expected[:rows].numpy()).all()
+    assert [m.num_processed_tokens for m in mine] == [g.num_processed_tokens for g in gs]
+    assert not any(m.is_terminated() for m in mine)
+    again, again_expected = fills.bitmask(requests_of(mine), list(requests_of(mine)), {}), expected.clone()
+    vllm_rows(gs, [()] * 4, again_expected)
+    assert (again == again_expected[:4].numpy()).all()
+
+
+def test_accept_ahead_advances_as_update_from_output_would(grammar_kit):
+    """The step's sampled tokens, advanced in one call: a request with a token, a finished one, one whose tokens
+    async scheduling drops, one with no token (a prefill chunk), one without a grammar, one whose token the grammar
+    refuses (left to vLLM, unchanged), and the end token (terminated, as accept_tokens would say)."""
+    tokenizer, compiled, vocab = grammar_kit
+    answer = answer_tokens(tokenizer, compiled, '{"name": "ab", "n": 1}')
+    gs = grammars(compiled, vocab, 7)
+    for g in gs[6:]:
+        assert g.accept_tokens("r", answer[:-1])
+    kinds = dict(finished={"is_finished": True}, discard={"discard": 1}, plain={})
+
+    def request(g, is_finished=False, discard=0, structured=True):
+        return SimpleNamespace(is_finished=lambda: is_finished, use_structured_output=structured,
+                               async_tokens_to_discard=discard, structured_output_request=SimpleNamespace(grammar=g))
+
+    requests = {"ok": request(gs[0]), "done": request(gs[1], **kinds["finished"]),
+                "drop": request(gs[2], **kinds["discard"]), "chunk": request(gs[3]),
+                "free": request(None, structured=False), "bad": request(gs[5]), "end": request(gs[6])}
+    ids = list(requests)
+    sampled = {"ok": [answer[0]], "done": [answer[0]], "drop": [answer[0]], "chunk": [], "free": [5],
+               "bad": [tokenizer.eos_token_id], "end": [answer[-1]]}
+    out = SimpleNamespace(sampled_token_ids=[sampled[i] for i in ids], req_id_to_index={i: n for n, i in enumerate(ids)})
+    scheduler = SimpleNamespace(requests=requests)
+    advanced, refused = internals.accept_ahead(scheduler, SimpleNamespace(num_scheduled_tokens=dict.fromkeys(ids, 1)),
+                                               out)
+    assert advanced == {"ok", "end"} and refused == {"bad"}
+    assert [g.num_processed_tokens for g in gs] == [1, 0, 0, 0, 0, 0, len(answer)]
+    assert gs[6].is_terminated() and not gs[0].is_terminated()
+    several = SimpleNamespace(sampled_token_ids=[answer[:2]], req_id_to_index={"ok": 0})
+    assert internals.accept_ahead(scheduler, SimpleNamespace(num_scheduled_tokens={"ok": 2}), several) is None
+
+
+def test_an_unread_vllm_keeps_its_own_fills(monkeypatch):
+    import vllm
+
+    monkeypatch.setattr(vllm, "__version__", "0.99.0")
+    said = internals.grammar_fills("batch")
+    assert said.startswith("vllm (vLLM 0.99.0 is not a version this patch was read on")
+    assert internals.grammar_fills("vllm") == 'vllm ([model] grammar_fills = "vllm")'
+
+
+@pytest.mark.engine
+def test_batch_fills_decode_what_vllms_fills_decode(tiny_model, monkeypatch, tmp_path):
+    """The same prompts on two engines, greedy in float32: batchjson's fills (which ran: the step profile timed them)
+    and vLLM's own give the same outputs, and the report's grammar line says which ran."""
+    from batchjson.engine import VllmEngine
+
+    texts, profiles = {}, {}
+    for fills in ("batch", "vllm"):
+        profiles[fills] = tmp_path / f"profile-{fills}.json"
+        monkeypatch.setenv("BATCHJSON_PROFILE_STEPS", str(profiles[fills]))
+        model = ModelSpec(path=tiny_model, dtype="float32", max_model_len=512, max_in_flight=48, grammar_fills=fills)
+        engine = VllmEngine(model, DecodingSpec(max_tokens=40), TINY_SCHEMA)
+        try:
+            texts[fills] = {g.prompt.row_id: g.text for g in engine.stream(
+                Prompt(str(i), "u", text) for i, text in enumerate(PROMPTS))}
+            assert engine.fills.startswith(fills)
+        finally:
+            engine.close()
+    assert len(texts["batch"]) == len(PROMPTS) and texts["batch"] == texts["vllm"]
+    ran = {fills: read_profile(path)["parts"].get("batch_fills", {}).get("count", 0) for fills, path in profiles.items()}
+    assert ran["batch"] > 0 and ran["vllm"] == 0
