@@ -147,7 +147,7 @@ run_plan() {
     grammar15) need q15 && gb g15-matchers --matchers $q15 --task C --seqs 256,1024 --threads 8
              need q15 && gb g15-C6000 --task C --rows 6000 --model $q15 --seqs 1024 --configs vllm,batch,free \
                --pyspy 6 --timeout 200 ;;
-    fills15) need q15 && gb g15-C6000-fills --task C --rows 6000 --model $q15 --seqs 1024 --configs vllm,batch,step,free \
+    fills15) need q15 && gb g15-C6000-fills --task C --rows 6000 --model $q15 --seqs 1024 --configs vllm,batch,free,step \
                --timeout 200
              need q15 && wr t15-C6000-fills --task C --rows 6000 --model $q15 --timeout 200 \
                --runs auto+warm,bare-none,auto,auto-nofills
