@@ -5,10 +5,8 @@ mask fills and with batchjson's (engine/internals.py, BatchFills), each in its o
         --configs vllm,batch,free,vllm-ngram,batch-ngram --out OUT
 
 Configurations, run in the order given, for each --seqs (vLLM's max_num_seqs, its batch):
-  vllm, batch, step
-                the task's JSON Schema (xgrammar, no whitespace, greedy, --max-tokens), the masks filled by vLLM
-                (grammar_fills = "vllm") or by batchjson's batch fills ("batch": ahead of the step where vLLM allows
-                it); "step": batchjson's batch fills only when the mask is asked for (BATCHJSON_FILLS_AHEAD=0).
+  vllm, batch   the task's JSON Schema (xgrammar, no whitespace, greedy, --max-tokens), the masks filled by vLLM
+                (grammar_fills = "vllm") or by batchjson's batch fills ("batch", engine/internals.py BatchFills).
                 batchjson's vLLM plugin is loaded into the engine process for the step profiler and the fills.
   free          no grammar, with the same output lengths: ignore_eos and max_tokens = the mean output length of the
                 first schema configuration of the same --seqs and method (run it first).
@@ -40,9 +38,9 @@ from bench.common import ROOT, dump, run_group, table
 KS = {"ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4},
       "suffix": {"method": "suffix", "num_speculative_tokens": 8}}
 PARTS = ("schedule", "update_from_output", "grammar_bitmask", "get_grammar_bitmask", "forward", "sample_tokens",
-         "engine_step", "fills_ahead")
+         "engine_step")
 GRAMMAR_FRAMES = ("grammar_bitmask", "accept_tokens", "fill_next_token_bitmask", "batch_fill", "apply_grammar_bitmask",
-                  "batch_accept", "validate_tokens", "rollback")
+                  "batch_accept", "validate_tokens", "rollback")  # py-spy frames counted as the grammar's work
 
 
 def one(cfg: dict) -> dict:
@@ -53,8 +51,7 @@ def one(cfg: dict) -> dict:
     profile = Path(cfg["profile"])
     fills, _, method = cfg["name"].partition("-")
     os.environ.update({"BATCHJSON_RUNNER_PID": str(os.getpid()), ENV_PROFILE: str(profile), ENV_PROFILE_SYNC: "0",
-                       internals.GRAMMAR_FILLS_ENV: "batch" if fills in ("batch", "step") else "vllm",
-                       internals.FILLS_AHEAD_ENV: "0" if fills == "step" else "1"})
+                       internals.GRAMMAR_FILLS_ENV: "batch" if fills == "batch" else "vllm"})
     import vllm
     from vllm.platforms import current_platform
     from vllm.sampling_params import StructuredOutputsParams
@@ -309,7 +306,7 @@ def main(argv: list[str]) -> int:
     print(table(results, [("seqs", "seqs"), ("name", "config"), ("generate_s", "generate s"), ("steps", "steps"),
                           ("ms_per_step", "ms/step"), ("schedule_ms", "schedule"), ("update_from_output_ms", "update"),
                           ("get_grammar_bitmask_ms", "masks"),
-                          ("fills_ahead_ms", "ahead"), ("forward_ms", "forward"), ("sample_tokens_ms", "sample"), ("gpu_busy", "GPU %"),
+                          ("forward_ms", "forward"), ("sample_tokens_ms", "sample"), ("gpu_busy", "GPU %"),
                           ("mean_tokens", "mean tok"), ("valid", "valid"), ("correct", "correct"),
                           ("differ", "differ"), ("error", "error")]))
     return 1 if any("error" in r for r in results) else 0

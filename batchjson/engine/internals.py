@@ -109,9 +109,6 @@ def install() -> None:
     install_idle_drafter()
     if fills_wanted():
         install_batch_fills()
-        if ahead_wanted():
-            install_fills_ahead()
-        install_gathered_masks()
 
 
 def install_in_runner() -> None:
@@ -127,9 +124,6 @@ def install_in_runner() -> None:
         install_idle_drafter()
         if fills_wanted():
             install_batch_fills()
-            if ahead_wanted():
-                install_fills_ahead()
-            install_gathered_masks()
 
 
 def no_draft_ready() -> bool:
@@ -249,7 +243,6 @@ def install_idle_drafter() -> str:
 FILLS_READ_ON = ("0.26.", "0.32.")
 DRAFTED_FILLS_READ_ON = ("0.26.",)
 GRAMMAR_FILLS_ENV = "BATCHJSON_GRAMMAR_FILLS"  # "batch" (the default) or "vllm": set by VllmEngine from the spec
-FILLS_AHEAD_ENV = "BATCHJSON_FILLS_AHEAD"  # "0": batch fills only when the mask is asked for (bench grammar's "step")
 MASK_BUFFERS = 3  # a buffer is filled again 3 steps later: vLLM keeps at most 2 steps in flight (its batch queue)
 
 
@@ -276,7 +269,6 @@ class BatchFills:
         self.turn = 0
         self.drafted = drafted  # this vLLM's drafted path is the one read (DRAFTED_FILLS_READ_ON)
         self.batch = xgr.BatchGrammarMatcher(fill_threads())
-        self.thread = None  # the ahead fills' thread, made at the first
         self.xgr = xgr
 
     @classmethod
@@ -300,22 +292,6 @@ class BatchFills:
         if matchers:
             self.batch.batch_fill_next_token_bitmask(matchers, mask, rows)
         return mask[:len(ids)].numpy()
-
-    def ahead(self, requests, ids):
-        """The same rows as `bitmask` without drafts, filled on a thread of this object's while the caller goes on
-        (xgrammar's fill holds no GIL): a future of the mask."""
-        mask, matchers, rows = self._rows(requests, ids)
-
-        def fill():
-            if matchers:
-                self.batch.batch_fill_next_token_bitmask(matchers, mask, rows)
-            return mask[:len(ids)].numpy()
-
-        if self.thread is None:
-            import concurrent.futures
-
-            self.thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="batchjson-fills")
-        return self.thread.submit(fill)
 
     def _rows(self, requests, ids):
         """The next buffer with the rows of terminated grammars set to -1, and the matchers to fill with their rows."""
@@ -399,14 +375,7 @@ def grammar_fills(setting: str) -> str:
     why = _batch_fills_unready()
     if why:
         return f"vllm ({why})"
-    ahead = "" if unread_here(AHEAD_READ_ON) or not ahead_wanted() else "; ahead of the step under async scheduling"
-    return f"batch (xgrammar's batch matcher, {fill_threads()} threads{ahead})"
-
-
-def ahead_wanted() -> bool:
-    """Whether batch fills may run ahead of the step (install_fills_ahead): unless BATCHJSON_FILLS_AHEAD=0, which
-    the benchmarks set to measure the batch fills alone."""
-    return os.environ.get(FILLS_AHEAD_ENV, "1") != "0"
+    return f"batch (xgrammar's batch matcher, {fill_threads()} threads)"
 
 
 def fills_wanted() -> bool:
@@ -470,206 +439,6 @@ def install_batch_fills() -> str:
         return own(self, requests, structured_output_request_ids, scheduled_spec_decode_tokens)
 
     StructuredOutputManager.grammar_bitmask = grammar_bitmask
-    return "ok"
-
-
-# Read on: vllm/v1/core/sched/scheduler.py and v1/engine/core.py of 0.26. Under async scheduling (EngineCore.
-# step_with_batch_queue) a step whose structured requests still wait for their previous tokens
-# (pending_structured_output_tokens) is scheduled and launched first, and its grammar bitmask is asked for
-# (Scheduler.get_grammar_bitmask(scheduler_output): the scheduled ids still in self.requests that use structured output
-# and are not a prefill chunk, in num_scheduled_tokens order) only after Scheduler.update_from_output(scheduler_output,
-# model_runner_output) has taken the previous step's tokens. There, for each scheduled request still in self.requests and
-# not finished, generated = model_runner_output.sampled_token_ids[req_id_to_index[req_id]]; a request with
-# async_tokens_to_discard > 0 drops its tokens; one token is never trimmed; and if new tokens remain and
-# StructuredOutputManager.should_advance(request) (True without a reasoning parser), grammar.accept_tokens(req_id,
-# tokens) advances it (XgrammarGrammar: matcher.accept_token per token, num_processed_tokens, _is_terminated), a
-# refusal ending the request with an error. No grammar is touched when a request is freed. 0.32 moved this into
-# StructuredOutputManager.accept_tokens, with stale outputs: not read, so the fills are not ahead there.
-AHEAD_READ_ON = ("0.26.",)
-
-
-def accept_ahead(scheduler, scheduler_output, model_runner_output) -> tuple[set, set] | None:
-    """Advance the grammars of the step's one-token requests by their sampled tokens, as update_from_output would,
-    in one batch call: (the ids advanced, the ids whose token the grammar refused), or None where the step is not one
-    this reads (a request with several tokens, no sampled tokens). A refused request is left to vLLM, which refuses it
-    again and ends it with an error, as without this."""
-    import xgrammar as xgr
-    from vllm.v1.structured_output.backend_xgrammar import XgrammarGrammar
-
-    sampled, index = model_runner_output.sampled_token_ids, model_runner_output.req_id_to_index
-    if not sampled:
-        return None
-    grammars, tokens, ids = [], [], []
-    for req_id in scheduler_output.num_scheduled_tokens:
-        request = scheduler.requests.get(req_id)
-        if (request is None or request.is_finished() or not request.use_structured_output
-                or request.async_tokens_to_discard > 0):
-            continue
-        generated = sampled[index[req_id]]
-        if not generated:
-            continue
-        if len(generated) != 1:
-            return None
-        grammar = request.structured_output_request.grammar
-        if not isinstance(grammar, XgrammarGrammar) or grammar.is_terminated():
-            continue  # vLLM's own accept_tokens refuses a terminated grammar without touching it
-        grammars.append(grammar)
-        tokens.append(generated[0])
-        ids.append(req_id)
-    accepted = xgr.BatchGrammarMatcher.batch_accept_token([g.matcher for g in grammars], tokens) if ids else []
-    advanced, refused = set(), set()
-    for req_id, grammar, ok in zip(ids, grammars, accepted):
-        if ok:
-            grammar.num_processed_tokens += 1
-            grammar._is_terminated = grammar.matcher.is_terminated()
-            advanced.add(req_id)
-        else:
-            refused.add(req_id)
-    return advanced, refused
-
-
-@installs_once
-def install_fills_ahead() -> str:
-    """Under async scheduling, fill the next step's masks while update_from_output does its Python work: patch
-    Scheduler.update_from_output to advance the grammars itself first (accept_ahead, one batch call; vLLM's
-    per-request advance is skipped for those, through should_advance) and start the next step's batch fill on a
-    thread, and Scheduler.get_grammar_bitmask to hand that step its mask (after waiting for it). The rows are the ids
-    vLLM would fill plus those of requests that finish in between (still in the model runner's batch for that step;
-    their tokens are dropped, so their rows change nothing). "ok" or why not (then the fill runs when the mask is
-    asked for). Installed with BatchFills."""
-    import inspect
-
-    if why := unread_here(AHEAD_READ_ON) or _batch_fills_unready():
-        return why
-    from vllm.v1.core.sched.output import GrammarOutput
-    from vllm.v1.core.sched.scheduler import Scheduler
-    from vllm.v1.structured_output import StructuredOutputManager
-
-    update, masks, schedule = Scheduler.update_from_output, Scheduler.get_grammar_bitmask, Scheduler.schedule
-    advance = StructuredOutputManager.should_advance
-    if (list(inspect.signature(update).parameters) != ["self", "scheduler_output", "model_runner_output"]
-            or list(inspect.signature(masks).parameters) != ["self", "scheduler_output"]
-            or list(inspect.signature(advance).parameters) != ["self", "request"]):
-        return "Scheduler.update_from_output/get_grammar_bitmask or should_advance changed"
-
-    @functools.wraps(schedule)
-    def schedule_noting(self, *args, **kwargs):
-        out = schedule(self, *args, **kwargs)
-        self.__dict__["_batchjson_unmasked"] = out  # the latest step, whose mask is still to be asked for
-        return out
-
-    @functools.wraps(update)
-    def update_from_output(self, scheduler_output, model_runner_output):
-        stale = self.__dict__.pop("_batchjson_ahead", None)
-        if stale is not None:
-            stale[2].result()  # never two fills, nor a fill beside an advance
-        upcoming = self.__dict__.get("_batchjson_unmasked")
-        manager = self.structured_output_manager
-        fills = (upcoming is not None and upcoming is not scheduler_output
-                 and upcoming.has_structured_output_requests and not upcoming.scheduled_spec_decode_tokens
-                 and not scheduler_output.scheduled_spec_decode_tokens
-                 and model_runner_output.kv_connector_output is None and fills_for(manager))
-        moved = accept_ahead(self, scheduler_output, model_runner_output) if fills else None
-        if moved is None:
-            return update(self, scheduler_output, model_runner_output)
-        advanced, refused = moved
-        ids = [req_id for req_id in upcoming.num_scheduled_tokens
-               if (request := self.requests.get(req_id)) is not None and request.use_structured_output
-               and not request.is_prefill_chunk and req_id not in refused]
-        if ids:
-            self.__dict__["_batchjson_ahead"] = (upcoming, ids, fills.ahead(self.requests, ids))
-        manager.__dict__["_batchjson_advanced"] = advanced
-        try:
-            return update(self, scheduler_output, model_runner_output)
-        finally:
-            manager.__dict__["_batchjson_advanced"] = None
-
-    @functools.wraps(masks)
-    def get_grammar_bitmask(self, scheduler_output):
-        if self.__dict__.get("_batchjson_unmasked") is scheduler_output:
-            self.__dict__["_batchjson_unmasked"] = None
-        ahead = self.__dict__.pop("_batchjson_ahead", None)
-        if ahead is not None:
-            mask = ahead[2].result()
-            if ahead[0] is scheduler_output:
-                return GrammarOutput(ahead[1], mask)
-        return masks(self, scheduler_output)
-
-    @functools.wraps(advance)
-    def should_advance(self, request):
-        advanced = self.__dict__.get("_batchjson_advanced")
-        if advanced and request.request_id in advanced:
-            return False  # advanced already, by accept_ahead
-        return advance(self, request)
-
-    Scheduler.schedule, Scheduler.update_from_output = schedule_noting, update_from_output
-    Scheduler.get_grammar_bitmask = get_grammar_bitmask
-    StructuredOutputManager.should_advance = should_advance
-    return "ok"
-
-
-# Read on: vllm/v1/structured_output/utils.py and vllm/v1/worker/gpu_model_runner.py of these versions. The V1 model
-# runner (which vLLM 0.26 runs with ngram, suffix and draft-model speculation) calls apply_grammar_bitmask(
-# scheduler_output, grammar_output, input_batch, logits), imported into its module by name: it puts the scheduler's
-# rows (grammar_output.grammar_bitmask, in the order of grammar_output.structured_output_request_ids, 1 + the request's
-# scheduled_spec_decode_tokens rows each) at their logits rows (input_batch.req_ids order, each request's drafted
-# positions before the next) of a new host tensor of -1 as large as the logits, one Python row copy at a time, and
-# copies that to the GPU for xgr.apply_token_bitmask_inplace.
-MASKS_READ_ON = ("0.26.", "0.32.")
-
-
-def gathered_rows(scheduler_output, grammar_output, input_batch) -> tuple[list[int], list[int]]:
-    """(the scheduler's rows, their logits rows) for the requests of this step's grammar output that the runner's
-    batch holds, as apply_grammar_bitmask places them."""
-    drafts = scheduler_output.scheduled_spec_decode_tokens
-    wanted = set(grammar_output.structured_output_request_ids)
-    at, offset = {}, 0
-    for index, req_id in enumerate(input_batch.req_ids):
-        if req_id in wanted:
-            at[req_id] = index + offset
-        offset += len(drafts.get(req_id, ()))
-    source, target, row = [], [], 0
-    for req_id in grammar_output.structured_output_request_ids:
-        n = 1 + len(drafts.get(req_id, ()))
-        if (logit := at.get(req_id)) is not None:
-            source.extend(range(row, row + n))
-            target.extend(range(logit, logit + n))
-        row += n
-    return source, target
-
-
-@installs_once
-def install_gathered_masks() -> str:
-    """Patch the V1 model runner's apply_grammar_bitmask (in this process): on a GPU the scheduler's rows go to the
-    GPU as they are (in pinned memory, from BatchFills) and are put at their logits rows there, instead of a host
-    tensor of -1 the size of the logits (97 MB a step at 1,024 requests x 5 positions of Qwen's vocabulary) filled
-    row by row in Python. The same masks reach the same logits. "ok" or why not. Installed with BatchFills."""
-    import inspect
-
-    if why := unread_here(MASKS_READ_ON):
-        return why
-    import torch
-    import xgrammar as xgr
-    from vllm.v1.worker import gpu_model_runner
-
-    own = getattr(gpu_model_runner, "apply_grammar_bitmask", None)
-    if own is None or list(inspect.signature(own).parameters) != [
-            "scheduler_output", "grammar_output", "input_batch", "logits"]:
-        return "gpu_model_runner.apply_grammar_bitmask changed"
-
-    @functools.wraps(own)
-    def apply_grammar_bitmask(scheduler_output, grammar_output, input_batch, logits):
-        if logits.is_cpu:
-            return own(scheduler_output, grammar_output, input_batch, logits)
-        source, target = gathered_rows(scheduler_output, grammar_output, input_batch)
-        rows = torch.from_numpy(grammar_output.grammar_bitmask).to(logits.device, non_blocking=True)
-        if len(source) != rows.shape[0]:
-            rows = rows[torch.tensor(source, dtype=torch.long).to(logits.device, non_blocking=True)]
-        full = torch.full((logits.shape[0], rows.shape[1]), -1, dtype=rows.dtype, device=logits.device)
-        full[torch.tensor(target, dtype=torch.long).to(logits.device, non_blocking=True)] = rows
-        xgr.apply_token_bitmask_inplace(logits, full)
-
-    gpu_model_runner.apply_grammar_bitmask = apply_grammar_bitmask
     return "ok"
 
 
@@ -740,7 +509,6 @@ TIMED = (
     ("vllm.v1.core.sched.scheduler", "Scheduler", "update_from_output", "update_from_output", False),
     ("vllm.v1.structured_output", "StructuredOutputManager", "grammar_bitmask", "grammar_bitmask", False),
     ("batchjson.engine.internals", "BatchFills", "bitmask", "batch_fills", False),
-    ("batchjson.engine.internals", "BatchFills", "ahead", "fills_ahead", False),
     ("vllm.v1.core.sched.scheduler", "Scheduler", "get_grammar_bitmask", "get_grammar_bitmask", False),
     ("vllm.v1.engine.core", "EngineCore", "step", "engine_step", False),
     ("vllm.v1.engine.core", "EngineCore", "step_with_batch_queue", "engine_step", False),

@@ -30,8 +30,7 @@
 #   ABAB after a warm-up of each: run15's lone engines started 16-30 s slower than each of three replicas at 0.3.
 # PLAN grammar15: what the JSON constraint costs the 1.5B's step (bench grammar): xgrammar alone on the host's cores,
 #   then bare vLLM at 1,024 in flight with vLLM's mask fills, batchjson's, and no grammar (py-spy on each).
-# PLAN fills15: the 1.5B's step with vLLM's fills, batchjson's (ahead of the step, and not) and no grammar (bench
-#   grammar), whole runs of the
+# PLAN fills15: the 1.5B's step with vLLM's fills, batchjson's and no grammar (bench grammar), whole runs of the
 #   default against bare vLLM and against grammar_fills = "vllm", then n-gram k 4 with each fill and vLLM's fills
 #   again (how many rows differ between two runs of the same configuration).
 # PLAN all: the plans named in PLANS (default: what run15 left: startkv smolmps replicas15; SmolLM2's first, as its
@@ -147,7 +146,7 @@ run_plan() {
     grammar15) need q15 && gb g15-matchers --matchers $q15 --task C --seqs 256,1024 --threads 8
              need q15 && gb g15-C6000 --task C --rows 6000 --model $q15 --seqs 1024 --configs vllm,batch,free \
                --pyspy 6 --timeout 200 ;;
-    fills15) need q15 && gb g15-C6000-fills --task C --rows 6000 --model $q15 --seqs 1024 --configs vllm,batch,free,step \
+    fills15) need q15 && gb g15-C6000-fills --task C --rows 6000 --model $q15 --seqs 1024 --configs vllm,batch,free \
                --timeout 200
              need q15 && wr t15-C6000-fills --task C --rows 6000 --model $q15 --timeout 200 \
                --runs auto+warm,bare-none,auto,auto-nofills

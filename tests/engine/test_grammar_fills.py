@@ -1,6 +1,6 @@
-"""batchjson's grammar fills (engine/internals.py, BatchFills and the fills ahead of a step): the same masks and the
-same tokens as vLLM's own fills, the drafted rows as vLLM 0.26 makes them, the grammar advanced as vLLM advances it,
-and vLLM's own fills where batchjson has not read the vLLM version or the spec asks for them."""
+"""batchjson's grammar fills (engine/internals.py, BatchFills): the same masks and the same tokens as vLLM's own
+fills, the drafted rows as vLLM 0.26 makes them with the grammars rolled back, and vLLM's own fills where batchjson
+has not read the vLLM version or the spec asks for them."""
 
 from __future__ import annotations
 
@@ -126,38 +126,6 @@ def test_drafted_rows_are_vllm_026s_and_the_grammars_come_back(grammar_kit):
     again, again_expected = fills.bitmask(requests_of(mine), list(requests_of(mine)), {}), expected.clone()
     vllm_rows(gs, [()] * 4, again_expected)
     assert (again == again_expected[:4].numpy()).all()
-
-
-def test_accept_ahead_advances_as_update_from_output_would(grammar_kit):
-    """The step's sampled tokens, advanced in one call: a request with a token, a finished one, one whose tokens
-    async scheduling drops, one with no token (a prefill chunk), one without a grammar, one whose token the grammar
-    refuses (left to vLLM, unchanged), and the end token (terminated, as accept_tokens would say)."""
-    tokenizer, compiled, vocab = grammar_kit
-    answer = answer_tokens(tokenizer, compiled, '{"name": "ab", "n": 1}')
-    gs = grammars(compiled, vocab, 7)
-    for g in gs[6:]:
-        assert g.accept_tokens("r", answer[:-1])
-    kinds = dict(finished={"is_finished": True}, discard={"discard": 1}, plain={})
-
-    def request(g, is_finished=False, discard=0, structured=True):
-        return SimpleNamespace(is_finished=lambda: is_finished, use_structured_output=structured,
-                               async_tokens_to_discard=discard, structured_output_request=SimpleNamespace(grammar=g))
-
-    requests = {"ok": request(gs[0]), "done": request(gs[1], **kinds["finished"]),
-                "drop": request(gs[2], **kinds["discard"]), "chunk": request(gs[3]),
-                "free": request(None, structured=False), "bad": request(gs[5]), "end": request(gs[6])}
-    ids = list(requests)
-    sampled = {"ok": [answer[0]], "done": [answer[0]], "drop": [answer[0]], "chunk": [], "free": [5],
-               "bad": [tokenizer.eos_token_id], "end": [answer[-1]]}
-    out = SimpleNamespace(sampled_token_ids=[sampled[i] for i in ids], req_id_to_index={i: n for n, i in enumerate(ids)})
-    scheduler = SimpleNamespace(requests=requests)
-    advanced, refused = internals.accept_ahead(scheduler, SimpleNamespace(num_scheduled_tokens=dict.fromkeys(ids, 1)),
-                                               out)
-    assert advanced == {"ok", "end"} and refused == {"bad"}
-    assert [g.num_processed_tokens for g in gs] == [1, 0, 0, 0, 0, 0, len(answer)]
-    assert gs[6].is_terminated() and not gs[0].is_terminated()
-    several = SimpleNamespace(sampled_token_ids=[answer[:2]], req_id_to_index={"ok": 0})
-    assert internals.accept_ahead(scheduler, SimpleNamespace(num_scheduled_tokens={"ok": 2}), several) is None
 
 
 def test_an_unread_vllm_keeps_its_own_fills(monkeypatch):
