@@ -40,6 +40,7 @@ def test_sample_job_loads_with_paths_from_its_folder():
     ("[sampling]\ntemperature = -1.0\n", "sampling.temperature must be >= 0"),
     ("[sampling]\nmax_tokens = 'many'\n", "sampling.max_tokens must be int, got str 'many'"),
     ("[output]\nif_exists = 'append'\n", "output.if_exists must be one of ['resume', 'fail', 'overwrite']"),
+    ("[model]\ngrammar_fills = 'fast'\n", "model.grammar_fills must be one of ['batch', 'vllm']"),
     ("[speculative]\nmethod = 'draft_model'\n", 'needs speculative.draft_model'),
     ("[modle]\n", "unknown section [modle]"),
     ("[sampling]\nstructured_output_backend = 'guidance'\n", "pass 1 uses model.structured_output_backend"),
@@ -193,6 +194,9 @@ def test_backend_and_format_keys(tmp_path):
         load_spec(spec_file(tmp_path, BASE + "[model]\nstructured_output_backend = 'xgrammer'\n"))
     spec = load_spec(spec_file(tmp_path, BASE.replace("[schema]\n", "[schema]\ncheck_format = false\n")))
     assert spec.schema.check_format is False
+    fills = load_spec(spec_file(tmp_path, BASE + "[model]\ngrammar_fills = 'vllm'\n"))
+    assert fills.model.grammar_fills == "vllm" and load_spec(spec_file(tmp_path, BASE)).model.grammar_fills == "batch"
+    assert fills.hash() == load_spec(spec_file(tmp_path, BASE)).hash()  # the same masks: a resume may switch
 
 
 def test_loop_guard_is_on_by_default_in_both_passes_and_can_be_turned_off(tmp_path):
