@@ -11,6 +11,7 @@ Configurations, run in the order given, for each --seqs (vLLM's max_num_seqs, it
   free          no grammar, with the same output lengths: ignore_eos and max_tokens = the mean output length of the
                 first schema configuration of the same --seqs and method (run it first).
   <cfg>-ngram, <cfg>-suffix   the same with speculation (ngram k 4, suffix k 8, as whole-runs configures them).
+  <cfg>+stats   the same with vLLM's stats on (disable_log_stats = False, as batchjson's engine has them).
 Each reports generate seconds, engine steps, ms per step, the profile's parts per step (the engine core's
 schedule, update_from_output, grammar_bitmask, forward launch, sampling launch; BATCHJSON_PROFILE_SYNC=0, so the
 GPU overlaps as in a plain run), GPU busy (nvidia-smi), valid and correct rows, and a digest of each row's tokens:
@@ -49,7 +50,8 @@ def one(cfg: dict) -> dict:
     from batchjson.engine.profiler import DUMP_EVERY_S, ENV_PROFILE, ENV_PROFILE_SYNC, read_profile
 
     profile = Path(cfg["profile"])
-    fills, _, method = cfg["name"].partition("-")
+    name, stats = cfg["name"].removesuffix("+stats"), cfg["name"].endswith("+stats")
+    fills, _, method = name.partition("-")
     os.environ.update({"BATCHJSON_RUNNER_PID": str(os.getpid()), ENV_PROFILE: str(profile), ENV_PROFILE_SYNC: "0",
                        internals.GRAMMAR_FILLS_ENV: "batch" if fills == "batch" else "vllm"})
     import vllm
@@ -63,8 +65,10 @@ def one(cfg: dict) -> dict:
 
     kwargs = dict(model=cfg["model"], max_num_seqs=cfg["seqs"],
                   structured_outputs_config={"backend": "xgrammar", "disable_any_whitespace": True})
-    if method:  # the draft counters need vLLM's stats
-        kwargs |= {"speculative_config": KS[method], "disable_log_stats": False}
+    if method or stats:  # the draft counters need vLLM's stats; +stats: as batchjson's engine runs (its report)
+        kwargs["disable_log_stats"] = False
+    if method:
+        kwargs["speculative_config"] = KS[method]
     if current_platform.is_cpu():
         kwargs["enforce_eager"] = True
     llm = vllm.LLM(**kwargs)
@@ -274,7 +278,7 @@ def main(argv: list[str]) -> int:
             if args.budget and time.monotonic() - began > args.budget:
                 results.append({"name": name, "seqs": seqs, "error": "budget spent"})
                 continue
-            fills, _, method = name.partition("-")
+            fills, _, method = name.removesuffix("+stats").partition("-")
             firsts = [r for r in results if r["seqs"] == seqs and r.get("method") == method and "mean_tokens" in r
                       and r["fills"] != "free"]
             cfg = {"name": name, "seqs": seqs, "model": args.model, "task": args.task, "rows": args.rows,
