@@ -1,5 +1,5 @@
-"""Everything that touches vLLM's internals: two scheduler patches, one model-runner patch, the step profiler's
-timers, the engine-process watcher, the engine's shutdown and the plugin flag of a forked engine process, each with
+"""Everything that touches vLLM's internals: two scheduler patches, one model-runner patch, the grammar's batch
+fills, the step profiler's timers, the engine-process watcher, the engine's shutdown and the plugin flag of a forked engine process, each with
 its check.
 
 The scheduler patches are installed by the plugin (plugin.py) in each vLLM process of a run, and in the runner by
@@ -26,6 +26,13 @@ token by token, one Python call per token compared, for each pattern size (57 si
 `install_fast_loop_guard` replaces it with an equal function (same answer on every input: it looks only at the
 pattern sizes where the last token recurs, and compares whole slices in C): 16.75 -> 2.42 us per output token
 (`bench/guard_cost.py`). Checked against the versions it was read on (READ_ON); the tests compare both answers.
+
+**The grammar's masks in one call a step.** vLLM fills a step's grammar masks with a Python call per row (on a pool
+of threads that take turns at the GIL between rows; serially with drafts). `install_batch_fills` replaces
+StructuredOutputManager.grammar_bitmask with BatchFills: the same rows from one call to xgrammar's batch matcher (C++
+threads), into pinned buffers the GPU runner copies as they are (H200, the 1.5B at 1,024 in flight: 62.4-71.2 ms a
+step against vLLM's 81.4-98.8; BENCHMARKS.md, "What the JSON constraint costs a step"). Checked against
+FILLS_READ_ON; `[model] grammar_fills = "vllm"` (GRAMMAR_FILLS_ENV) keeps vLLM's fills.
 
 **The step profiler's timers.** When a run asks for it (BATCHJSON_PROFILE_STEPS), profiler.py times each part of
 an engine step: `time_engine_steps` wraps the methods of TIMED with its timer, each on its own (a part this vLLM
