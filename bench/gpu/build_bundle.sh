@@ -5,7 +5,7 @@
 #   bash bench/gpu/build_bundle.sh [DEST]      # DEST defaults to .dev (git-ignored)
 #   QWEN=1 bash bench/gpu/build_bundle.sh      # also Qwen2.5-Coder 1.5B and 0.5B Instruct (GGUF, ~1.6 GB)
 #
-# Writes DEST/: unpack.sh convert_gguf.py arctic_inference-*.whl (~0.5 MB)
+# Writes DEST/: unpack.sh convert_gguf.py arctic_inference-*.whl (~0.5 MB) py_spy-*.whl (~3 MB)
 #               partNN (vllm + deps, ~102 MB)  smolNN (model GGUF, ~98 MB), split into CHUNK-sized files (default 19M)
 #               with QWEN=1: q15_NN (1.5B GGUF, 1,117 MB) q05_NN (0.5B GGUF, 491 MB), split into QCHUNK (default 28M:
 #               two per transfer beside the project's own files).
@@ -56,5 +56,11 @@ if [ "${QWEN:-0}" = 1 ]; then
   split -b "${QCHUNK:-28M}" -d "$CACHE/qwen/coder-0.5b.gguf" "$DEST/q05_"
   cp "$HERE/qwen.sha256" "$DEST/"
 fi
-cp "$CACHE"/arctic/wheel/arctic_inference-*-cp312-abi3-*.whl "$HERE/unpack.sh" "$HERE/convert_gguf.py" "$DEST/"
+# py-spy (a static binary in a wheel): `python -m bench grammar --pyspy S` samples the engine process's stacks.
+if ! ls "$CACHE"/spy/py_spy-*.whl >/dev/null 2>&1; then
+  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp $PLAT \
+      -d "$CACHE/spy" py-spy==0.4.3
+fi
+cp "$CACHE"/arctic/wheel/arctic_inference-*-cp312-abi3-*.whl "$CACHE"/spy/py_spy-*.whl "$HERE/unpack.sh" \
+   "$HERE/convert_gguf.py" "$DEST/"
 ls -la "$DEST"
