@@ -271,7 +271,9 @@ def test_replicas_on_s3_share_one_queue_and_one_ledger(tmp_path, tiny_model, s3)
     put_rows(f"{s3}/in/a.parquet", tmp_path / "a.parquet", 80)
     job = write_job(tmp_path, tiny_model, f"{s3}/in", batch_size=4)
     out = f"{s3}/out"
-    report = run_job(load_spec(job), out, replicas=2, progress=False, engine_factory=FakeEngines(delay=0.01))
+    # Enough work (80 rows at 0.05 s) that the second replica, a process that starts in seconds on a busy machine,
+    # finds units left to take.
+    report = run_job(load_spec(job), out, replicas=2, progress=False, engine_factory=FakeEngines(delay=0.05))
     assert report.replicas == 2 and report.verified["ok"] and report.verified["complete"], report.verified
     assert sorted(ids_at(out) + ids_at(f"{out}/_rejects")) == [f"r{i:05d}" for i in range(80)]
     filesystem, path = fs.FileSystem.from_uri(f"{out}/_batchjson/units")
