@@ -105,7 +105,7 @@ def one(cfg: dict) -> dict:
     result = {"generate_s": round(seconds, 2), "steps": steps, "ms_per_step": round(1000 * seconds / max(steps, 1), 1),
               "output_tokens": sum(map(len, tokens)), "mean_tokens": round(sum(map(len, tokens)) / len(tokens), 1),
               "parts_ms_per_step": parts, "gpu_busy": host["gpu_util_mean"], "cpu_busy": host["cpu_busy_mean"],
-              "patches": {k: v for k, v in after["patches"].items() if "structured" in k},
+              "batch_fill_calls": after["parts"].get("batch_fills", {}).get("count", 0),  # 0: vLLM's fills ran
               "digests": [hashlib.md5(json.dumps(t).encode()).hexdigest()[:12] for t in tokens]}
     if drafted:
         d, a = drafted.get("vllm:spec_decode_num_draft_tokens", 0), drafted.get("vllm:spec_decode_num_accepted_tokens", 0)
