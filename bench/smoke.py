@@ -195,7 +195,7 @@ def plan(w: Path, model: Path) -> list[tuple]:
         ("grammar", ["--matchers", str(byte_tokenizer(w / "bytes")), "--task", "C", "--rows", "20", "--seqs", "8,16", "--threads", "1",
                      "--out", str(w / "grammar")]),
         # Two replicas on one (pretended) GPU: the fake engine needs none, the layout only CUDA_VISIBLE_DEVICES.
-        ("whole-runs", ["--task", "A", "--rows", "24", "--runs", "none+warm,none+gpus1,none+gmu0.3,auto+trace,none-nofills",
+        ("whole-runs", ["--task", "A", "--rows", "24", "--runs", "none+warm,none+gpus1,none+gmu0.3,auto+trace,none-nofills+stats+prof",
                         "--replicas-per-gpu", "1,2", "--timeout", "120",
                         "--budget", "230", "--out", str(w / "whole"), "--work", str(w / "whole-work"), *m],
          {"CUDA_VISIBLE_DEVICES": "0"}),

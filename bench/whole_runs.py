@@ -29,6 +29,13 @@ Runs, in the order given (compare only runs of one call: machines differ by +-30
                           the name (none@512+rpg2, none+p2+rpg2). --replicas-per-gpu 1,2,3,4 runs each batchjson run of --runs so.
   <run>+gmuX              the same with [model.engine] gpu_memory_utilization = X (each engine's share of its GPU):
                           none+gmu0.3+rpg1 against none+rpg1 is what a lone engine's KV cache size costs its start.
+  <run>+stats             the same with vLLM's stats on ([model.engine] disable_log_stats = false), as batchjson ran
+                          every engine before 2026-12 (now only speculative ones, whose draft counters it reads).
+  <run>+prof              the same with the step profiler (BATCHJSON_PROFILE_STEPS, no GPU waits): the engine's steps,
+                          ms per step and the step's parts over the whole run (probe and warm-up steps included).
+  <run>+spy, bare-<m>+spy the same under py-spy (every process of the run, 50 samples/s, --nonblocking, where py-spy is
+                          installed): per process, its share of samples in the top functions (OUT/spy-<run>.txt.gz
+                          keeps the raw stacks).
   <run>+gpusN             the same on only the first N of the GPUs the call sees (CUDA_VISIBLE_DEVICES): none+gpus1,
                           none+gpus2, none+rpg1+gpus4 against each other on a multi-GPU host.
   before:<run>            the same job run by an earlier batchjson tree (--before DIR, its package folder's parent).
@@ -123,7 +130,8 @@ def batchjson_run(name: str, args, rows: int, work: Path, t_launch: float, timeo
     tree, _, run = name.rpartition(":")
     traced = "+trace" in run
     gpus, share = re.search(r"\+gpus(\d+)", run), re.search(r"\+gmu([0-9.]+)", run)
-    run, _, per_gpu = re.sub(r"\+gpus\d+|\+gmu[0-9.]+|\+warm|\+trace", "", run).partition("+rpg")
+    stats, profiled, spied = "+stats" in run, "+prof" in run, "+spy" in run
+    run, _, per_gpu = re.sub(r"\+gpus\d+|\+gmu[0-9.]+|\+warm|\+trace|\+stats|\+prof|\+spy", "", run).partition("+rpg")
     base, _, size = run.partition("@")
     pass2 = "+p2" in base
     method, *flags = base.replace("+p2", "").split("-no")
@@ -150,6 +158,8 @@ def batchjson_run(name: str, args, rows: int, work: Path, t_launch: float, timeo
     engine = {"max_num_seqs": int(size)} if size else {}  # bare's @N: the same configuration, so the same compile cache
     if share:
         engine["gpu_memory_utilization"] = float(share.group(1))
+    if stats:
+        engine["disable_log_stats"] = "false"
     if engine:
         text += "\n[model.engine]\n" + "".join(f"{k} = {v}\n" for k, v in engine.items())
     if per_gpu:
@@ -165,6 +175,13 @@ def batchjson_run(name: str, args, rows: int, work: Path, t_launch: float, timeo
     if tree:  # the earlier tree first on the path, and not this one's from the working folder
         env["PYTHONPATH"] = os.pathsep.join(filter(None, (args.before, env.get("PYTHONPATH"))))
     command = cli("run", str(job), "--output", str(out), "--fresh")
+    profile = folder / "profile.json"
+    if profiled:
+        from batchjson.engine.profiler import ENV_PROFILE, ENV_PROFILE_SYNC
+
+        env |= {ENV_PROFILE: str(profile), ENV_PROFILE_SYNC: "0"}
+    if spied:
+        command = spy(command, args.out, name)
     if traced:  # the same run with its main thread's stack sampled (bench/start_trace.py)
         command = [sys.executable, "-m", "bench", "start-trace", str(job), "--output", str(out),
                    "--out", str(folder / "trace.json")]
@@ -195,7 +212,59 @@ def batchjson_run(name: str, args, rows: int, work: Path, t_launch: float, timeo
             "layout": report.get("layout", ""), "timeline": report.get("timeline"),
             "engine_close_s": round(p1.get("engine_close_s", 0) + p2.get("engine_close_s", 0), 2),
             "chosen": auto.get("chosen", method), "why": auto.get("why", ""), "summary": proc.stdout[-2500:],
+            **({"profile": profile_summary(profile)} if profiled else {}),
+            **({"spy": spy_summary(args.out, name)} if spied else {}),
             **({"trace": json.loads((folder / "trace.json").read_text())["segments"]} if traced else {})}
+
+
+def profile_summary(path: Path) -> dict:
+    """The step profile of a whole run: steps, ms per step of the engine step, and each part's ms per step."""
+    from batchjson.engine.profiler import read_profile
+
+    if not path.exists():
+        return {"error": "no profile written"}
+    prof = read_profile(path)
+    steps = max(prof["steps"], 1)
+    parts = {k: round(1000 * v["seconds"] / steps, 2) for k, v in sorted(prof["parts"].items())}
+    return {"steps": prof["steps"], "ms_per_step": parts.get("engine_step"), "parts_ms_per_step": parts}
+
+
+def spy(command: list[str], out: str, name: str) -> list[str]:
+    """`command` under py-spy (all its processes, 50 samples/s, raw stacks to OUT/spy-<name>.txt), where installed."""
+    import shutil
+
+    exe = shutil.which("py-spy")
+    if not exe:
+        return command
+    raw = Path(out) / f"spy-{name}.txt"
+    return [exe, "record", "--subprocesses", "--nonblocking", "-r", "50", "-f", "raw", "-o", str(raw), "--", *command]
+
+
+def spy_summary(out: str, name: str, top: int = 14) -> dict:
+    """Per process of a py-spy'd run (its first frame names it): samples, and the share of them under each of the
+    `top` functions that most samples pass through; the raw file is gzipped beside the results."""
+    import collections
+    import gzip
+
+    raw = Path(out) / f"spy-{name}.txt"
+    if not raw.exists():
+        return {"error": "py-spy is not installed or wrote nothing"}
+    procs: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+    totals: collections.Counter = collections.Counter()
+    for line in raw.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not count.isdigit():
+            continue
+        frames = stack.split(";")
+        proc, n = frames[0][:60], int(count)
+        totals[proc] += n
+        for f in set(x.split(" (")[0] for x in frames[1:]):
+            procs[proc][f] += n
+    raw.with_suffix(".txt.gz").write_bytes(gzip.compress(raw.read_bytes()))
+    raw.unlink()
+    return {proc: {"samples": totals[proc], "under": [(f, round(c / totals[proc], 3))
+                                                       for f, c in procs[proc].most_common(top)]}
+            for proc in sorted(totals, key=totals.get, reverse=True)[:4]}
 
 
 # ---------------------------------------------------------------- the call
@@ -244,14 +313,16 @@ def main() -> int:
         sampler.start()
         try:
             if name.startswith(("bare-", "warm-")):
-                kind, _, seqs = name.split("-", 1)[1].partition("@")
+                kind, _, seqs = name.removesuffix("+spy").split("-", 1)[1].partition("@")
                 sc = json.dumps({"rows": rows, "method": kind, "seqs": int(seqs) if seqs else None,
                                  "t_launch": t_launch})
-                proc = run_group([sys.executable, __file__, "--task", args.task, "--model", args.model,
-                                  "--max-tokens", str(args.max_tokens), "--_bare", sc]
-                                 + (["--draft", args.draft] if args.draft else []), timeout)
+                command = [sys.executable, __file__, "--task", args.task, "--model", args.model,
+                           "--max-tokens", str(args.max_tokens), "--_bare", sc] + (["--draft", args.draft] if args.draft else [])
+                proc = run_group(spy(command, args.out, name) if name.endswith("+spy") else command, timeout)
                 line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
                 r = json.loads(line[7:]) if line else {"error": f"rc {proc.returncode}: {proc.stderr[-1500:]}"}
+                if name.endswith("+spy"):
+                    r["spy"] = spy_summary(args.out, name)
             else:
                 r = batchjson_run(name, args, rows, work, t_launch, timeout)
         except subprocess.TimeoutExpired:

@@ -82,8 +82,11 @@ def engine_kwargs(model: ModelSpec, decoding: DecodingSpec, backend: str, specul
                   cpu: bool) -> dict[str, Any]:
     """The keyword arguments of `vllm.LLM` for one engine: `backend` decodes the grammar, `speculative` (None: no
     speculation) drafts, on a CPU (`cpu`) or a GPU; `[model.engine]` goes last and overrides any of them."""
+    drafting = speculative is not None and speculative.enabled
     kwargs: dict[str, Any] = dict(
-        model=resolve_model(model.path), dtype=model.dtype, disable_log_stats=False,  # stats: llm.get_metrics()
+        # vLLM's stats only where the draft's counters are read (llm.get_metrics()): elsewhere they are work in every
+        # step of the engine core and the front end for nothing (as in bare vLLM's LLM, where they are off).
+        model=resolve_model(model.path), dtype=model.dtype, disable_log_stats=not drafting,
         # Per-request disable_any_whitespace is ignored by vLLM: the grammar settings are engine-wide.
         structured_outputs_config={"backend": backend, "disable_any_whitespace": model.disable_any_whitespace},
     )
@@ -96,7 +99,7 @@ def engine_kwargs(model: ModelSpec, decoding: DecodingSpec, backend: str, specul
         # offset"): seed the engine instead, which is reproducible for the same input and settings.
         if decoding.seed is not None:
             kwargs["seed"] = decoding.seed
-    if speculative is not None and speculative.enabled:
+    if drafting:
         kwargs["speculative_config"] = speculative_config(speculative)
     return kwargs | model.engine
 
@@ -319,6 +322,8 @@ class VllmEngine(Engine):
         names = {"vllm:spec_decode_num_drafts": "drafts", "vllm:spec_decode_num_draft_tokens": "draft_tokens",
                  "vllm:spec_decode_num_accepted_tokens": "accepted_tokens"}
         out = dict.fromkeys(names.values(), 0.0)
+        if self.speculative is None or not getattr(self.llm.llm_engine, "log_stats", True):  # no draft, or stats off ([model.engine])
+            return out
         for metric in self.llm.get_metrics():
             if metric.name in names and hasattr(metric, "value"):
                 out[names[metric.name]] += metric.value

@@ -28,6 +28,9 @@
 # PLAN smolall: SmolLM2, 30,000 rows, bare vLLM's one engine and batchjson at 1, 3, 2 and 4 replicas, in one sitting.
 # PLAN startkv: one engine at 0.9 of the GPU (vLLM's default) against one at 0.3, SmolLM2 and the 0.5B, 6,000 rows,
 #   ABAB after a warm-up of each: run15's lone engines started 16-30 s slower than each of three replicas at 0.3.
+# PLAN gap15: the 1.5B, 6,000 rows: where batchjson's whole run loses to bare vLLM (run17: 86.8 s against 72.4): warm,
+#   bare and the default, the default with vLLM's stats on (as before 2026-12), both under py-spy, the default with the
+#   step profiler; bench grammar's batch fills with and without stats, and no grammar; then the 30,000-row pair.
 # PLAN grammar15: what the JSON constraint costs the 1.5B's step (bench grammar): xgrammar alone on the host's cores,
 #   then bare vLLM at 1,024 in flight with vLLM's mask fills, batchjson's, and no grammar (py-spy on each).
 # PLAN fills15: the 1.5B's step with vLLM's fills, batchjson's and no grammar (bench grammar), whole runs of the
@@ -152,6 +155,11 @@ run_plan() {
                --runs auto+warm,bare-none,auto,auto-nofills
              need q15 && gb g15-C6000-ngram --task C --rows 6000 --model $q15 --seqs 1024 \
                --configs vllm-ngram,batch-ngram,vllm --timeout 200 ;;
+    gap15) need q15 && wr t15-C6000-gap --task C --rows 6000 --model $q15 --timeout 200 \
+             --runs auto+warm,bare-none,auto,auto+stats,bare-none+spy,auto+spy,auto+prof
+           need q15 && gb g15-C6000-stats --task C --rows 6000 --model $q15 --seqs 1024 --configs batch,batch+stats,free \
+             --timeout 200
+           need q15 && wr t15-C30000 --task C --rows 30000 --model $q15 --timeout 300 --runs bare-none,auto ;;
     t30k) need q15 && wr t15-C30000 --task C --rows 30000 --model $q15 --timeout 300 --runs bare-none,auto ;;
   esac
 }

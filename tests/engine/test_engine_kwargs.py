@@ -19,7 +19,7 @@ def folder(tmp_path):
 def test_a_gpu_engine_gets_the_grammar_settings_and_no_cpu_ones(folder):
     model = ModelSpec(path=folder, dtype="bfloat16", disable_any_whitespace=False)
     assert engine_kwargs(model, DecodingSpec(seed=3), "guidance", None, cpu=False) == {
-        "model": folder, "dtype": "bfloat16", "disable_log_stats": False,
+        "model": folder, "dtype": "bfloat16", "disable_log_stats": True,  # as bare vLLM: no draft counters to read
         "structured_outputs_config": {"backend": "guidance", "disable_any_whitespace": False}}
 
 
@@ -39,11 +39,13 @@ def test_speculation_and_engine_options(folder, tmp_path_factory):
     kwargs = engine_kwargs(ModelSpec(path=folder), DecodingSpec(), "xgrammar", ngram, cpu=False)
     assert kwargs["speculative_config"] == {"method": "ngram", "num_speculative_tokens": 3, "draft_sample_method": "greedy",
                                             "prompt_lookup_min": 1, "prompt_lookup_max": 4, "x": 1}
+    assert kwargs["disable_log_stats"] is False  # the draft's counters (llm.get_metrics()) need vLLM's stats
     small = SpeculativeSpec(method="draft_model", draft_model=str(draft))
     assert engine_kwargs(ModelSpec(path=folder), DecodingSpec(), "xgrammar", small, cpu=False)["speculative_config"] == {
         "method": "draft_model", "num_speculative_tokens": 4, "draft_sample_method": "greedy", "model": str(draft)}
     off = SpeculativeSpec(method="none")
-    assert "speculative_config" not in engine_kwargs(ModelSpec(path=folder), DecodingSpec(), "xgrammar", off, False)
+    kwargs = engine_kwargs(ModelSpec(path=folder), DecodingSpec(), "xgrammar", off, False)
+    assert "speculative_config" not in kwargs and kwargs["disable_log_stats"] is True
     # [model.engine] goes last: it overrides what batchjson sets
     model = ModelSpec(path=folder, engine={"enforce_eager": False, "gpu_memory_utilization": 0.5})
     kwargs = engine_kwargs(model, DecodingSpec(), "xgrammar", None, cpu=True)
