@@ -240,9 +240,10 @@ def spy(command: list[str], out: str, name: str) -> list[str]:
     return [exe, "record", "--subprocesses", "--nonblocking", "-r", "50", "-f", "raw", "-o", str(raw), "--", *command]
 
 
-def spy_summary(out: str, name: str, top: int = 14) -> dict:
-    """Per process of a py-spy'd run (its first frame names it): samples, and the share of them under each of the
-    `top` functions that most samples pass through; the raw file is gzipped beside the results."""
+def spy_summary(out: str, name: str, top: int = 30) -> dict:
+    """Per process of a py-spy'd run (its innermost "process" frame names it: a child's stacks begin with its
+    parent's): samples, and the share of them under each of the `top` functions that most samples pass through; the
+    raw file is gzipped beside the results."""
     import collections
     import gzip
 
@@ -256,9 +257,9 @@ def spy_summary(out: str, name: str, top: int = 14) -> dict:
         if not count.isdigit():
             continue
         frames = stack.split(";")
-        proc, n = frames[0][:60], int(count)
+        proc, n = [f for f in frames if f.startswith("process ")][-1][:60], int(count)
         totals[proc] += n
-        for f in set(x.split(" (")[0] for x in frames[1:]):
+        for f in set(x.split(" (")[0] for x in frames if not x.startswith("process ")):
             procs[proc][f] += n
     raw.with_suffix(".txt.gz").write_bytes(gzip.compress(raw.read_bytes()))
     raw.unlink()

@@ -156,8 +156,8 @@ run_plan() {
              need q15 && gb g15-C6000-ngram --task C --rows 6000 --model $q15 --seqs 1024 \
                --configs vllm-ngram,batch-ngram,vllm --timeout 200 ;;
     gap15) need q15 && wr t15-C6000-gap --task C --rows 6000 --model $q15 --timeout 200 \
-             --runs auto+warm,bare-none,auto,auto+stats,bare-none+spy,auto+spy,auto+prof
-           need q15 && gb g15-C6000-stats --task C --rows 6000 --model $q15 --seqs 1024 --configs batch,batch+stats,free \
+             --runs auto+warm,bare-none,auto,auto+stats,auto+spy,bare-none+spy
+           need q15 && gb g15-C6000-stats --task C --rows 6000 --model $q15 --seqs 1024 --configs batch,batch+stats \
              --timeout 200
            need q15 && wr t15-C30000 --task C --rows 30000 --model $q15 --timeout 300 --runs bare-none,auto ;;
     t30k) need q15 && wr t15-C30000 --task C --rows 30000 --model $q15 --timeout 300 --runs bare-none,auto ;;
