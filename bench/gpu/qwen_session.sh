@@ -28,9 +28,9 @@
 # PLAN smolall: SmolLM2, 30,000 rows, bare vLLM's one engine and batchjson at 1, 3, 2 and 4 replicas, in one sitting.
 # PLAN startkv: one engine at 0.9 of the GPU (vLLM's default) against one at 0.3, SmolLM2 and the 0.5B, 6,000 rows,
 #   ABAB after a warm-up of each: run15's lone engines started 16-30 s slower than each of three replicas at 0.3.
-# PLAN gap15: the 1.5B, 6,000 rows: where batchjson's whole run loses to bare vLLM (run17: 86.8 s against 72.4): warm,
-#   bare and the default, the default with vLLM's stats on (as before 2026-12), both under py-spy, the default with the
-#   step profiler; bench grammar's batch fills with and without stats, and no grammar; then the 30,000-row pair.
+# PLAN gap15 (run18): the 1.5B, 6,000 rows: batchjson's whole run against bare vLLM's (run17: 86.8 s against 72.4):
+#   a warm-up, bare and the default, the default with vLLM's stats on (as before 2026-12), both under py-spy; bench
+#   grammar's batch fills with and without stats; then the 30,000-row pair.
 # PLAN grammar15: what the JSON constraint costs the 1.5B's step (bench grammar): xgrammar alone on the host's cores,
 #   then bare vLLM at 1,024 in flight with vLLM's mask fills, batchjson's, and no grammar (py-spy on each).
 # PLAN fills15: the 1.5B's step with vLLM's fills, batchjson's and no grammar (bench grammar), whole runs of the
