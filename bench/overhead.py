@@ -176,16 +176,7 @@ def what_if(changes: list[str]) -> None:
     """Patch batchjson in this worker process only, to measure a proposed runner change before anyone makes it.
 
     rs_validator: decide validity with jsonschema-rs (compiled, Rust); keep jsonschema only to explain failures.
-    cached_columns: parse the prompt template's placeholders once (PromptSpec.columns is a property that
-    re-parses the template for every row Renderer.render formats).
     """
-    if "cached_columns" in changes:
-        import functools
-
-        from batchjson.spec import PromptSpec
-
-        parse = functools.lru_cache(maxsize=16)(PromptSpec.__dict__["columns"].fget)
-        PromptSpec.columns = property(parse)  # frozen dataclasses hash by value: one parse per distinct spec
     if "rs_validator" in changes:
         import jsonschema_rs
         import orjson

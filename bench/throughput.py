@@ -425,7 +425,7 @@ def main(argv: list[str] | None = None) -> int:
     o.add_argument("--fail-kinds", default="repetition", help="failures to cycle: repetition, length, schema")
     o.add_argument("--max-in-flight", type=int, default=256)
     o.add_argument("--timeout", type=float, default=300)
-    o.add_argument("--what-if", default="", help="also run with proposed runner changes patched in: rs_validator,cached_columns")
+    o.add_argument("--what-if", default="", help="also run with proposed runner changes patched in: rs_validator")
 
     g = add("gpu", "the whole GPU plan: compare, sweep, scale, within --budget")
     g.add_argument("--model", default="default")

@@ -22,16 +22,12 @@ from helpers import write_job
 from s3_proxy import FaultProxy
 from storage.test_object_storage import ids_at, put_rows
 
-INJECTED: collections.Counter = collections.Counter()  # across this module's tests, by kind
-
-
 @pytest.fixture
 def proxy(s3, s3_server, monkeypatch):
     """The proxy, faultless until a test sets its rate; runs reach the store through it."""
     with FaultProxy(s3_server.endpoint) as p:
         monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://{p.endpoint}")
         yield p
-        INJECTED.update(p.faults)
 
 
 def run(job, out, **kwargs):
@@ -97,6 +93,7 @@ def test_a_fault_that_outlasts_the_retries_ends_the_run_and_the_rerun_resumes(tm
     with pytest.raises(StorageFault) as e:
         run(job, out)
     check_fault(e.value, out)
+    assert proxy.faults["503"] + proxy.faults["reset"] >= 3, proxy.faults  # every attempt of one upload failed
     proxy.rate = 0
     kept = len(ids_at(out) + ids_at(f"{out}/_rejects"))
     assert 0 < kept < 24, "units committed before the fault are kept"
@@ -121,6 +118,7 @@ def test_a_lease_whose_delete_failed_too_is_explained_and_taken_over_once_expire
     with pytest.raises(StorageFault) as e:
         run(job, out)
     check_fault(e.value, out)
+    assert proxy.injected() > 0, proxy.faults
     assert "could not be deleted" in str(e.value) and "expires" in str(e.value), e.value
     direct = s3_server.filesystem()
     state = f"{s3[len('s3://'):]}/out/_batchjson"
@@ -134,7 +132,3 @@ def test_a_lease_whose_delete_failed_too_is_explained_and_taken_over_once_expire
     assert_once(s3, out, 24)
     assert not [i for i in direct.get_file_info(fs.FileSelector(state)) if i.base_name.startswith("lease-")]
 
-
-def test_faults_injected_across_these_tests():
-    """Runs last in this module: the faults the tests above injected (at least 100 when they all ran)."""
-    print(f"faults injected: {dict(INJECTED)}, {sum(INJECTED.values())} in all")
