@@ -178,7 +178,8 @@ class ModelSpec:
 class SpeculativeSpec:
     method: str = "auto"
     """auto (measure on the job's rows and keep speculation only where it pays: see engine/speculation.py), none,
-    ngram, suffix, draft_model, or another vLLM speculative method; the draft never carries the JSON constraint."""
+    ngram, suffix, draft_model, schema (batchjson's drafter: what the grammar forces, copies from the prompt), or
+    another vLLM speculative method; the draft never carries the JSON constraint."""
     num_speculative_tokens: int = 4
     draft_model: str | None = None
     """Draft model folder for method = "draft_model"; it must share the target's tokenizer."""

@@ -16,6 +16,7 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
+from batchjson.engine.internals import SCHEMA_PROPOSER
 from batchjson.records import Stage
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -122,6 +123,13 @@ class Clock:
 def rate(n: float, seconds: float) -> float:
     return round(n / seconds, 3) if seconds else 0.0
 
+
+# The speculative_config of each method as the benchmarks run it in bare vLLM (and batchjson's k for it): "schema" is
+# batchjson's drafter as vLLM's custom_class proposer (engine/internals.py).
+SPECULATIVE = {"suffix": {"method": "suffix", "num_speculative_tokens": 8},
+               "ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4},
+               "draft": {"method": "draft_model", "num_speculative_tokens": 4},
+               "schema": {"method": "custom_class", "model": SCHEMA_PROPOSER, "num_speculative_tokens": 8}}
 
 def dump(path: Path, data: Any) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)

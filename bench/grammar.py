@@ -10,7 +10,8 @@ Configurations, run in the order given, for each --seqs (vLLM's max_num_seqs, it
                 batchjson's vLLM plugin is loaded into the engine process for the step profiler and the fills.
   free          no grammar, with the same output lengths: ignore_eos and max_tokens = the mean output length of the
                 first schema configuration of the same --seqs and method (run it first).
-  <cfg>-ngram, <cfg>-suffix   the same with speculation (ngram k 4, suffix k 8, as whole-runs configures them).
+  <cfg>-ngram, <cfg>-suffix, <cfg>-schema   the same with speculation (ngram k 4, suffix k 8, batchjson's schema
+                drafter k 8, as whole-runs configures them).
   <cfg>+stats   the same with vLLM's stats on (disable_log_stats = False, as batchjson's engine has them).
 Each reports generate seconds, engine steps, ms per step, the profile's parts per step (the engine core's
 schedule, update_from_output, grammar_bitmask, forward launch, sampling launch; BATCHJSON_PROFILE_SYNC=0, so the
@@ -34,10 +35,8 @@ import threading
 import time
 from pathlib import Path
 
-from bench.common import ROOT, dump, run_group, table
+from bench.common import ROOT, SPECULATIVE, dump, run_group, table
 
-KS = {"ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4},
-      "suffix": {"method": "suffix", "num_speculative_tokens": 8}}
 PARTS = ("schedule", "update_from_output", "grammar_bitmask", "get_grammar_bitmask", "forward", "sample_tokens",
          "engine_step")
 GRAMMAR_FRAMES = ("grammar_bitmask", "accept_tokens", "fill_next_token_bitmask", "batch_fill", "apply_grammar_bitmask",
@@ -68,7 +67,7 @@ def one(cfg: dict) -> dict:
     if method or stats:  # the draft counters need vLLM's stats; +stats: as batchjson's engine runs (its report)
         kwargs["disable_log_stats"] = False
     if method:
-        kwargs["speculative_config"] = KS[method]
+        kwargs["speculative_config"] = SPECULATIVE[method]
     if current_platform.is_cpu():
         kwargs["enforce_eager"] = True
     llm = vllm.LLM(**kwargs)

@@ -8,10 +8,11 @@ Runs, in the order given (compare only runs of one call: machines differ by +-30
                           bare vLLM as its documentation shows it: `LLM(model, structured_outputs_config)` and one
                           `llm.generate` over every prompt (the chat frame batchjson renders, the same schema, greedy,
                           the same max_tokens); the others add the speculative_config batchjson's run of that method
-                          uses (SPECULATIVE: suffix k 8, ngram k 4, draft_model k 4 with --draft).
+                          uses (common.SPECULATIVE: suffix k 8, ngram k 4, draft_model k 4 with --draft, schema k 8).
                           vLLM's defaults otherwise: its own batch size (max_num_seqs), no loop guard. Validated and
                           scored afterwards, outside the clock. bare-<method>@N: max_num_seqs = N.
-  auto, none, suffix, ngram, draft  `batchjson run` of the minimal job (bench/tasks.py: input, template, schema,
+  bare-schema             bare vLLM with batchjson's schema drafter as its custom_class proposer (k 8).
+  auto, none, suffix, ngram, draft, schema  `batchjson run` of the minimal job (bench/tasks.py: input, template, schema,
                           model, max_tokens, output); "auto" has no [speculative] table (the default), the others set
                           [speculative] method (draft: method "draft_model", draft_model = --draft).
   autodraft               the default with [speculative] draft_model = --draft (auto judges the draft model).
@@ -69,14 +70,9 @@ import time
 from pathlib import Path
 
 from batchjson.engine.devices import visible_gpus
-from bench.common import P1, P2, ROOT, cli, run_group
+from bench.common import P1, P2, ROOT, SPECULATIVE, cli, run_group
 from bench.replicas import HostSampler
 from bench.tasks import TASKS, schema, score, write_task
-
-SPECULATIVE = {"suffix": {"method": "suffix", "num_speculative_tokens": 8},
-               "ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4},
-               "draft": {"method": "draft_model", "num_speculative_tokens": 4}}
-
 
 # ---------------------------------------------------------------- bare vLLM, in its own process
 

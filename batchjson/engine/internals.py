@@ -449,6 +449,157 @@ def install_batch_fills() -> str:
     return "ok"
 
 
+# ---------------------------------------------------------------- the schema drafter
+# Read on: vllm/v1/spec_decode/custom_class_proposer.py and the V1 model runner of these versions.
+# speculative_config {"method": "custom_class", "model": "<module>.<Class>"} makes the runner build Class(vllm_config)
+# and call its propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu, slot_mappings=...) once a step from
+# GPUModelRunner.propose_draft_token_ids, after the step's bookkeeping: row i of the batch (input_batch.req_ids[i]) holds
+# its prompt (input_batch.num_prompt_tokens[i] tokens) then its output, num_tokens_no_spec[i] tokens in all, in
+# token_ids_cpu[i]; an empty sampled_token_ids[i] means no draft. The request's SamplingParams are in
+# runner.requests[req_id].sampling_params (structured_outputs: StructuredOutputsParams). vLLM's scheduler then keeps
+# the grammar-valid prefix of each draft (validate_tokens) and verifies it under the grammar. A custom drafter runs
+# without async scheduling in both versions.
+SCHEMA_DRAFTS_READ_ON = ("0.26.", "0.32.")
+SCHEMA_PROPOSER = "batchjson.engine.internals.SchemaProposer"
+_RUNNER: list = []  # the model runner whose step is being drafted (install_schema_drafts)
+
+
+def schema_drafts_unready() -> str:
+    """Why the schema drafter cannot run on this vLLM ("" where it can)."""
+    if why := unread_here(SCHEMA_DRAFTS_READ_ON):
+        return why
+    import importlib.util
+
+    if importlib.util.find_spec("vllm.v1.spec_decode.custom_class_proposer") is None:
+        return "this vLLM has no custom_class proposer"
+    return ""
+
+
+@installs_once
+def install_schema_drafts() -> str:
+    """Let SchemaProposer see the model runner whose step it drafts for (its requests' ids and settings): the runner
+    of each propose_draft_token_ids call is noted before vLLM's own runs. "ok" or why not."""
+    if why := schema_drafts_unready():
+        return why
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    own = GPUModelRunner.propose_draft_token_ids
+
+    @functools.wraps(own)
+    def noting_runner(self, *args, **kwargs):
+        _RUNNER[:] = [self]
+        return own(self, *args, **kwargs)
+
+    GPUModelRunner.propose_draft_token_ids = noting_runner
+    return "ok"
+
+
+class SchemaProposer:
+    """vLLM's custom_class drafter for `[speculative] method = "schema"`: for each request, the tokens its JSON
+    Schema forces next, else a copy from its prompt (schema/drafts.py, Drafter), up to num_speculative_tokens.
+
+    It keeps its own matcher per request, compiled by vLLM's xgrammar backend from the request's own structured
+    output settings (so the same grammar the target decodes under) and advanced by the output's tokens as they
+    appear in the runner's batch: it reads no scheduler state, and a draft it gets wrong costs speed, never a
+    token (vLLM verifies every draft under the target's grammar). A request without a JSON grammar gets copies only.
+    """
+
+    def __init__(self, vllm_config):
+        from vllm.tokenizers import cached_tokenizer_from_config
+        from vllm.v1.structured_output.backend_xgrammar import XgrammarBackend
+
+        from batchjson.schema.drafts import Drafter
+
+        install_schema_drafts()
+        tokenizer = cached_tokenizer_from_config(model_config=vllm_config.model_config)
+        self.k = vllm_config.speculative_config.num_speculative_tokens
+        self.drafter = Drafter(lambda text: tokenizer.encode(text, add_special_tokens=False), self.k)
+        self.backend = XgrammarBackend(vllm_config, tokenizer=tokenizer,
+                                       vocab_size=vllm_config.model_config.get_vocab_size())
+        self.compiled: dict[str, object] = {}  # schema text -> a grammar to clone matchers from
+        self.matchers: dict[str, list] = {}  # request id -> [its matcher, output tokens it has taken] or [None, 0]
+
+    def load_model(self, *args, **kwargs) -> None:  # no weights (the runner asks every drafter)
+        pass
+
+    def dummy_run(self, *args, **kwargs) -> None:  # no forward to warm up
+        pass
+
+    def propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu, slot_mappings=None) -> list[list[int]]:
+        runner = _RUNNER[0] if _RUNNER else None
+        if runner is None:
+            return [[] for _ in sampled_token_ids]
+        batch = runner.input_batch
+        ids = batch.req_ids
+        drafts = []
+        for i, sampled in enumerate(sampled_token_ids):
+            if not sampled or i >= len(ids):
+                drafts.append([])
+                continue
+            start, end = int(batch.num_prompt_tokens[i]), int(num_tokens_no_spec[i])
+            row = token_ids_cpu[i]
+            prompt, output = row[:start].tolist(), row[start:end].tolist()
+            try:
+                matcher = self._matcher(runner, ids[i], output) if output else None
+                drafts.append(self.drafter.propose(matcher, prompt, output) if matcher is not None else [])
+            except Exception:  # noqa: BLE001 - a draft is an optimisation: never end the engine over one
+                self.matchers[ids[i]] = [None, 0]
+                drafts.append([])
+        if len(self.matchers) > 2 * len(ids) + 64:  # requests that finished since
+            live = set(ids)
+            self.matchers = {r: m for r, m in self.matchers.items() if r in live}
+        return drafts
+
+    def _matcher(self, runner, req_id: str, output: list[int]):
+        """The request's matcher advanced through `output` (a stand-in without a grammar where it has no JSON
+        grammar, or where its output strays from the grammar: copies only); None once its grammar has ended (the
+        request is done: nothing to draft)."""
+        entry = self.matchers.get(req_id)
+        if entry is None:
+            entry = self.matchers[req_id] = [self._new_matcher(runner, req_id), 0]
+        matcher, taken = entry
+        if matcher is None:
+            return _NO_GRAMMAR
+        if taken > len(output):  # a request preempted and started again: its output is new
+            matcher.reset()
+            taken = 0
+        for token in output[taken:]:
+            if matcher.is_terminated() or not matcher.accept_token(token):
+                entry[0] = None
+                return _NO_GRAMMAR
+        entry[1] = len(output)
+        return None if matcher.is_terminated() else matcher
+
+    def _new_matcher(self, runner, req_id: str):
+        from vllm.v1.structured_output.backend_types import StructuredOutputOptions
+        from vllm.v1.structured_output.request import get_structured_output_key
+
+        state = runner.requests.get(req_id)
+        params = getattr(getattr(state, "sampling_params", None), "structured_outputs", None)
+        if params is None:
+            return None
+        kind, text = get_structured_output_key(params)
+        if kind != StructuredOutputOptions.JSON:
+            return None
+        grammar = self.compiled.get(text)
+        if grammar is None:
+            grammar = self.compiled[text] = self.backend.compile_grammar(kind, text)
+        import xgrammar as xgr
+
+        return xgr.GrammarMatcher(grammar.ctx)
+
+
+class _Unconstrained:
+    """A matcher that forces nothing: the drafter then proposes copies only."""
+
+    @staticmethod
+    def find_jump_forward_string() -> str:
+        return ""
+
+
+_NO_GRAMMAR = _Unconstrained()
+
+
 VLLM_CHECK = None  # vLLM's own check (the tests compare it with `repeats`)
 
 

@@ -105,7 +105,14 @@ def engine_kwargs(model: ModelSpec, decoding: DecodingSpec, backend: str, specul
 
 
 def speculative_config(spec: SpeculativeSpec) -> dict[str, Any]:
-    """vLLM's speculative_config for `spec`; `[speculative.options]` goes last and overrides any of it."""
+    """vLLM's speculative_config for `spec`; `[speculative.options]` goes last and overrides any of it. "schema" is
+    batchjson's drafter (the tokens the grammar forces, copies from the prompt): vLLM's custom_class proposer."""
+    if spec.method == "schema":
+        if why := internals.schema_drafts_unready():
+            raise EngineError(f'speculative.method = "schema" cannot run here ({why}): choose another method '
+                              '(auto, suffix, ngram, none).')
+        return {"method": "custom_class", "model": internals.SCHEMA_PROPOSER,
+                "num_speculative_tokens": spec.num_speculative_tokens} | spec.options
     config: dict[str, Any] = {"method": spec.method, "num_speculative_tokens": spec.num_speculative_tokens,
                               "draft_sample_method": spec.draft_sample_method}
     if spec.method == "ngram":
