@@ -26,7 +26,7 @@ from bench.common import dump, table
 CONFIGS = ("ngram", "forced", "forced-trimmed", "copies", "schema")
 
 
-def walk(drafter, compiled, prompt: list[int], answer: list[int]) -> tuple[int, int, int, int]:
+def walk(drafter, compiled, prompt, answer: list[int]) -> tuple[int, int, int, int]:
     """Decode `answer` with `drafter`'s proposals verified against it: (steps, proposed, accepted, steps proposing)."""
     import xgrammar as xgr
 
@@ -50,7 +50,7 @@ def measure(task: str, rows: int, ks: list[int], tokenizer: str) -> list[dict]:
     import xgrammar as xgr
     from transformers import AutoTokenizer
 
-    from batchjson.schema.drafts import Drafter, copy_after
+    from batchjson.schema.drafts import Drafter, PromptIndex, copy_after
     from bench.tasks import TASKS, rows as task_rows, schema
 
     tok = AutoTokenizer.from_pretrained(tokenizer)
@@ -63,12 +63,12 @@ def measure(task: str, rows: int, ks: list[int], tokenizer: str) -> list[dict]:
         for separators in ((", ", ": "), (",", ":")):  # the grammar's own separators, whichever they are
             answer = encode(json.dumps(json.loads(truth), separators=separators)) + [tok.eos_token_id]
             if all(probe.accept_token(t) for t in answer):
-                cases.append((encode(TASKS[task]["template"].format(text=text)), answer))
+                cases.append((PromptIndex(encode(TASKS[task]["template"].format(text=text))), answer))
                 break
             probe.reset()
     out = []
     for k in ks:
-        drafters = {"ngram": lambda m, p, o, k=k: copy_after(o, [*p, *o], k, shortest=2),
+        drafters = {"ngram": lambda m, p, o, k=k: copy_after(o, [*p.prompt, *o], k, shortest=2),
                     "forced": Drafter(encode, k, copies=False).propose,
                     "forced-trimmed": Drafter(encode, k, copies=False, trim=True).propose,
                     "copies": Drafter(encode, k, forced=False).propose,

@@ -516,8 +516,8 @@ class SchemaProposer:
         self.drafter = Drafter(lambda text: tokenizer.encode(text, add_special_tokens=False), self.k)
         self.backend = XgrammarBackend(vllm_config, tokenizer=tokenizer,
                                        vocab_size=vllm_config.model_config.get_vocab_size())
-        self.compiled: dict[str, object] = {}  # schema text -> a grammar to clone matchers from
-        self.matchers: dict[str, list] = {}  # request id -> [its matcher, output tokens it has taken] or [None, 0]
+        self.compiled: dict[str, object] = {}  # schema text -> a grammar to make matchers from
+        self.requests: dict[str, _Request] = {}  # request id -> what the drafter keeps of it
 
     def load_model(self, *args, **kwargs) -> None:  # no weights (the runner asks every drafter)
         pass
@@ -536,39 +536,42 @@ class SchemaProposer:
             if not sampled or i >= len(ids):
                 drafts.append([])
                 continue
-            start, end = int(batch.num_prompt_tokens[i]), int(num_tokens_no_spec[i])
-            row = token_ids_cpu[i]
-            prompt, output = row[:start].tolist(), row[start:end].tolist()
             try:
-                matcher = self._matcher(runner, ids[i], output) if output else None
-                drafts.append(self.drafter.propose(matcher, prompt, output) if matcher is not None else [])
+                drafts.append(self._draft(runner, ids[i], token_ids_cpu[i], int(batch.num_prompt_tokens[i]),
+                                          int(num_tokens_no_spec[i])))
             except Exception:  # noqa: BLE001 - a draft is an optimisation: never end the engine over one
-                self.matchers[ids[i]] = [None, 0]
+                from batchjson.schema.drafts import PromptIndex
+
+                self.requests[ids[i]] = _Request(None, PromptIndex([]))  # no drafts for it from now on
                 drafts.append([])
-        if len(self.matchers) > 2 * len(ids) + 64:  # requests that finished since
+        if len(self.requests) > 2 * len(ids) + 64:  # requests that finished since
             live = set(ids)
-            self.matchers = {r: m for r, m in self.matchers.items() if r in live}
+            self.requests = {r: q for r, q in self.requests.items() if r in live}
         return drafts
 
-    def _matcher(self, runner, req_id: str, output: list[int]):
-        """The request's matcher advanced through `output` (a stand-in without a grammar where it has no JSON
-        grammar, or where its output strays from the grammar: copies only); None once its grammar has ended (the
-        request is done: nothing to draft)."""
-        entry = self.matchers.get(req_id)
-        if entry is None:
-            entry = self.matchers[req_id] = [self._new_matcher(runner, req_id), 0]
-        matcher, taken = entry
-        if matcher is None:
-            return _NO_GRAMMAR
-        if taken > len(output):  # a request preempted and started again: its output is new
-            matcher.reset()
-            taken = 0
-        for token in output[taken:]:
-            if matcher.is_terminated() or not matcher.accept_token(token):
-                entry[0] = None
-                return _NO_GRAMMAR
-        entry[1] = len(output)
-        return None if matcher.is_terminated() else matcher
+    def _draft(self, runner, req_id: str, row, start: int, end: int) -> list[int]:
+        """One request's draft from its batch row (`start` prompt tokens, then its output, `end` tokens in all):
+        its matcher and its tail taken through the output's new tokens first. Nothing once its grammar has ended
+        (the request is done); copies only without a grammar, or once its output strayed from it."""
+        from batchjson.schema.drafts import COPY_MAX, PromptIndex
+
+        request = self.requests.get(req_id)
+        if request is None or request.taken > end - start:  # new, or preempted and started again
+            request = self.requests[req_id] = _Request(self._new_matcher(runner, req_id),
+                                                       PromptIndex(row[:start].tolist()))
+        new = row[start + request.taken:end].tolist()
+        request.taken = end - start
+        request.tail = (request.tail + new)[-COPY_MAX:]
+        matcher = request.matcher
+        if matcher is not None:
+            for token in new:
+                if matcher.is_terminated() or not matcher.accept_token(token):
+                    matcher = request.matcher = None
+                    break
+            else:
+                if matcher.is_terminated():
+                    return []
+        return self.drafter.propose(matcher or _NO_GRAMMAR, request.prompt, request.tail) if request.tail else []
 
     def _new_matcher(self, runner, req_id: str):
         from vllm.v1.structured_output.backend_types import StructuredOutputOptions
@@ -587,6 +590,16 @@ class SchemaProposer:
         import xgrammar as xgr
 
         return xgr.GrammarMatcher(grammar.ctx)
+
+
+class _Request:
+    """What SchemaProposer keeps of a request: its matcher (None: no JSON grammar, or its output strayed from it),
+    its prompt's index for copies, the output tokens taken so far and their last COPY_MAX."""
+
+    __slots__ = ("matcher", "prompt", "taken", "tail")
+
+    def __init__(self, matcher, prompt):
+        self.matcher, self.prompt, self.taken, self.tail = matcher, prompt, 0, []
 
 
 class _Unconstrained:

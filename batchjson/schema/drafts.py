@@ -38,14 +38,17 @@ class Drafter:
         self.encode, self.k, self.forced, self.copies, self.trim = encode, k, forced, copies, trim
         self._cache: dict[str, list[int]] = {}  # forced string -> its tokens (a schema has few of them)
 
-    def propose(self, matcher, prompt: Sequence[int], output: Sequence[int]) -> list[int]:
-        """The draft for one request: the forced continuation's tokens, or else a copy from `prompt` of what
-        followed the output's last tokens there; at most `k`; [] when neither is known."""
+    def propose(self, matcher, prompt: PromptIndex | Sequence[int], output: Sequence[int]) -> list[int]:
+        """The draft for one request: the forced continuation's tokens, or else a copy from the prompt (its
+        PromptIndex, made once per request, or its tokens) of what followed the output's last tokens there; at most
+        `k`; [] when neither is known. Only the output's last COPY_MAX tokens are read."""
         if self.forced:
             text = matcher.find_jump_forward_string()
             if text:
                 return self._tokens(text)[:self.k]
-        return copy_after(output, prompt, self.k) if self.copies else []
+        if not self.copies:
+            return []
+        return (prompt if isinstance(prompt, PromptIndex) else PromptIndex(prompt)).after(output, self.k)
 
     def _tokens(self, text: str) -> list[int]:
         tokens = self._cache.get(text)
@@ -57,30 +60,30 @@ class Drafter:
         return tokens
 
 
-def copy_after(output: Sequence[int], prompt: Sequence[int], n: int, shortest: int = COPY_MIN) -> list[int]:
-    """Up to `n` tokens that followed, in `prompt`, the longest tail of `output` (COPY_MAX down to `shortest`
-    tokens) found there, at its last occurrence; [] if no such tail occurs. vLLM's n-gram lookup is this with
-    `shortest` 2 over the prompt and the output together."""
-    if n <= 0:
+class PromptIndex:
+    """Where each run of `shortest`..COPY_MAX tokens of a prompt last occurs with a token after it: built once per
+    request, so that a copy is found in a few dictionary lookups a step, not by scanning the prompt."""
+
+    def __init__(self, prompt: Sequence[int], shortest: int = COPY_MIN):
+        self.prompt, self.shortest = list(prompt), shortest
+        self.last: dict[tuple[int, ...], int] = {}
+        for size in range(shortest, COPY_MAX + 1):
+            for at in range(len(self.prompt) - size):  # later runs overwrite earlier ones: the last occurrence
+                self.last[tuple(self.prompt[at:at + size])] = at
+
+    def after(self, output: Sequence[int], n: int) -> list[int]:
+        """Up to `n` tokens that followed, in the prompt, the longest tail of `output` (COPY_MAX down to `shortest`
+        tokens) found there, at its last occurrence; [] if no such tail occurs."""
+        if n <= 0:
+            return []
+        for size in range(min(COPY_MAX, len(output)), self.shortest - 1, -1):
+            at = self.last.get(tuple(output[len(output) - size:]))
+            if at is not None:
+                return self.prompt[at + size:at + size + n]
         return []
-    for size in range(min(COPY_MAX, len(output)), shortest - 1, -1):
-        tail = list(output[-size:])
-        first = tail[0]
-        at = len(prompt) - size
-        while at >= 0:
-            try:
-                at = _rindex(prompt, first, at)
-            except ValueError:
-                break
-            if list(prompt[at:at + size]) == tail and at + size < len(prompt):
-                return list(prompt[at + size:at + size + n])
-            at -= 1
-    return []
 
 
-def _rindex(seq: Sequence[int], value: int, end: int) -> int:
-    """The last index <= `end` of `value` in `seq` (ValueError if none)."""
-    for i in range(end, -1, -1):
-        if seq[i] == value:
-            return i
-    raise ValueError(value)
+def copy_after(output: Sequence[int], prompt: Sequence[int], n: int, shortest: int = COPY_MIN) -> list[int]:
+    """PromptIndex(prompt, shortest).after(output, n), for one lookup. vLLM's n-gram lookup is this with `shortest`
+    2 over the prompt and the output together."""
+    return PromptIndex(prompt, shortest).after(output, n)
