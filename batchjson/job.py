@@ -73,9 +73,8 @@ class JobRun:
         report.timeline["before_run"] = process_age(started)
         try:  # a failed open (a full disk, a changed spec) drops the folder's locks too
             report.resumed = storage.open(self.spec.hash(), self.spec.fingerprint(), self.spec.output.if_exists,
-                                          self.fresh)
+                                          self.fresh, scan.fingerprints)
             with signals(self.stop):
-                storage.check_inputs(scan.fingerprints)
                 for key, why in commits.damaged(list(self.refs), self.spec.input.id_column).items():
                     commits.drop(key)
                     report.note("unit-redone", f"unit {key}: {why}; the unit was redone")

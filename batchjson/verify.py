@@ -2,8 +2,9 @@
 and every file a reader of the output or rejects folder reads against the commit records.
 
 Reads only id (and reject reason) columns, the run state and a listing of both folders, so it is cheap enough to
-end every run; a resume reads only the units an earlier check did not (see `verify`'s `trusted`). Memory: one unit's
-ids, and across units only the ids the input repeats (see `verify`'s `repeated`).
+end every run; a resume reads only the units an earlier check did not (see `verify`'s `trusted`), and its summary
+says how many units it read and how many it took from the index on trust. Memory: one unit's ids, and across units
+only the ids the input repeats (see `verify`'s `repeated`).
 """
 
 from __future__ import annotations
@@ -32,6 +33,10 @@ class Verdict:
     pending: int = 0
     output_rows: int = 0
     reject_rows: int = 0
+    trusted: int = 0
+    """Committed units counted from their records without reading their files (the rest were read)."""
+    index_written: str = ""
+    """When the check that wrote the index those records came from passed."""
     problems: list[str] = field(default_factory=list)
 
     @property
@@ -45,15 +50,19 @@ class Verdict:
     def to_dict(self) -> dict:
         return {"ok": self.ok, "complete": self.complete, "units": self.units, "committed": self.committed,
                 "pending": self.pending, "output_rows": self.output_rows, "reject_rows": self.reject_rows,
+                "read": self.committed - self.trusted, "trusted": self.trusted, "index_written": self.index_written,
                 "problems": self.problems}
 
     def summary(self) -> str:
         if not self.ok:
             return "exactly-once check FAILED:\n  " + "\n  ".join(self.problems)
         rows = f"{self.output_rows} output + {self.reject_rows} rejected rows, each input row once"
+        basis = (f": {self.committed - self.trusted} read, {self.trusted} taken from the index written by the check "
+                 f"of {self.index_written or '?'}" if self.trusted else ", all read")
         if self.pending:
-            return f"exactly-once check ok so far: {rows}; {self.pending} of {self.units} units still to do"
-        return f"exactly-once check ok: {rows} ({self.units} units)"
+            return (f"exactly-once check ok so far: {rows}; {self.pending} of {self.units} units still to do "
+                    f"({self.committed} committed{basis})")
+        return f"exactly-once check ok: {rows} ({self.units} units{basis})"
 
 
 def _few(ids) -> str:
@@ -74,7 +83,7 @@ def verify(commits: Commits, source: ParquetSource, refs: list[UnitRef], id_colu
     whose files an earlier passing check read, unchanged since (`Commits.trusted`), and that hold no repeated id.
     No other unit can hold their rows, as each unit read is checked against its own input rows. `batchjson
     verify` trusts none."""
-    v = Verdict(units=len(refs))
+    v = Verdict(units=len(refs), index_written=commits.index_written if trusted else "")
     file_ids: tuple[str, pa.ChunkedArray | None] = ("", None)
     out_ids: Counter = Counter()  # repeated id -> rows in the output
     outcomes: Counter = Counter()  # repeated id -> rows in output or rejects for another reason than duplicate_id
@@ -114,6 +123,7 @@ def verify(commits: Commits, source: ParquetSource, refs: list[UnitRef], id_colu
             continue
         v.committed += 1
         if ref.key in trusted:
+            v.trusted += 1
             p2 = commits.record(Stage.SECOND, ref.key) if "requeue" in p1["files"] else None
             for record in filter(None, (p1, p2)):
                 v.output_rows += record["rows"].get("output", 0)

@@ -104,3 +104,27 @@ def test_s3_input_changed_mid_run(tmp_path, monkeypatch, tiny_model, s3, how):
     assert result.exit_code == 0 and "exactly-once check ok" in result.output, result.output
     got = ids_at(out) + ids_at(f"{out}/_rejects")
     assert sorted(got) == [f"r{i:05d}" for i in range(80)]
+
+
+def test_a_run_refused_for_an_overwritten_s3_input_touches_nothing(tmp_path, monkeypatch, tiny_model, s3):
+    """A finished job on S3 whose input object is then overwritten: the rerun is refused (exit 2, naming the object)
+    and leaves every object of the output folder as it was, the index included (its lease comes and goes)."""
+    filesystem, key = fs.FileSystem.from_uri(f"{s3}/in/a.parquet")
+    pq.write_table(pq.read_table(write_rows(tmp_path / "a.parquet", 24)), key, filesystem=filesystem)
+    job = write_job(tmp_path, tiny_model, f"{s3}/in", batch_size=8)
+    out = f"{s3}/out"
+    assert cli_run(monkeypatch, job, "--output", out).exit_code == 0
+
+    def objects() -> dict[str, bytes]:
+        below = fs.FileSystem.from_uri(out)[1]
+        return {i.path: filesystem.open_input_stream(i.path).read()
+                for i in filesystem.get_file_info(fs.FileSelector(below, recursive=True))
+                if i.type == fs.FileType.File and not i.base_name.startswith("lease-")}
+
+    before = objects()
+    assert any(name.endswith("/_batchjson/index.json") for name in before)
+    pq.write_table(pq.read_table(write_rows(tmp_path / "b.parquet", 24, start=100)), key, filesystem=filesystem)
+    result = cli_run(monkeypatch, job, "--output", out)
+    assert result.exit_code == 2 and f"input file a.parquet changed since {out} began" in result.output, result.output
+    after = objects()
+    assert sorted(name for name in before.keys() | after.keys() if before.get(name) != after.get(name)) == []

@@ -19,14 +19,15 @@ finished one.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from fnmatch import fnmatchcase
 
 import pyarrow as pa
 
 from batchjson.errors import OutputError, StorageFull, is_full
-from batchjson.storage.index import Index, Stamp, stamp
-from batchjson.storage.location import Location, Unreadable, writing
+from batchjson.storage.index import Index, Stamp, digest, stamp
+from batchjson.storage.location import Location, Unreadable, json_bytes, writing
 from batchjson.storage.names import STAGED, Kind, PartName, Stage, UnitName, staged
 
 KINDS: dict[Stage, tuple[Kind, ...]] = {Stage.FIRST: ("output", "rejects", "requeue"),
@@ -57,12 +58,13 @@ class Commits:
         """The commit records' folder."""
         self.index_file = index
         """The records folded into one, with what the last passing check read (index.py)."""
-        self._index = Index()  # as a run took it (`take_index`); verify never takes it, and reads everything
+        self._index = Index()  # as a run read it (`read_index`); verify never reads it, and reads everything
         self._seen: dict[str, Stamp] = {}  # part file name -> its stamp, as `trusted` listed the folders
         self.guard = guard
         """Raises if this run no longer holds the folder (a lost lease), before a record is written."""
         self._committed: set[str] | None = None
         self._read: dict[str, dict] = {}  # commit records read so far: a record never changes, only goes (drop)
+        self._digests: dict[str, str] = {}  # record name -> the digest of its file's bytes, as read or written
         self.after: Callable[[str, str], None] = lambda step, stage: None
         """Called after each step of the commit protocol, with the pass; tests use it to kill the process there."""
 
@@ -82,19 +84,31 @@ class Commits:
         if self._committed is None:
             listed = {i.base_name: stamp(i) for i in self.units.files() if fnmatchcase(i.base_name, "p[12]-*.json")}
             self._committed = {UnitName.parse(name).unit_id() for name in listed}
-            for name, record in self._index.records(listed).items():
-                self._read.setdefault(name, record)
+            for name, (sha, record) in self._index.records(listed).items():
+                if name not in self._read:
+                    self._read[name], self._digests[name] = record, sha
         return self._committed
 
     def forget(self) -> None:
         """Drop what was listed and read: the folder was cleared."""
         self._committed, self._index = None, Index()
         self._read.clear()
+        self._digests.clear()
 
-    def take_index(self) -> None:
-        """Take the index (index.py) for this run: its records stand in for reading theirs. Before anything is
-        listed or read."""
-        self._index, self._committed = Index.take(self.index_file), None
+    def read_index(self) -> None:
+        """Read the index (index.py) for this run: its records stand in for reading theirs. Before anything is
+        listed or read, and before the run decides whether to run: a refusal leaves the index where it is."""
+        self._index, self._committed = Index.read(self.index_file), None
+
+    def drop_index(self) -> None:
+        """Delete the index file, once the run has decided to run and before its first write: a run that dies
+        midway leaves no index that its own commits made stale. What it read stays in use."""
+        self.index_file.unlink(missing_ok=True)
+
+    @property
+    def index_written(self) -> str:
+        """When the check that wrote the index this run read passed ("" without one)."""
+        return self._index.written
 
     def trusted(self) -> frozenset[str]:
         """The committed units whose records are as indexed and whose files are all listed as the last passing check
@@ -105,7 +119,7 @@ class Commits:
         keys, changed = set(), set()
         for unit in map(UnitName.parse, self.committed()):
             keys.add(unit.key)
-            record = indexed.get(unit.file_name())
+            _, record = indexed.get(unit.file_name(), (None, None))
             if record is None or not all(self._index.checked(name, self._seen.get(name))
                                          for name in record["files"].values()):
                 changed.add(unit.key)
@@ -115,8 +129,9 @@ class Commits:
         """After an exactly-once check of the whole folder passed: its records, and its files as `trusted` listed
         them before the check read them, folded into the index for the next run."""
         listed = {i.base_name: stamp(i) for i in self.units.files()}
-        records = {name: (listed[name], record) for name, record in self._read.items() if name in listed}
-        checked = {name: self._seen[name] for _, record in records.values() for name in record["files"].values()
+        records = {name: (listed[name], self._digests[name], record) for name, record in self._read.items()
+                   if name in listed}
+        checked = {name: self._seen[name] for *_, record in records.values() for name in record["files"].values()
                    if name in self._seen}
         with writing(self.index_file):
             Index.write(self.index_file, records, checked)
@@ -129,8 +144,10 @@ class Commits:
         return self.listed(stage, key) or self.record_path(stage, key).exists()
 
     def _load(self, path: Location) -> dict:
+        self.committed()  # lists the records once, taking those the index stands in for
         if path.name not in self._read:
-            self._read[path.name] = path.read_json()
+            data = path.read_bytes()
+            self._read[path.name], self._digests[path.name] = json.loads(data), digest(data)
         return self._read[path.name]
 
     def record(self, stage: Stage, key: str) -> dict | None:
@@ -198,7 +215,7 @@ class Commits:
         path = self.record_path(stage, key)
         with writing(path, undo=lambda: self._unstage(stage, key)):
             path.write_json(record)
-        self._read[path.name] = record
+        self._read[path.name], self._digests[path.name] = record, digest(json_bytes(record))
         self.committed().add(UnitName(stage, key).unit_id())
         self.after("committed", stage)
 
@@ -275,6 +292,7 @@ class Commits:
         for stage in reversed(Stage):
             self.record_path(stage, key).unlink(missing_ok=True)
             self._read.pop(self.record_path(stage, key).name, None)
+            self._digests.pop(self.record_path(stage, key).name, None)
             self.committed().discard(UnitName(stage, key).unit_id())
         for stage in reversed(Stage):
             self.begin(stage, key)

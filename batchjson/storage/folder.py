@@ -104,8 +104,11 @@ class Storage:
         return self.output / ("_report.json" if n == 1 else f"_report-{i}of{n}.json")
 
     # ----- claiming the folder ---------------------------------------------------------------------------------
-    def open(self, spec_hash: str, fingerprint: dict, if_exists: str = "resume", fresh: bool = False) -> bool:
-        """Claim the folder for this spec; returns True when it resumes an earlier run."""
+    def open(self, spec_hash: str, fingerprint: dict, if_exists: str = "resume", fresh: bool = False,
+             inputs: dict[str, dict] | None = None) -> bool:
+        """Claim the folder for this spec and, given the input files' fingerprints (`inputs`), check them against the
+        committed units' (`check_inputs`); returns True when it resumes an earlier run. Every refusal comes before
+        the first write or delete in the run state: a refused run leaves the folder as it found it."""
         i, n = self.shard
         if n > 1 and (fresh or if_exists != "resume"):
             raise OutputError(f'--fresh and output.if_exists = "{if_exists}" cannot be used with --shard: shards '
@@ -122,7 +125,7 @@ class Storage:
                     raise StorageFull.at(d, e) from None
                 raise OutputError(f"cannot create {d}: {e.strerror}. Check the path and permissions.") from None
         self.claim()
-        self.commits.take_index()
+        self.commits.read_index()
         existing = spec_file.exists()
         if existing and (fresh or if_exists == "overwrite"):
             self._clear()
@@ -136,11 +139,16 @@ class Storage:
                 changes = _diff(old["spec"], json.loads(json.dumps(fingerprint, default=str)))
                 raise ResumeConflict(f"{self.output} holds a run of a different spec (changed: {'; '.join(changes[:5])}). "
                                      "Rerun with --fresh to discard it and start over, or choose another --output.")
+        known = self._compare_inputs(inputs) if inputs is not None else {}
+        # No refusal after this line: the run goes on, and only from here does it write or delete.
+        self.commits.drop_index()
         if not existing or spec_file.read_json()["hash"] != spec_hash:
             # Until a unit commits, the folder belongs to no spec: a corrected rerun after a failed start is welcome.
             with writing(spec_file):
                 spec_file.write_json({"hash": spec_hash, "spec": fingerprint})
         self.commits.recover()
+        if inputs is not None:
+            self._write_inputs(inputs, known)
         return existing and bool(self.commits.committed())
 
     def claim(self) -> None:
@@ -219,6 +227,13 @@ class Storage:
 
         New files are added work. A file that changed or disappeared is refused when units from it are committed
         (their rows could no longer be matched to the input); otherwise its fingerprint is simply replaced."""
+        known = self._compare_inputs(fingerprints)
+        if write:
+            self._write_inputs(fingerprints, known)
+        return [t for t in fingerprints if t not in known]
+
+    def _compare_inputs(self, fingerprints: dict[str, dict]) -> dict[str, dict]:
+        """`check_inputs`' refusals, writing nothing; returns the fingerprints the folder holds (tag -> fingerprint)."""
         used = Counter(r["file"] for r in self.commits.records(Stage.FIRST))
         known = {p.name[:-5]: p.read_json() for p in self.inputs.glob("*.json")}
         for tag, old in known.items():
@@ -233,15 +248,16 @@ class Storage:
                               f"{used[tag]} unit(s) of it are committed: their rows would be lost or written twice. "
                               "Restore the file, or start over with --fresh (or another --output); to add rows, add "
                               "a new file instead of rewriting one.")
-        if not write:
-            return [t for t in fingerprints if t not in known]
+        return known
+
+    def _write_inputs(self, fingerprints: dict[str, dict], known: dict[str, dict]) -> None:
+        """Keep the fingerprints of this run's input files in place of those the folder held (`known`)."""
         for tag, new in fingerprints.items():
             if known.get(tag) != new:
                 with writing(self.inputs / f"{tag}.json"):
                     (self.inputs / f"{tag}.json").write_json(new)
         for tag in set(known) - set(fingerprints):
             (self.inputs / f"{tag}.json").unlink(missing_ok=True)
-        return [t for t in fingerprints if t not in known]
 
     def write_report(self, data: dict) -> None:
         with writing(self.report_path()):

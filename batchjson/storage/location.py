@@ -118,6 +118,12 @@ class Unreadable(Exception):
     """A file that is there but does not read as Parquet (truncated, emptied, overwritten, corrupt)."""
 
 
+def json_bytes(data) -> bytes:
+    """The bytes `Location.write_json` writes for `data`: one format, so that a record read back is written back the
+    same, byte for byte (index.py)."""
+    return json.dumps(data, indent=1, default=str).encode()
+
+
 def glob_match(parts: list[str], pattern: list[str]) -> bool:
     """glob.glob's rule for one path (both split at /): `**` spans any number of folders, other parts match one
     name each, and a name starting with . matches only a part that does."""
@@ -331,7 +337,7 @@ class Location:
 
     def write_json(self, data) -> None:
         """All or nothing: a PUT on object storage is; locally, a temporary file renamed over the target is."""
-        text = json.dumps(data, indent=1, default=str).encode()
+        text = json_bytes(data)
         if not self.local:
             self.write_bytes(text)
             return

@@ -3,10 +3,15 @@ before resumes after."""
 
 from __future__ import annotations
 
+import functools
 import json
+import re
+from pathlib import Path
 
 import pytest
+from click.testing import CliRunner
 
+from batchjson import api, cli
 from batchjson.engine.fake import FakeEngines
 from batchjson.job import run_job
 from batchjson.spec import load_spec
@@ -101,3 +106,94 @@ def test_a_resume_reads_a_record_rewritten_after_the_index_and_survives_a_damage
     report = run()
     assert report.valid == 24 and report.verified["complete"], report.verified
     assert json.loads((out / "_batchjson" / "index.json").read_text())["records"]
+
+
+def cli_run(monkeypatch, job: Path, *args):
+    """`batchjson run JOB` on the fake engine, as a user runs it: its exit code and output."""
+    monkeypatch.setattr(cli, "run_job", functools.partial(api.run_job, engine_factory=FakeEngines(valid=0.5, seed=3)))
+    return CliRunner().invoke(cli.main, ["run", str(job), *args])
+
+
+def claimed_rows(output: str) -> int:
+    """The rows the end check's "exactly-once check ok" line says the folder holds."""
+    found = re.search(r"exactly-once check ok: (\d+) output \+ (\d+) rejected rows", output)
+    assert found, output
+    return int(found[1]) + int(found[2])
+
+
+def test_an_index_entry_edited_by_hand_vouches_for_nothing(tmp_path, tiny_model, monkeypatch):
+    """Tried as a hostile user would: the index's copy of a unit's commit record is edited to list no output file
+    (its stamp kept, so that it still looks current), and the output file is deleted. The copy no longer matches the
+    bytes the index took its digest of, so the index does not stand in for that record: the unit is read, found
+    without its file, and redone, and the run claims the 48 rows it holds."""
+    ids = [f"r{i:05d}" for i in range(48)]
+    write_rows(tmp_path / "in.parquet", 48)
+    job = write_job(tmp_path, tiny_model, tmp_path / "in.parquet", batch_size=12)  # 4 units
+    out = tmp_path / "out"
+    assert cli_run(monkeypatch, job).exit_code == 0
+    index_file = out / "_batchjson" / "index.json"
+    index = json.loads(index_file.read_text())
+    record = next(entry["record"] for name, entry in sorted(index["records"].items())
+                  if name.startswith("p1-") and entry["record"]["rows"].get("output", 0) >= 2)
+    gone = out / record["files"].pop("output")
+    del record["rows"]["output"], record["sizes"]["output"]
+    index_file.write_text(json.dumps(index))
+    gone.unlink()
+
+    result = cli_run(monkeypatch, job)
+    assert result.exit_code == 0, result.output
+    assert claimed_rows(result.output) == 48, result.output
+    assert f"{gone.name} was missing; the unit was redone" in result.output, result.output
+    assert "4 units: 1 read, 3 taken from the index" in result.output, result.output
+    assert_exactly_once(ids, out, out / "_rejects")
+    assert CliRunner().invoke(cli.main, ["verify", str(job)]).exit_code == 0
+
+
+def test_the_end_check_says_how_many_units_it_took_from_the_index(tmp_path, tiny_model, monkeypatch):
+    """The end check counts a unit unchanged since the last passing check from its record, without reading its
+    files; the summary, the report and `batchjson verify` (which reads everything) say which it did."""
+    write_rows(tmp_path / "in.parquet", 48)
+    job = write_job(tmp_path, tiny_model, tmp_path / "in.parquet", batch_size=12)
+    out = tmp_path / "out"
+    first = cli_run(monkeypatch, job)
+    assert first.exit_code == 0 and "each input row once (4 units, all read)" in first.output, first.output
+    again = cli_run(monkeypatch, job)
+    assert again.exit_code == 0, again.output
+    assert claimed_rows(again.output) == 48
+    assert re.search(r"each input row once \(4 units: 0 read, 4 taken from the index written by the check of "
+                     r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d UTC\)", again.output), again.output
+    verified = json.loads((out / "_report.json").read_text())["verified"]
+    assert (verified["read"], verified["trusted"]) == (0, 4), verified
+    proof = CliRunner().invoke(cli.main, ["verify", str(job)])
+    assert proof.exit_code == 0 and "each input row once (4 units, all read)" in proof.output, proof.output
+
+
+def files_below(folder: Path) -> dict[str, tuple[bytes, int]]:
+    """Every file below `folder`: its bytes and modification time."""
+    return {str(p.relative_to(folder)): (p.read_bytes(), p.stat().st_mtime_ns)
+            for p in folder.rglob("*") if p.is_file()}
+
+
+@pytest.mark.parametrize("refusal", ["input overwritten", "spec changed", "if_exists fail"])
+def test_a_refused_run_touches_nothing(tmp_path, tiny_model, monkeypatch, refusal):
+    """A run that refuses (exit 2, saying why) writes and deletes nothing in the folder: not the index, not the
+    input fingerprints, not the spec. Every refusal is decided before the first write."""
+    src = write_rows(tmp_path / "in.parquet", 24)
+    job = write_job(tmp_path, tiny_model, src, batch_size=8)
+    out = tmp_path / "out"
+    assert cli_run(monkeypatch, job).exit_code == 0
+    assert (out / "_batchjson" / "index.json").exists()
+    before = files_below(out)
+    if refusal == "input overwritten":
+        write_rows(src, 24, start=100)
+        said = f"input file {src.name} changed since {out} began"
+    elif refusal == "spec changed":
+        job.write_text(job.read_text().replace("Describe:", "Summarize:"))
+        said = f"{out} holds a run of a different spec"
+    else:
+        job.write_text(job.read_text().replace("[output]", '[output]\nif_exists = "fail"'))
+        said = f"{out} already holds a run"
+    result = cli_run(monkeypatch, job)
+    assert result.exit_code == 2 and said in result.output, result.output
+    after = files_below(out)
+    assert sorted(name for name in before.keys() | after.keys() if before.get(name) != after.get(name)) == []
