@@ -56,6 +56,7 @@ import sys
 import threading
 from collections.abc import Callable
 
+from batchjson.schema.drafts import COPY_MAX, Drafter, PromptIndex
 
 NO_DRAFT = "batchjson_no_draft"  # the SamplingParams.extra_args key
 # Read on: vllm/v1/core/sched/ and vllm/v1/engine/core.py of these versions. Scheduler.schedule(self,
@@ -508,12 +509,10 @@ class SchemaProposer:
         from vllm.tokenizers import cached_tokenizer_from_config
         from vllm.v1.structured_output.backend_xgrammar import XgrammarBackend
 
-        from batchjson.schema.drafts import Drafter
-
         install_schema_drafts()
         tokenizer = cached_tokenizer_from_config(model_config=vllm_config.model_config)
-        self.k = vllm_config.speculative_config.num_speculative_tokens
-        self.drafter = Drafter(lambda text: tokenizer.encode(text, add_special_tokens=False), self.k)
+        self.drafter = Drafter(lambda text: tokenizer.encode(text, add_special_tokens=False),
+                               vllm_config.speculative_config.num_speculative_tokens)
         self.backend = XgrammarBackend(vllm_config, tokenizer=tokenizer,
                                        vocab_size=vllm_config.model_config.get_vocab_size())
         self.compiled: dict[str, object] = {}  # schema text -> a grammar to make matchers from
@@ -540,8 +539,6 @@ class SchemaProposer:
                 drafts.append(self._draft(runner, ids[i], token_ids_cpu[i], int(batch.num_prompt_tokens[i]),
                                           int(num_tokens_no_spec[i])))
             except Exception:  # noqa: BLE001 - a draft is an optimisation: never end the engine over one
-                from batchjson.schema.drafts import PromptIndex
-
                 self.requests[ids[i]] = _Request(None, PromptIndex([]))  # no drafts for it from now on
                 drafts.append([])
         if len(self.requests) > 2 * len(ids) + 64:  # requests that finished since
@@ -553,8 +550,6 @@ class SchemaProposer:
         """One request's draft from its batch row (`start` prompt tokens, then its output, `end` tokens in all):
         its matcher and its tail taken through the output's new tokens first. Nothing once its grammar has ended
         (the request is done); copies only without a grammar, or once its output strayed from it."""
-        from batchjson.schema.drafts import COPY_MAX, PromptIndex
-
         request = self.requests.get(req_id)
         if request is None or request.taken > end - start:  # new, or preempted and started again
             request = self.requests[req_id] = _Request(self._new_matcher(runner, req_id),

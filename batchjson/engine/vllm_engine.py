@@ -329,7 +329,7 @@ class VllmEngine(Engine):
         names = {"vllm:spec_decode_num_drafts": "drafts", "vllm:spec_decode_num_draft_tokens": "draft_tokens",
                  "vllm:spec_decode_num_accepted_tokens": "accepted_tokens"}
         out = dict.fromkeys(names.values(), 0.0)
-        if self.speculative is None or not getattr(self.llm.llm_engine, "log_stats", True):  # no draft, or stats off ([model.engine])
+        if self.speculative is None or not getattr(self.llm.llm_engine, "log_stats", True):  # or [model.engine] set them off
             return out
         for metric in self.llm.get_metrics():
             if metric.name in names and hasattr(metric, "value"):
