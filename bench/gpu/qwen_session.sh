@@ -32,7 +32,7 @@
 #   a warm-up, bare and the default, the default with vLLM's stats on (as before 2026-12), both under py-spy; bench
 #   grammar's batch fills with and without stats; then the 30,000-row pair.
 # PLAN schema15: batchjson's schema drafter on the 1.5B (task C, 6,000 rows): the step with it, with n-gram lookup and
-#   with none (bench grammar, batchjson's fills), then whole runs: none, schema, bare vLLM with and without it.
+#   with none and with no grammar (bench grammar, batchjson's fills), then whole runs: none, schema, bare vLLM with and without it.
 #   schemasmol: the same whole runs on SmolLM2 at 30,000 rows.
 # PLAN grammar15: what the JSON constraint costs the 1.5B's step (bench grammar): xgrammar alone on the host's cores,
 #   then bare vLLM at 1,024 in flight with vLLM's mask fills, batchjson's, and no grammar (py-spy on each).
@@ -164,7 +164,7 @@ run_plan() {
              --timeout 200
            need q15 && wr t15-C30000 --task C --rows 30000 --model $q15 --timeout 300 --runs bare-none,auto ;;
     schema15) need q15 && gb g15-C6000-schema --task C --rows 6000 --model $q15 --seqs 1024 \
-                --configs batch,batch-schema,batch-ngram --timeout 200
+                --configs batch,free,batch-schema,batch-ngram --timeout 200
               need q15 && wr t15-C6000-schema --task C --rows 6000 --model $q15 --timeout 200 \
                 --runs schema+warm,none+warm,bare-none,none,schema,bare-schema ;;
     schemasmol) need smol && wr smol-C30000-schema --task C --rows 30000 --model $smol --timeout 300 \
