@@ -8,6 +8,7 @@ The Python API (batchjson/api.py), next to the command line::
     batchjson.check_job(job)                              # no engine: input, output folder, schema, grammar
     report = batchjson.run_job(job, "out/2026-11-30")     # the report `batchjson run` writes
     batchjson.verify_job(job, "out/2026-11-30").complete  # each input row once in output or rejects
+    batchjson.status_job(job, "out/2026-11-30").summary() # from any machine, while it runs or after
 """
 
 import importlib
@@ -20,7 +21,7 @@ __version__ = "0.1.0"
 # Imported on first use: vLLM's engine processes import this package (for batchjson's vLLM plugin) and need none of
 # the API's modules.
 _API = {"load_job": "api", "build_job": "api", "run_job": "api", "check_job": "api", "verify_job": "api",
-        "CheckResult": "api", "JobSpec": "spec", "RunReport": "report", "Verdict": "verify",
+        "status_job": "api", "cancel_job": "api", "Status": "status", "CheckResult": "api", "JobSpec": "spec", "RunReport": "report", "Verdict": "verify",
         "BatchjsonError": "errors"}
 __all__ = list(_API)
 

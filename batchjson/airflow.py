@@ -34,6 +34,11 @@ class BatchJsonOperator(BaseOperator):
     dying) fails the task with batchjson's message alone, SIGTERM from Airflow stops the run keeping finished
     units, and anything else is a bug that keeps its traceback.
 
+    `deadline` ("06:00", "8h", "2026-12-05T06:00"; default: the spec's output.deadline) stops the run taking units
+    then: the units in flight are finished and committed, and the task fails without retrying (a retry would meet
+    the same deadline), saying how many rows are left; clearing the task resumes. While the run goes, the task log
+    gets a progress line a minute (rows finished, units, the rate), and `batchjson status` reads the partition.
+
     Engines: the task uses every GPU of its worker (one replica per GPU); `replicas` sets how many, and
     `ray="auto"` (or a cluster address) runs them as Ray actors over a cluster instead.
 
@@ -43,14 +48,15 @@ class BatchJsonOperator(BaseOperator):
     and reports on and checks the whole partition.
     """
 
-    template_fields = ("job", "output_dir", "input_path", "shard")
+    template_fields = ("job", "output_dir", "input_path", "shard", "deadline")
 
     def __init__(self, *, job: str, output_dir: str | None = None, input_path: str | None = None,
                  shard: str | None = None, replace: bool = False, replicas: int | None = None, ray: str | None = None,
-                 **kwargs):
+                 deadline: str | None = None, **kwargs):
         super().__init__(**kwargs)
         self.job, self.output_dir, self.input_path = job, output_dir, input_path
         self.shard, self.replace = shard, replace
+        self.deadline = deadline
         self.engines = {"replicas": replicas, "ray": ray}
 
     def execute(self, context):
@@ -65,11 +71,16 @@ class BatchJsonOperator(BaseOperator):
             if self.replace:
                 report = self._replace(spec, shard, context["run_id"])
             else:
-                report = run_job(spec, self.output_dir, shard=shard, **self.engines)
+                report = run_job(spec, self.output_dir, shard=shard, deadline=self.deadline, **self.engines)
         except BatchjsonError as e:
             raise AirflowException(str(e)) from None
         if report.interrupted:  # run_job stops cleanly on SIGTERM (Airflow's kill) and returns: not a success
             raise AirflowException(INTERRUPTED)
+        if report.outcome == "deadline":
+            raise AirflowFailException(f"stopped at its deadline with {report.rows_left} rows left (units in flight "
+                                       "were finished and committed); clear the task to resume" + (
+                                           " (replace=True: the old partition stays, and a rerun starts over)"
+                                           if self.replace else "") + f"\n{report.summary()}")
         result = report.to_dict()
         if report.verify_failed:  # not a retry's to fix: the folder needs a look (see the problems named)
             raise AirflowFailException(f"{report.output} does not hold each input row exactly once:\n"
@@ -101,10 +112,10 @@ class BatchJsonOperator(BaseOperator):
         # the same run reuses (and, being fresh, clears) what a killed try left.
         tag = re.sub(r"[^\w.-]", "_", run_id)
         tmp = final.output.with_name(f".{final.output.name}.tmp-{tag}")
-        report = run_job(spec, tmp.uri, fresh=True, **self.engines)
+        report = run_job(spec, tmp.uri, fresh=True, deadline=self.deadline, **self.engines)
         if report.interrupted:  # keep the old partition; the retry starts the new one over
             raise AirflowException(INTERRUPTED.replace("a retry resumes", "a retry rebuilds the partition"))
-        if report.verify_failed:  # keep the old partition; execute() fails the task naming the new one's problems
+        if report.verify_failed or report.outcome == "deadline":  # keep the old partition; execute() fails the task
             return report
         report.output, report.rejects = str(final.output), str(final.rejects)
         Storage(tmp).write_report(report.to_dict())  # the swap brings it along

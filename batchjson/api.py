@@ -19,6 +19,7 @@ if TYPE_CHECKING:  # imported where used: the CLI imports this module, and `batc
     from batchjson.report import RunReport
     from batchjson.engine.base import EngineFactory
     from batchjson.verify import Verdict
+    from batchjson.status import Status
 
 
 def load_job(path: str | Path) -> JobSpec:
@@ -38,16 +39,19 @@ def build_job(base: str | Path = ".", **sections: dict) -> JobSpec:
 
 def run_job(job: JobSpec, output: str | None = None, *, input_path: str | None = None, fresh: bool = False,
             shard: str | None = None, replicas: int | None = None, ray: str | None = None,
-            progress: bool | None = None, engine_factory: EngineFactory | None = None) -> RunReport:
+            progress: bool | None = None, engine_factory: EngineFactory | None = None,
+            deadline: str | None = None) -> RunReport:
     """Run a job into `output` (default: the spec's output.path), or resume the run already there.
 
     Returns the run report, also written to `<output>/_report.json`. The CLI's exit codes are fields of it:
     `over_threshold` (rejects above output.max_reject_rate), `verify_failed` (the exactly-once check at the end
-    failed) and `interrupted` (SIGTERM or Ctrl-C: finished units are kept, run again to resume).
+    failed), `interrupted` (SIGTERM, Ctrl-C or `cancel_job`: finished units are kept, run again to resume) and
+    `outcome` ("deadline": the deadline came with `rows_left`; units in flight were finished, run again to resume).
 
     `input_path` reads another input than the spec's (CLI: --input); `fresh` discards a run already in the folder;
     `shard="I/N"` processes every N-th row group from the I-th; `replicas` sets the engine replicas (default: one
-    per GPU); `ray` runs them as Ray actors ("auto" or a cluster address); `progress` shows a progress bar (default:
+    per GPU); `ray` runs them as Ray actors ("auto" or a cluster address); `deadline` ("06:00", "8h",
+    "2026-12-05T06:00"; default: output.deadline) stops handing out units then; `progress` shows a progress bar (default:
     on a terminal only). `engine_factory`, an `engine.EngineFactory`, starts the engines (default: vLLM's,
     `engine.VllmEngines()`), for tests that share engines or fake one (`batchjson.engine.fake.FakeEngines()`
     answers without a model)."""
@@ -59,7 +63,25 @@ def run_job(job: JobSpec, output: str | None = None, *, input_path: str | None =
         raise SpecError(str(e)) from None
     options = {"engine_factory": engine_factory} if engine_factory else {}
     return run.run_job(with_input(job, input_path), output, fresh=fresh, shard=shards, replicas=replicas, ray=ray,
-                       progress=progress, **options)
+                       progress=progress, deadline=deadline, **options)
+
+
+def status_job(job: JobSpec | None = None, output: str | None = None) -> Status:
+    """What the run in `output` (default: the job's output.path) is doing, or how it ended: rows by pass and
+    reason, units done and left, the recent rate, an ETA, who holds the folder. Reads the folder only, taking no
+    lock: safe beside a running run and from another machine. OutputError for a folder that cannot be read or
+    holds no batchjson run."""
+    from batchjson import status
+
+    return status.status_job(job, output)
+
+
+def cancel_job(job: JobSpec | None = None, output: str | None = None) -> str:
+    """Stop the run that holds `output` as SIGTERM would, from anywhere: it sees the request within seconds;
+    finished units stay committed and the next run resumes. OutputError when no run holds the folder."""
+    from batchjson import status
+
+    return status.cancel_job(job, output)
 
 
 def verify_job(job: JobSpec, output: str | None = None, *, input_path: str | None = None) -> Verdict:

@@ -1,10 +1,12 @@
-"""Command line: `batchjson run JOB.toml`, `batchjson check JOB.toml` and `batchjson verify JOB.toml`; OpenAI Batch
+"""Command line: `batchjson run JOB.toml`, `batchjson check JOB.toml` and `batchjson verify JOB.toml`; a run seen
+and stopped from anywhere: `batchjson status [JOB] --output OUT`, `batchjson cancel [JOB] --output OUT`; OpenAI Batch
 files in and out: `batchjson import-openai REQUESTS.jsonl DIR`, `batchjson export-openai DIR OUT.jsonl`.
 
 Exit codes: 0 done, rejects within output.max_reject_rate; 1 a bug (the traceback is printed); 2 bad spec, input
 or output folder, or an engine that cannot start or keeps dying (the message says what to do); 3 done, but rejects
-over output.max_reject_rate, or the exactly-once check failed (verify: not proven); 130 stopped by SIGTERM or
-Ctrl-C (finished units are kept: rerun to resume).
+over output.max_reject_rate, or the exactly-once check failed (verify: not proven); 4 stopped at its deadline
+with rows left (units in flight were finished; rerun to resume); 130 stopped by SIGTERM, Ctrl-C or `batchjson
+cancel` (finished units are kept: rerun to resume).
 """
 
 from __future__ import annotations
@@ -17,11 +19,11 @@ from pathlib import Path
 
 import click
 
-from batchjson.api import check_job, load_job, run_job, verify_job
+from batchjson.api import cancel_job, check_job, load_job, run_job, status_job, verify_job
 from batchjson.errors import BatchjsonError
 from batchjson.spec import parse_shard
 
-EXIT_OK, EXIT_BUG, EXIT_USER, EXIT_REJECTS, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
+EXIT_OK, EXIT_BUG, EXIT_USER, EXIT_REJECTS, EXIT_DEADLINE, EXIT_INTERRUPTED = 0, 1, 2, 3, 4, 130
 
 
 class UserError(click.ClickException):
@@ -57,18 +59,25 @@ def main():
 @click.option("--replicas", type=click.IntRange(min=1), help="Engine replicas (default: one per GPU of the host).")
 @click.option("--ray", "ray_address", is_flag=False, flag_value="auto", default=None, metavar="[ADDRESS]",
               help="Run the replicas as Ray actors on a cluster (RAY_ADDRESS, or a local one; or ADDRESS).")
+@click.option("--deadline", metavar="WHEN", help='Stop taking units at WHEN: "06:00" (the next one), "8h" or '
+              '"2026-12-05T06:00" (overrides output.deadline); exit 4 if rows are left then.')
 @click.option("--json-report", is_flag=True, help="Print the JSON report instead of the summary.")
-def run(job, output, input_path, fresh, shard, replicas, ray_address, json_report):
+def run(job, output, input_path, fresh, shard, replicas, ray_address, deadline, json_report):
     """Run JOB (a TOML spec), or resume it where an earlier run stopped."""
     try:
         report = run_job(load_job(job), output, input_path=input_path, fresh=fresh, shard=shard, replicas=replicas,
-                         ray=ray_address)
+                         ray=ray_address, deadline=deadline)
     except BatchjsonError as e:
         raise _user_error(e) from None
     click.echo(json.dumps(report.to_dict(), indent=2) if json_report else report.summary())
     if report.interrupted:
-        click.echo("interrupted: finished units are committed; run the same command again to resume", err=True)
+        click.echo(f"{report.outcome or 'interrupted'}: finished units are committed; run the same command again to "
+                   "resume", err=True)
         raise SystemExit(EXIT_INTERRUPTED)
+    if report.outcome == "deadline":
+        click.echo(f"deadline: {report.rows_left} rows left; units in flight were finished and committed; run the "
+                   "same command again to resume", err=True)
+        raise SystemExit(EXIT_DEADLINE)
     if report.verify_failed:
         click.echo(f"{report.verified_summary}\nThe folder does not hold each input row exactly once; see the "
                    "problems above.", err=True)
@@ -111,6 +120,36 @@ def verify(job, output, input_path):
         if verdict.ok:
             click.echo("not finished: run the job again to resume, then verify.", err=True)
         raise SystemExit(EXIT_REJECTS)
+
+
+def _folder_args(f):
+    f = click.option("--output", "-o", help="Output folder or URI (default: the job's output.path).")(f)
+    return click.argument("job", required=False, type=click.Path(exists=True, dir_okay=False))(f)
+
+
+@main.command()
+@_folder_args
+@click.option("--json", "as_json", is_flag=True, help="Print the status as JSON.")
+def status(job, output, as_json):
+    """Say what the run in an output folder is doing, or how it ended: rows by pass and reason, units done and
+    left, the recent rate and an ETA, and who holds the folder. Reads the folder only (no lock): safe beside a
+    running run, from any machine."""
+    try:
+        found = status_job(load_job(job) if job else None, output)
+    except BatchjsonError as e:
+        raise _user_error(e) from None
+    click.echo(json.dumps(found.to_dict(), indent=2) if as_json else found.summary())
+
+
+@main.command()
+@_folder_args
+def cancel(job, output):
+    """Stop the run that holds an output folder, from any shell or machine, as SIGTERM would: finished units stay
+    committed and the next run resumes. Exit 2 when no run holds the folder."""
+    try:
+        click.echo(cancel_job(load_job(job) if job else None, output))
+    except BatchjsonError as e:
+        raise _user_error(e) from None
 
 
 @main.command("import-openai")

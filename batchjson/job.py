@@ -25,6 +25,7 @@ from batchjson.ends import run_ends
 from batchjson.spec import JobSpec
 from batchjson.storage import location
 from batchjson.verify import verify
+from batchjson.watch import RunWatch, resolve_deadline
 from batchjson.passes import plan_passes
 from batchjson.records import Stage
 from batchjson.worker import Worker, serve_replica, signals
@@ -35,7 +36,8 @@ class JobRun:
 
     def __init__(self, spec: JobSpec, output: str | None = None, *, fresh: bool = False,
                  shard: tuple[int, int] = (0, 1), engine_factory: EngineFactory | None = None,
-                 progress: bool | None = None, replicas: int | None = None, ray: str | None = None):
+                 progress: bool | None = None, replicas: int | None = None, ray: str | None = None,
+                 deadline: str | None = None):
         if engine_factory is None:
             from batchjson.engine import VllmEngines
 
@@ -48,6 +50,7 @@ class JobRun:
         self.source, self.storage = run_ends(spec, output, shard)
         self.progress = None if progress is None else not progress  # tqdm: None hides the bar off a terminal
         self.stop = threading.Event()
+        self.watch = RunWatch(self.storage, self.stop, resolve_deadline(deadline, spec.output.deadline))
         self.owners: dict[str, tuple[str, int]] = {}
         self.passes = plan_passes(spec)
 
@@ -74,6 +77,8 @@ class JobRun:
         try:  # a failed open (a full disk, a changed spec) drops the folder's locks too
             report.resumed = storage.open(self.spec.hash(), self.spec.fingerprint(), self.spec.output.if_exists,
                                           self.fresh, scan.fingerprints)
+            if scan.kept:
+                storage.keep_scan(scan.kept)
             with signals(self.stop):
                 for key, why in commits.damaged(list(self.refs), self.spec.input.id_column).items():
                     commits.drop(key)
@@ -82,7 +87,8 @@ class JobRun:
                 self.owners = {row_id: next((p for p in places if commits.done(Stage.FIRST, p[0])), places[0])
                                for row_id, places in scan.repeated.items()}
                 report.timeline["checked"] = mark()
-                self._run_passes(report, layout)
+                with self.watch.running(self.refs):  # the progress file says "running", or "failed" and why
+                    self._run_passes(report, layout)
                 report.timeline["passes"] = mark()
                 report.tally(commits.records())
                 # Units an earlier passing check read, unchanged since, are counted from their records (verify.py);
@@ -91,12 +97,14 @@ class JobRun:
                 verdict = verify(commits, self.source, everything, self.spec.input.id_column, scan.repeated,
                                  commits.trusted() - repeats)
                 report.timeline["verified"] = mark()
-                if not self.stop.is_set() and self.shard[1] == 1 and verdict.pending and verdict.ok:
+                if not (self.stop.is_set() or self.watch.expired) and self.shard[1] == 1 and verdict.pending \
+                        and verdict.ok:
                     verdict.problems.append(f"[internal] {verdict.pending} units left undone by an uninterrupted run")
                 if verdict.ok and self.shard[1] == 1:
                     commits.write_index()
                 report.verified = verdict.to_dict()
                 report.verified_summary = verdict.summary()
+                self.watch.end(report)
         except StorageFault as e:  # the store failing: its lease may stay behind, and then a rerun must wait
             raise StorageFault(f"{e}{storage.close()}") from None
         finally:
@@ -120,7 +128,8 @@ class JobRun:
         todo = self._todo()
         if not any(todo.values()):
             return
-        work = Queue(todo, {Stage.FIRST: Stage.SECOND} if len(self.passes) > 1 else {})
+        work = Queue(todo, {Stage.FIRST: Stage.SECOND} if len(self.passes) > 1 else {},
+                     expired=lambda: self.watch.expired)
         stats = {p.stage: PassStats() for p in self.passes}
         bars: dict[Stage, tqdm] = {}
 
@@ -135,6 +144,7 @@ class JobRun:
             bar(Stage.SECOND).total = sum(requeued)
 
         def on_done(stage: Stage, key: str, rows: int, requeued: int) -> None:
+            self.watch.committed(stage, key)
             bar(stage).update(rows)
             if requeued and stage == Stage.FIRST and Stage.SECOND in stats:
                 bar(Stage.SECOND).total += requeued

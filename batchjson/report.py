@@ -25,6 +25,7 @@ NoteCode = Literal[
     "unread-vllm",  # the engine's vLLM is not a version batchjson's patches were read on: they are off
     "patches-off",  # batchjson's engine patches are off in this vLLM (a check failed)
     "engine-notice",  # anything else an engine says about itself
+    "cancelled",  # `batchjson cancel` stopped the run (the same clean stop as SIGTERM)
 ]
 
 
@@ -154,7 +155,12 @@ class RunReport:
     rejects: str
     resumed: bool = False
     interrupted: bool = False
-    """Stopped by SIGTERM or Ctrl-C: finished units are committed, the next run resumes."""
+    """Stopped by SIGTERM, Ctrl-C or `batchjson cancel`: finished units are committed, the next run resumes."""
+    outcome: str = ""
+    """How the run ended (storage/progress.py's Outcome): "done", "interrupted", "cancelled" or "deadline" (its
+    deadline came with rows left: units in flight were finished and committed, the rest wait for the next run)."""
+    rows_left: int = 0
+    """Rows of this run's input (its shard's) in neither the output nor the rejects at its end."""
     passes: dict[str, PassStats] = field(default_factory=dict)
     valid_by_pass: dict = field(default_factory=dict)
     rejects_by_reason: dict = field(default_factory=dict)
@@ -233,7 +239,9 @@ class RunReport:
         return d
 
     def summary(self) -> str:
-        flags = ("  [resumed]" if self.resumed else "") + ("  [interrupted: rerun to resume]" if self.interrupted else "")
+        stopped = self.outcome if self.outcome not in ("", "done") else "interrupted" if self.interrupted else ""
+        flags = ("  [resumed]" if self.resumed else "") + (
+            f"  [{stopped}: {self.rows_left} rows left, rerun to resume]" if stopped else "")
         on = f" on {self.replicas} engine replicas" if self.replicas > 1 else ""
         lines = [f"{self.input_rows} input rows -> {self.valid} valid, {self.rejected} rejected "
                  f"({self.reject_rate:.1%}; threshold {self.max_reject_rate:.1%}){on}{flags}"]

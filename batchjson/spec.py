@@ -22,6 +22,7 @@ from typing import Any, Literal
 
 from jsonschema import SchemaError, validators
 
+from batchjson.deadline import check_deadline
 from batchjson.errors import SpecError
 from batchjson.schema import pydantic_model
 from batchjson.schema.bundle import bundle
@@ -265,9 +266,18 @@ class OutputSpec:
     """What to do when the folder already holds a run: resume it, fail, or overwrite it."""
     max_reject_rate: float = 0.05
     """Exit code 3 when rejects exceed this fraction of the input."""
+    deadline: str = ""
+    """When a run stops taking units: "06:00" (the next 06:00), "8h" (after the start) or "2026-12-05T06:00".
+    Units in flight then are finished and committed, the rest wait for the next run (exit code 4). `batchjson run
+    --deadline` overrides it."""
 
     def __post_init__(self):
         _require(0 <= self.max_reject_rate <= 1, "output.max_reject_rate must be between 0 and 1.")
+        if self.deadline:
+            try:
+                check_deadline(self.deadline)
+            except ValueError as e:
+                raise SpecError(f"output.deadline: {e}.") from None
 
 
 @dataclass(frozen=True)

@@ -45,8 +45,10 @@ Work = tuple[Stage, str]  # (stage, unit key)
 class Queue:
     """Every (stage, unit) pair of the run that is not committed yet: pending, or held by a worker."""
 
-    def __init__(self, todo: dict[str, list[str]], follows: dict[str, str]):
+    def __init__(self, todo: dict[str, list[str]], follows: dict[str, str],
+                 expired: Callable[[], bool] = lambda: False):
         self.lock = threading.Lock()
+        self.expired = expired  # whether the run's deadline has come: no unit is handed out from then on
         self.pending = {stage: deque(keys) for stage, keys in todo.items()}
         self.left = {(stage, key) for stage, keys in todo.items() for key in keys}
         self.follows = follows  # stage -> the stage its failed rows go to
@@ -57,6 +59,8 @@ class Queue:
     def want(self, slot: int, stages: Iterable[str]) -> tuple:
         stages = tuple(stages)
         with self.lock:
+            if self.expired():  # the units held are finished and committed; the rest wait for the next run
+                return ("end",)
             # A unit's pass 2 before more first passes: it is the older work, and the tail of the run stays short.
             for stage in sorted(stages, reverse=True):
                 if self.pending.get(stage):
@@ -92,7 +96,8 @@ class Queue:
 
     @property
     def finished(self) -> bool:
-        return not self.left
+        """Every pair committed, or the deadline passed and every pair handed out committed."""
+        return not self.left or (self.expired() and not any(self.held.values()))
 
     def seconds(self, stage: str) -> float:
         """From the stage's first hand-out to its last accepted commit (passes overlap, so each has its own)."""
