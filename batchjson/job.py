@@ -67,7 +67,8 @@ class JobRun:
             from batchjson.engine import check_draft
 
             check_draft(self.spec.model.path, self.spec.speculative.draft_model)
-        scan = self.source.scan()  # a null id fails here, before the output folder is claimed
+        # A null id fails here, before the output folder is claimed; an unchanged input is not scanned again.
+        scan = self.source.scan(self.storage.kept_scan())
         # the local replicas' layout (auto: by the job's rows too); Ray's once connected
         layout = None if self.ray else local_layout(self.replicas, self.spec.model, sum(r.rows for r in mine))
         storage, commits = self.storage, self.storage.commits

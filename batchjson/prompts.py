@@ -8,8 +8,9 @@ from collections.abc import Callable, Iterator
 import pyarrow as pa
 
 from batchjson.errors import EngineError
+from batchjson.ids import row_ids
 from batchjson.records import Generation, Prompt
-from batchjson.source import Unit, row_ids
+from batchjson.source import Unit
 from batchjson.spec import PromptSpec
 
 MARK = "\x00BATCHJSON_USER\x00"

@@ -24,24 +24,9 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from batchjson.errors import InputError
+from batchjson.ids import IdsDigest, RepeatedIds, generated, id_strings
 from batchjson.spec import InputSpec
 from batchjson.storage.location import Location, Unreadable, glob_match, reading, transient
-
-
-def id_strings(column: pa.Array | pa.ChunkedArray, where: str = "") -> pa.Array | pa.ChunkedArray:
-    """The row identity: the id column as text, the same way everywhere (duplicate check, prompts, resume,
-    verify). Arrow's cast is the one rule: 1.0 -> "1", True -> "true", so 1.0 and 1 are the same row."""
-    try:
-        ids = column.cast(pa.string())
-        ids.validate(full=True)  # invalid UTF-8 would only fail later, in the middle of a unit
-        return ids
-    except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as e:
-        raise InputError(f"{where}: the id column ({column.type}) cannot be used as row ids ({e}). Use a column of "
-                         "strings or integers (valid UTF-8) as input.id_column.") from None
-
-
-def row_ids(column: pa.Array | pa.ChunkedArray, where: str = "") -> list[str]:
-    return id_strings(column, where).to_pylist()
 
 
 @dataclass(slots=True, frozen=True)
@@ -130,9 +115,12 @@ class ParquetSource:
         self.spec = spec
         self.files = list_files(spec.path)
         self.root = input_root(spec.path)
-        self.columns = list(dict.fromkeys((spec.id_column, *prompt_columns, *spec.passthrough)))
+        self.generated = spec.generate_ids
+        read = () if self.generated else (spec.id_column,)  # generated ids are made, not read
+        self.columns = list(dict.fromkeys((*read, *prompt_columns, *spec.passthrough)))
         self._footers: dict[Location, pq.ParquetFile] = {}
         self._group: tuple = (None, None)  # the last row group read: (file, index), table
+        self._ids: tuple = (None, None)  # the last row group's ids verify read: (file, index), ids
         self._named = {str(f): f for f in self.files}  # UnitRef.file -> the file
         # UnitRef.file -> its Location.version() when this run first looked (the driver's scan; a replica is handed them)
         self.stamps: dict[str, tuple] = {}
@@ -147,8 +135,15 @@ class ParquetSource:
                              "finished work is kept.") from None
         missing = [c for c in self.columns if c not in pf.schema_arrow.names]
         if missing:
+            hint = (" If the input has no id column, set input.generate_ids = true (ids made from each row's place)."
+                    if missing[0] == self.spec.id_column else "")
             raise InputError(f"{path}: column {missing[0]!r} is missing (the spec needs {self.columns}; the file has "
-                             f"{pf.schema_arrow.names}). Fix input.id_column, input.passthrough or the prompt template.")
+                             f"{pf.schema_arrow.names}). Fix input.id_column, input.passthrough or the prompt "
+                             f"template.{hint}")
+        if self.generated and self.spec.id_column in pf.schema_arrow.names:
+            raise InputError(f"{path} has a column {self.spec.id_column!r}, and input.generate_ids = true would write "
+                             "generated ids under that name. Use that column as the ids (drop input.generate_ids), or "
+                             "name the generated ids' column otherwise with input.id_column.")
         self._footers[path] = pf
         return pf
 
@@ -215,6 +210,9 @@ class ParquetSource:
             except (OSError, pa.ArrowException) as e:
                 raise transient(path, e) or InputError(f"{path}: row group {ref.row_group} cannot be read ({e}). Repair or remove the "
                                  "file and run again; finished work is kept.") from None
+            if self.generated:
+                ids = generated(_below(self.root, path), ref.row_group, 0, table.num_rows)
+                table = table.append_column(self.spec.id_column, ids)
             self._group = ((ref.file, ref.row_group), table)
         return Unit(ref, self._group[1].slice(ref.start, ref.rows))
 
@@ -235,58 +233,80 @@ class ParquetSource:
                              "resume, or start over with --fresh (or another --output). To add rows, add a new "
                              "file instead of rewriting one.")
 
-    def scan(self) -> "InputScan":
-        """Read only the id column of every file: fingerprints, and where each repeated id occurs.
+    def scan(self, kept: dict | None = None) -> InputScan:
+        """Each file's fingerprint, and where each repeated id occurs; a null id or one that is not text is an input
+        error (a row without a key cannot be tracked).
 
-        A null id is an input error (a row without a key cannot be tracked). Ids stay in Arrow memory; only
-        repeated ids become Python objects."""
-        fingerprints, columns = {}, []
-        for path in self.files:
-            column = self.id_column(path)
-            digest = hashlib.sha256()
-            for chunk in column.chunks:
-                digest.update("\x00".join(chunk.to_pylist()).encode() + b"\x01")
-            fingerprints[file_tag(self.root, path)] = self._fingerprint(path, digest.hexdigest()[:16])
-            columns.append(column)
-        counts = pc.value_counts(pa.chunked_array([c for col in columns for c in col.chunks], pa.string()))
-        repeated = counts.field("values").filter(pc.greater(counts.field("counts"), 1))
+        Reads the id column one row group at a time, and finds repeated ids in memory that does not grow with the
+        input (ids.RepeatedIds). `kept`: the scan an earlier run kept in the run state (`InputScan.state`); when every
+        file is as it was then (size, footer, and modification time or ETag), it is taken as it is and no id is
+        read, so a resume reads the footers and then only the units it has left. Generated ids need no scan."""
+        fingerprints = {file_tag(self.root, path): self._fingerprint(path) for path in self.files}
+        if self.generated:
+            return InputScan({tag: fp | {"ids": "generated"} for tag, fp in fingerprints.items()}, {})
+        if kept and kept.get("id_column") == self.spec.id_column and set(kept["fingerprints"]) == set(fingerprints) \
+                and all({k: v for k, v in kept["fingerprints"][t].items() if k != "ids"} == fp
+                        for t, fp in fingerprints.items()):
+            return InputScan(kept["fingerprints"], self._places((i, t, r) for i, t, r in kept["repeated"]))
+        tags = list(fingerprints)
+        with RepeatedIds(sum(self._open(f).metadata.num_rows for f in self.files)) as finder:
+            for n, path in enumerate(self.files):
+                digest, first = IdsDigest(), 0
+                for rg in range(self._open(path).metadata.num_row_groups):
+                    ids = self._group_ids(path, rg, first)
+                    digest.update(ids)
+                    finder.add(ids, n, first)
+                    first += len(ids)
+                fingerprints[tags[n]]["ids"] = digest.hexdigest()
+            repeated = [(row_id, tags[n], row) for row_id, n, row in finder.repeated()]
+        scan = InputScan(fingerprints, self._places(repeated), held=finder.largest)
+        scan.kept = {"id_column": self.spec.id_column, "fingerprints": fingerprints, "repeated": repeated}
+        return scan
+
+    def _places(self, repeated: Iterable[tuple[str, str, int]]) -> dict[str, list[tuple[str, int]]]:
+        """(id, file tag, row in the file) of each occurrence -> id: its (unit key, row in the unit), in input order."""
+        units: dict[str, list[UnitRef]] = {}
+        for ref in self.plan():
+            units.setdefault(ref.tag, []).append(ref)
+        starts = {tag: [r.offset for r in refs] for tag, refs in units.items()}  # a file's units follow each other
         where: dict[str, list[tuple[str, int]]] = {}
-        if len(repeated):
-            units = {}
-            for ref in self.plan():
-                units.setdefault(ref.file, []).append(ref)
-            for path, column in zip(self.files, columns):
-                hits = pc.indices_nonzero(pc.is_in(column, value_set=repeated))
-                refs = units[str(path)]
-                starts = [r.offset for r in refs]  # units follow each other in the file: find one by bisection
-                for row, row_id in zip(hits.to_pylist(), column.take(hits).to_pylist()):
-                    ref = refs[bisect.bisect_right(starts, row) - 1]
-                    where.setdefault(row_id, []).append((ref.key, row - ref.offset))
-        return InputScan(fingerprints, where)
+        for row_id, tag, row in repeated:
+            ref = units[tag][bisect.bisect_right(starts[tag], row) - 1]
+            where.setdefault(row_id, []).append((ref.key, row - ref.offset))
+        return where
 
-    def id_column(self, path: str | Location) -> pa.ChunkedArray:
-        """A file's row ids (see row_ids), one chunk per row group. A null id is an input error."""
-        if not isinstance(path, Location):
-            path = self._named.get(str(path)) or Location.of(path, InputError)
+    def ids(self, ref: UnitRef) -> pa.Array:
+        """A unit's ids, as text (see ids.id_strings), reading only its row group's id column (the last row group's
+        are kept for the next unit)."""
+        if self._ids[0] != (ref.file, ref.row_group):
+            self._ids = ((ref.file, ref.row_group), self._group_ids(self._named[ref.file], ref.row_group,
+                                                                     ref.offset - ref.start))
+        return self._ids[1].slice(ref.start, ref.rows)
+
+    def _group_ids(self, path: Location, row_group: int, first: int) -> pa.Array:
+        """One row group's ids (`first`: the file's row it starts at). A null id is an input error."""
+        if self.generated:
+            rows = self._open(path).metadata.row_group(row_group).num_rows
+            return generated(_below(self.root, path), row_group, 0, rows)
         try:
-            column = path.read_parquet([self.spec.id_column]).column(0)
-        except (OSError, pa.ArrowException, Unreadable) as e:
-            raise transient(path, e) or InputError(f"{path}: the id column cannot be read ({e}). Repair or remove the file.") from None
+            column = reading(path, lambda: self._open(path).read_row_group(row_group, [self.spec.id_column])).column(0)
+        except (OSError, pa.ArrowException) as e:
+            raise transient(path, e) or InputError(f"{path}: the id column cannot be read ({e}). Repair or remove "
+                                                   "the file.") from None
         if column.null_count:
-            row = pc.index(pc.is_null(column), True).as_py()
+            row = first + pc.index(pc.is_null(column), True).as_py()
             raise InputError(f"{path}: row {row} has a null {self.spec.id_column!r}; every row needs an id. "
                              "Fill or drop such rows, or choose another input.id_column.")
-        return id_strings(column, f"{path}: {self.spec.id_column}")
+        return id_strings(column.combine_chunks(), f"{path}: {self.spec.id_column}")
 
-    def _fingerprint(self, path: Location, ids_digest: str) -> dict:
-        """What identifies a file's content: size, rows, its footer's bytes and its ids in order. A file rewritten
-        with the same rows in another order has another fingerprint."""
-        stamp = self.stamps.setdefault(str(path), path.version())
-        size = stamp[0]
+    def _fingerprint(self, path: Location) -> dict:
+        """What identifies a file's content: size, rows, its footer's bytes, its ids in order (scan adds them) and,
+        to tell a file untouched since (a resume then reads none of its ids), its modification time or ETag. A file
+        rewritten with the same rows in another order has another fingerprint."""
+        size, stamp = self.stamps.setdefault(str(path), path.version())
         footer = path.read_footer(size)
-        return {"path": _below(self.root, path), "size": size,
-                "rows": self._open(path).metadata.num_rows, "footer": hashlib.sha256(footer).hexdigest()[:16],
-                "ids": ids_digest}
+        return {"path": _below(self.root, path), "size": size, "rows": self._open(path).metadata.num_rows,
+                "footer": hashlib.sha256(footer).hexdigest()[:16], "stamp": str(stamp)}
 
 
 @dataclass(slots=True)
@@ -296,3 +316,8 @@ class InputScan:
 
     fingerprints: dict[str, dict]
     repeated: dict[str, list[tuple[str, int]]]
+    held: int = 0
+    """The most ids the scan held at once (ids.RepeatedIds.largest); 0 when it read none."""
+    kept: dict | None = None
+    """What a later run may take instead of scanning again (`ParquetSource.scan`'s `kept`); None when this scan was
+    itself taken from the run state, or needs none (generated ids)."""

@@ -60,7 +60,12 @@ class InputSpec:
     path: str
     """A Parquet file, a folder of them, or a glob; relative paths are taken from the spec file's folder."""
     id_column: str = "id"
-    """Unique row key: output, rejects and resume are keyed by it, never by position."""
+    """Unique row key: output, rejects and resume are keyed by it, never by position. With generate_ids, the name of
+    the column the generated ids are written to (the input must have no column of that name)."""
+    generate_ids: bool = False
+    """For inputs without an id column: each row's id is made from its place, "<file below the input root>:<row
+    group>:<row>", the same on every run over the same files. A resume is refused, naming the file, when a file with
+    committed units changed since (size, footer, or modification time or ETag); README, "Inputs without ids"."""
     passthrough: tuple[str, ...] = ()
     """Columns copied unchanged into the output and rejects."""
     batch_size: int = 1024
@@ -315,6 +320,8 @@ class JobSpec:
         d["schema"].pop("pydantic")
         if d["prompt"]["messages"] is None:  # added later: template jobs keep the hash they had
             d["prompt"].pop("messages")
+        if not d["input"]["generate_ids"]:  # added later: jobs with an id column keep the hash they had
+            d["input"].pop("generate_ids")
         return d
 
 

@@ -13,7 +13,6 @@ from collections import Counter
 from collections.abc import Collection
 from dataclasses import dataclass, field
 
-import pyarrow as pa
 
 from batchjson.ends import run_ends
 from batchjson.errors import OutputError
@@ -73,7 +72,7 @@ def _few(ids) -> str:
 def verify(commits: Commits, source: ParquetSource, refs: list[UnitRef], id_column: str, repeated: Collection[str],
            trusted: frozenset[str] = frozenset()) -> Verdict:
     """Check every committed unit of the folder against the input (`refs`: the whole input's plan, in file order,
-    so one file's id column is in memory at a time).
+    so one row group's ids are in memory at a time).
 
     Each unit read must hold exactly its own input rows' ids, so an id can be in two units' files only where the
     input holds it in both: across units only the ids the input holds more than once (`repeated`, the input scan's)
@@ -84,7 +83,6 @@ def verify(commits: Commits, source: ParquetSource, refs: list[UnitRef], id_colu
     No other unit can hold their rows, as each unit read is checked against its own input rows. `batchjson
     verify` trusts none."""
     v = Verdict(units=len(refs), index_written=commits.index_written if trusted else "")
-    file_ids: tuple[str, pa.ChunkedArray | None] = ("", None)
     out_ids: Counter = Counter()  # repeated id -> rows in the output
     outcomes: Counter = Counter()  # repeated id -> rows in output or rejects for another reason than duplicate_id
 
@@ -130,9 +128,7 @@ def verify(commits: Commits, source: ParquetSource, refs: list[UnitRef], id_colu
                 v.reject_rows += record["rows"].get("rejects", 0)
             v.pending += "requeue" in p1["files"] and p2 is None
             continue
-        if file_ids[0] != ref.file:
-            file_ids = (ref.file, source.id_column(ref.file))
-        expected = Counter(file_ids[1].slice(ref.offset, ref.rows).to_pylist())
+        expected = Counter(source.ids(ref).to_pylist())
         got: Counter = Counter()
         requeued = None
         for kind in p1["files"]:

@@ -12,6 +12,7 @@ OUT/_rejects unless output.rejects says otherwise):
     OUT/_batchjson/inputs/<file>.json                     each input file's fingerprint
     OUT/_batchjson/units/p1-<unit>.json, p2-<unit>.json   commit records: a unit's files, rows and reasons
     OUT/_batchjson/requeue/<unit>.parquet                 pass-1 failures waiting for pass 2
+    OUT/_batchjson/scan.json                              the input's fingerprints and repeated ids, for a resume
     OUT/_batchjson/index.json                             the records folded into one, for a cheap resume (index.py)
     OUT/_batchjson/lock-of<N>, lock-<I>of<N>              locks (a local folder)
     OUT/_batchjson/lease-<I>of<N>-<owner>.json            leases (object storage)
@@ -43,6 +44,13 @@ def _diff(old: dict, new: dict, prefix: str = "") -> list[str]:
         elif a != b:
             out.append(f"{prefix}{k}: {a!r} -> {b!r}")
     return out
+
+
+def _changed(old: dict, new: dict) -> list[str]:
+    """What differs between two fingerprints of one input file. The modification time or ETag (`stamp`) counts only
+    for generated ids, which nothing but the file's place vouches for; with an id column, the ids' digest does."""
+    keys = ("size", "rows", "footer", "ids") + (("stamp",) if new.get("ids") == "generated" else ())
+    return [k for k in keys if old.get(k) != new.get(k)]
 
 
 def hidden_below(inner: Location, outer: Location) -> bool | None:
@@ -238,16 +246,18 @@ class Storage:
         known = {p.name[:-5]: p.read_json() for p in self.inputs.glob("*.json")}
         for tag, old in known.items():
             new = fingerprints.get(tag)
-            if new == old or not used[tag]:
+            if not used[tag] or (new is not None and not _changed(old, new)):
                 continue
             if new is None:
                 raise OutputError(f"input file {old['path']} was removed, but {used[tag]} unit(s) of it are committed in "
                                   f"{self.output}. Put it back, or start over with --fresh (or another --output).")
-            what = [k for k in ("size", "rows", "footer", "ids") if old.get(k) != new.get(k)]
-            raise OutputError(f"input file {new['path']} changed since {self.output} began ({', '.join(what)} differ), and "
-                              f"{used[tag]} unit(s) of it are committed: their rows would be lost or written twice. "
-                              "Restore the file, or start over with --fresh (or another --output); to add rows, add "
-                              "a new file instead of rewriting one.")
+            generated = (" Its rows' ids are generated from their place in it (input.generate_ids), so any change "
+                         "to it, even one that keeps its rows (a copy that does not keep the modification time), "
+                         "counts." if new.get("ids") == "generated" else "")
+            raise OutputError(f"input file {new['path']} changed since {self.output} began ({', '.join(_changed(old, new))} "
+                              f"differ), and {used[tag]} unit(s) of it are committed: their rows would be lost or "
+                              f"written twice.{generated} Restore the file, or start over with --fresh (or another "
+                              "--output); to add rows, add a new file instead of rewriting one.")
         return known
 
     def _write_inputs(self, fingerprints: dict[str, dict], known: dict[str, dict]) -> None:
@@ -258,6 +268,19 @@ class Storage:
                     (self.inputs / f"{tag}.json").write_json(new)
         for tag in set(known) - set(fingerprints):
             (self.inputs / f"{tag}.json").unlink(missing_ok=True)
+
+    def kept_scan(self) -> dict | None:
+        """The input scan a run kept (`keep_scan`), or None; read before the folder is claimed, writing nothing."""
+        try:
+            return (self.state / "scan.json").read_json()
+        except (FileNotFoundError, ValueError):
+            return None
+
+    def keep_scan(self, scan: dict) -> None:
+        """Keep the input scan (fingerprints and repeated ids) for the next run: when its input is unchanged, it
+        reads no id to know them again. One file, written whole, so its fingerprints and ids always agree."""
+        with writing(self.state / "scan.json"):
+            (self.state / "scan.json").write_json(scan)
 
     def write_report(self, data: dict) -> None:
         with writing(self.report_path()):

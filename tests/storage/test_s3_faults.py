@@ -67,8 +67,8 @@ def test_runs_through_faults_on_every_kind_of_request(tmp_path, tiny_model, s3, 
 
 def test_reads_cut_midway_are_retried_and_counted(tmp_path, tiny_model, s3, proxy):
     """A GET whose body broke off, then refused (503), is not retried by pyarrow (location.reading): batchjson
-    retries the read as a whole, and the report counts it."""
-    put_rows(f"{s3}/in/a.parquet", tmp_path / "a.parquet", 24)
+    retries the read as a whole, and the report counts it. 48 rows: enough GETs for 5 cuts at the proxy's seed."""
+    put_rows(f"{s3}/in/a.parquet", tmp_path / "a.parquet", 48)
     job = write_job(tmp_path, tiny_model, f"{s3}/in", batch_size=4)
     out = f"{s3}/out"
     proxy.rate, proxy.kinds, proxy.only = 0.5, ("cut", "503"), {"GET"}
@@ -76,7 +76,7 @@ def test_reads_cut_midway_are_retried_and_counted(tmp_path, tiny_model, s3, prox
     assert report.verified["complete"] and proxy.faults["cut"] >= 5, proxy.faults
     assert sum(report.storage_retries.values()) >= 5 and "reads retried" in report.summary(), report.storage_retries
     proxy.rate = 0
-    assert_once(s3, out, 24)
+    assert_once(s3, out, 48)
 
 
 def test_a_fault_that_outlasts_the_retries_ends_the_run_and_the_rerun_resumes(tmp_path, tiny_model, s3, proxy,
