@@ -63,7 +63,9 @@ def test_repeated_ids_across_units_are_found_a_partition_at_a_time(tmp_path, tin
     scan = ParquetSource(spec.input, spec.prompt.columns).scan()
     assert 0 < scan.held < 124 / 2, scan.held  # no one set of every id
     assert {i: len(p) for i, p in scan.repeated.items()} == {"r00005": 3, "r00077": 2}
-    assert scan.repeated["r00005"][0] == ("0-" + scan.repeated["r00005"][0][0].split("-", 1)[1], 0)
+    (key, row), *later = scan.repeated["r00005"]  # in input order: file 0.parquet's row 5 (its second unit) first
+    assert key.startswith("0-") and key.endswith("-00000-00001") and row == 0
+    assert [k.split("-")[0] for k, _ in later] == ["3", "3"]
     report = run(job)
     rejects = pq.read_table(tmp_path / "out" / "_rejects").to_pylist()
     assert sorted((r["id"], r["reason"]) for r in rejects) == [("r00005", "duplicate_id")] * 2 + [
