@@ -17,9 +17,11 @@ import time
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
 
+from pyarrow import fs
+
 from batchjson.errors import OutputError, SpecError
 from batchjson.spec import JobSpec
-from batchjson.storage import STATE, Location
+from batchjson.storage import STATE, Location, Storage
 from batchjson.storage.progress import (RATE_WINDOW, TALLIED, add_record, empty_tally, finished, progress_files,
                                         rate, write_cancel)
 
@@ -81,7 +83,7 @@ class Status:
                          f"{held[run['alive']]}")
         lines.append(f"  rows: {self.rows} in, {self.valid} valid, {self.rejected} rejected, {self.left} left")
         sent = self.passes.get("p1", empty_tally())["requeued_units"]
-        for stage, t in sorted(self.passes.items()):
+        for stage, t in sorted(({"p1": empty_tally()} | self.passes).items()):
             of = self.units if stage == "p1" else sent
             reasons = ", ".join(f"{k} {v}" for k, v in sorted(t["reasons"].items(), key=lambda kv: -kv[1]))
             again = f", {t['requeue']} to pass 2" if t["requeue"] else ""
@@ -111,34 +113,35 @@ def _clock(at: float) -> str:
     return datetime.fromtimestamp(at).strftime("%H:%M")
 
 
-def folder_of(job: JobSpec | None, output: str | None) -> Location:
-    """The output folder status and cancel look at: --output, else the job's output.path; a batchjson run's."""
+def folder_of(job: JobSpec | None, output: str | None) -> tuple[Location, dict[str, fs.FileInfo]]:
+    """The output folder status and cancel look at (--output, else the job's output.path), a batchjson run's, and
+    the files of its run state: one listing."""
     where = output or (job.output.path if job else None)
     if not where:
         raise SpecError("no output folder: pass --output, or a job whose output.path is set.")
     folder = Location.of(where)
     try:
-        names = (folder / STATE).names() if folder.is_dir() else None
+        files = {i.base_name: i for i in (folder / STATE).files()}
+        if not files and not folder.is_dir():
+            raise OutputError(f"{folder} is not a folder: nothing has run there. Check --output (or output.path).")
     except OSError as e:
         raise OutputError(f"cannot read {folder}: {e.strerror or e}. Check the path and permissions.") from None
-    if names is None:
-        raise OutputError(f"{folder} is not a folder: nothing has run there. Check --output (or output.path).")
-    if "spec.json" not in names:
+    if "spec.json" not in files:
         raise OutputError(f"{folder} holds no batchjson run (no {STATE}/spec.json). Check --output (or output.path).")
-    return folder
+    return folder, files
 
 
 def status_job(job: JobSpec | None = None, output: str | None = None) -> Status:
     """What the run in `output` (default: the job's output.path) is doing or how it ended, from its folder alone:
     takes no lock or lease, so it is safe beside a running run and from another machine. An OutputError when the
     folder cannot be read or holds no batchjson run."""
-    folder = folder_of(job, output)
+    folder, listed = folder_of(job, output)
     state = folder / STATE
-    files = progress_files(state)
+    files = progress_files(state, list(listed))
     if not files:
         return _from_records(folder)
     status, now = Status(str(folder), "ended"), time.time()
-    leases = _leases(state) if not state.local else None
+    leases = _leases(state, listed) if not state.local else None
     rates, outcomes, details = [], [], []
     for f in files:
         p = f.read_json()
@@ -164,7 +167,7 @@ def status_job(job: JobSpec | None = None, output: str | None = None) -> Status:
     elif status.state == "ended":
         status.outcome = "; ".join(dict.fromkeys(outcomes))
         status.detail = "; ".join(d for d in dict.fromkeys(details) if d)
-        status.report = _report(folder)
+        status.report = _report(folder, int(status.runs[0]["shard"].split("/")[1]))
     status.rows_per_s = round(sum(rates), 3) if any(rates) else None
     return status
 
@@ -184,10 +187,10 @@ def _alive(run: dict, leases: list[dict] | None) -> bool | None:
     return True
 
 
-def _leases(state: Location) -> list[dict]:
-    """The unexpired leases of the folder (storage/locks.py), by the store's clock."""
+def _leases(state: Location, listed: dict[str, fs.FileInfo]) -> list[dict]:
+    """The unexpired leases of the folder (storage/locks.py) among the files `listed`, by the store's clock."""
     found = []
-    for info in state.files():
+    for info in listed.values():
         if not info.base_name.startswith("lease-"):
             continue
         try:
@@ -200,20 +203,16 @@ def _leases(state: Location) -> list[dict]:
     return found
 
 
-def _report(folder: Location) -> dict:
-    """What the ended run's report says of its rows and its exactly-once check (shard 0's report for shards)."""
-    for name in ("_report.json", "_report-0of"):
-        candidates = [folder / name] if name.endswith(".json") else \
-            [folder / n for n in folder.names() if n.startswith(name)]
-        for path in candidates:
-            try:
-                r = path.read_json()
-            except (FileNotFoundError, ValueError):
-                continue
-            ok = r.get("verified", {}).get("ok")
-            return {"valid": r.get("valid", 0), "rejected": r.get("rejected", 0), "reject_rate": r.get("reject_rate", 0),
-                    "verified": "ok" if ok else "not proven" if ok is False else "not run", "file": str(path)}
-    return {}
+def _report(folder: Location, layout: int = 1) -> dict:
+    """What the ended run's report says of its rows and its exactly-once check (shard 0's, for shards)."""
+    path = Storage(folder, shard=(0, layout)).report_path()
+    try:
+        r = path.read_json()
+    except (FileNotFoundError, ValueError):
+        return {}
+    ok = r.get("verified", {}).get("ok")
+    return {"valid": r.get("valid", 0), "rejected": r.get("rejected", 0), "reject_rate": r.get("reject_rate", 0),
+            "verified": "ok" if ok else "not proven" if ok is False else "not run", "file": str(path)}
 
 
 def _from_records(folder: Location) -> Status:

@@ -212,3 +212,29 @@ def test_status_of_an_unreachable_bucket_is_exit_2_naming_it(s3):
     missing = s3.replace("s3://", "s3://no-such-") + "/out"
     result = CliRunner().invoke(main, ["status", "--output", missing])
     assert result.exit_code == 2 and "no-such-" in result.output and "Traceback" not in result.output, result.output
+
+
+def test_status_on_object_storage_reads_the_run_state_alone(tmp_path, s3, s3_server, monkeypatch):
+    """Beside a run that holds its lease, and after it: no commit record or part file is read, a handful of
+    requests whatever the number of units."""
+    from s3_proxy import FaultProxy
+
+    write_rows(tmp_path / "in.parquet", 40, row_group_size=4)
+    job = write_job(tmp_path, "default", tmp_path / "in.parquet", batch_size=4)
+    out, mid = f"{s3}/out", []
+    with FaultProxy(s3_server.endpoint) as proxy:  # no faults: it counts the requests
+        monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://{proxy.endpoint}")
+
+        def look():
+            proxy.paths.clear()
+            status = status_job(output=out)
+            return status, [path for (op, path), n in proxy.paths.items() for _ in range(n)]
+
+        at_commit_step("committed", 3, lambda: mid.append(look()), monkeypatch.setattr)
+        report = run_job(load_spec(job), out, engine_factory=FakeEngines(), progress=False)
+        final, read = look()
+    status, read_mid = mid[0]
+    assert status.state == "running" and status.runs[0]["alive"] is True  # its lease, by host and pid
+    assert (final.state, final.outcome, final.valid, final.rejected) == ("ended", "done", report.valid, report.rejected)
+    for paths in (read_mid, read):
+        assert not [p for p in paths if "/units/" in p or p.endswith(".parquet")] and len(paths) <= 6, paths

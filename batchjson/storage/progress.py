@@ -35,9 +35,9 @@ def progress_file(state: Location, shard: tuple[int, int]) -> Location:
     return state / f"{PREFIX}{i}of{n}.json"
 
 
-def progress_files(state: Location) -> list[Location]:
-    """The progress files in a folder's run state (one per shard of the last layout)."""
-    return [state / name for name in state.names() if name.startswith(PREFIX) and name.endswith(".json")]
+def progress_files(state: Location, names: list[str]) -> list[Location]:
+    """The progress files among `names`, those of a folder's run state (one per shard of the last layout)."""
+    return [state / name for name in sorted(names) if name.startswith(PREFIX) and name.endswith(".json")]
 
 
 TALLIED = ("units", "output", "rejects", "requeue", "requeued_units")  # a pass's counts, besides its reasons
