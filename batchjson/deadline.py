@@ -14,7 +14,8 @@ from datetime import datetime, timedelta
 
 DURATION = re.compile(r"(?:(\d+)h)?(?:(\d+)m)?(?:(\d+)s)?")
 CLOCK = re.compile(r"([01]?\d|2[0-3]):([0-5]\d)")
-FORMS = '"06:00" (the next 06:00, local time), a duration ("8h", "90m", "1h30m") or a date and time ("2026-12-05T06:00")'
+FORMS = ('"06:00" (the next 06:00, local time), a duration ("8h", "90m", "1h30m") or a date and time '
+         '("2026-12-05T06:00")')
 
 
 def parse_deadline(text: str, now: float | None = None) -> float:

@@ -73,7 +73,8 @@ class JobRun:
         layout = None if self.ray else local_layout(self.replicas, self.spec.model, sum(r.rows for r in mine))
         storage, commits = self.storage, self.storage.commits
         report = RunReport(self.spec.hash(), input_rows, str(storage.output), str(storage.rejects),
-                           max_reject_rate=self.spec.output.max_reject_rate)
+                           max_reject_rate=self.spec.output.max_reject_rate,
+                           gpu_hour_price=self.spec.report.gpu_hour_price)
         report.timeline["before_run"] = process_age(started)
         try:  # a failed open (a full disk, a changed spec) drops the folder's locks too
             report.resumed = storage.open(self.spec.hash(), self.spec.fingerprint(), self.spec.output.if_exists,

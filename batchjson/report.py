@@ -176,6 +176,10 @@ class RunReport:
     """Engine replicas the passes ran on (one per GPU of the host by default)."""
     replicas_per_gpu: int = 0
     """Engine replicas on each GPU (tensor-parallel group); 0 without GPUs."""
+    gpus: int = 0
+    """GPUs the replicas ran on; 0 on a CPU engine."""
+    gpu_hour_price: float | None = None
+    """[report] gpu_hour_price: what a GPU-hour costs, for `cost()`'s price per 1,000 valid rows."""
     layout: str = ""
     """How the replicas sat on the GPUs and why (model.replicas_per_gpu, its "auto" rule): the summary's line."""
     timeline: dict = field(default_factory=dict)
@@ -194,6 +198,27 @@ class RunReport:
     def lay_out(self, layout) -> None:
         """Record where the replicas ran (an engine/devices.py Layout)."""
         self.replicas, self.replicas_per_gpu, self.layout = len(layout.placements), layout.per_gpu, layout.summary()
+        named = {g for p in layout.placements if p.devices for g in p.devices.split(",")}
+        self.gpus = len(named) or (-(-self.replicas // layout.per_gpu) if layout.per_gpu else 0)
+
+    def cost(self) -> dict:
+        """What this invocation's engines cost: engine-seconds (the passes' wall time, engine starts and closes
+        included, x replicas), GPU-seconds (the same time x GPUs), those per 1,000 valid rows it made, prompt and
+        output tokens per row it took in, and with gpu_hour_price the price per 1,000 valid rows."""
+        window = max(0.0, self.timeline.get("passes", 0.0) - self.timeline.get("checked", 0.0))
+        made = sum(p.valid for p in self.passes.values())
+        first = self.passes.get(Stage.FIRST.label)
+        rows = first.rows if first else 0  # rows taken in; a row pass 2 decoded again counts once, its tokens twice
+        gpu_s = window * self.gpus
+        per_1000 = round(gpu_s * 1000 / made, 2) if made and self.gpus else None
+        d = {"engine_seconds": round(window * self.replicas, 1), "gpu_seconds": round(gpu_s, 1),
+             "gpu_seconds_per_1000_valid": per_1000}
+        for name in ("prompt_tokens", "output_tokens"):
+            total = sum(getattr(p, name) for p in self.passes.values())
+            d[f"{name}_per_row"] = round(total / rows, 1) if rows else None
+        if self.gpu_hour_price is not None and per_1000 is not None:
+            d["price_per_1000_valid"] = round(per_1000 / 3600 * self.gpu_hour_price, 4)
+        return d
 
     def tally(self, records: list[dict]) -> None:
         """Count what the commit records of the folder say: the truth for the whole run, across resumes and shards."""
@@ -233,6 +258,7 @@ class RunReport:
             if made else None
         d["engine_starts"] = sum(p.engine_starts for p in self.passes.values())
         d["engine_start_s"] = round(sum(p.engine_start_s for p in self.passes.values()), 1)
+        d["cost"] = self.cost()
         d |= {"valid": self.valid, "rejected": self.rejected, "rescued_by_fallback": self.valid_by_pass.get(RESCUED, 0),
               "reject_rate": round(self.reject_rate, 4), "over_threshold": self.over_threshold,
               "verify_failed": self.verify_failed}
@@ -274,6 +300,8 @@ class RunReport:
                         default=None)
             to_first = f"; first request {first:.1f} s after start" if first is not None else ""
             lines.append(f"  engine starts: {starts} ({seconds / starts:.1f} s each{to_first})")
+        if self.passes:
+            lines.append(self._cost_line())
         if RESCUED in self.valid_by_pass:
             lines.append(f"  fallback rescued {self.valid_by_pass[RESCUED]} rows")
         if self.rejects_by_reason:
@@ -288,3 +316,15 @@ class RunReport:
             lines.append("  " + self.verified_summary.replace("\n", "\n  "))
         lines.append(f"  output {self.output}  rejects {self.rejects}  spec {self.spec_hash}")
         return "\n".join(lines)
+
+    def _cost_line(self) -> str:
+        c = self.cost()
+        tokens = (f"{c['prompt_tokens_per_row']:.0f} prompt / {c['output_tokens_per_row']:.0f} output tokens per row"
+                  if c["prompt_tokens_per_row"] is not None else "no rows taken in")
+        if not self.gpus:
+            return f"  cost: {c['engine_seconds']:.0f} engine-seconds (a CPU engine), {tokens}"
+        per = (f", {c['gpu_seconds_per_1000_valid']:.1f} per 1,000 valid rows"
+               if c["gpu_seconds_per_1000_valid"] is not None else "")
+        price = (f"; {c['price_per_1000_valid']:.4f} per 1,000 valid rows at {self.gpu_hour_price} per GPU-hour"
+                 if "price_per_1000_valid" in c else "")
+        return f"  cost: {c['gpu_seconds']:.0f} GPU-seconds ({self.gpus} GPU(s)){per}, {tokens}{price}"

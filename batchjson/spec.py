@@ -286,6 +286,16 @@ class OutputSpec:
 
 
 @dataclass(frozen=True)
+class ReportSpec:
+    gpu_hour_price: float | None = None
+    """What one GPU-hour costs you (any currency): the report then gives the price per 1,000 valid rows next to
+    the GPU-seconds. Leaves the run's results and hash as they are."""
+
+    def __post_init__(self):
+        _require(self.gpu_hour_price is None or self.gpu_hour_price >= 0, "report.gpu_hour_price must be >= 0.")
+
+
+@dataclass(frozen=True)
 class JobSpec:
     input: InputSpec
     prompt: PromptSpec
@@ -295,18 +305,20 @@ class JobSpec:
     sampling: DecodingSpec = DecodingSpec()
     fallback: DecodingSpec = DecodingSpec(temperature=0.7, repetition_penalty=1.1, seed=0)
     output: OutputSpec = OutputSpec()
+    report: ReportSpec = ReportSpec()
     source: str = ""
     """The spec file this was read from."""
     schema_doc: dict | None = None
     """The JSON Schema itself (loaded from schema.path or schema.inline); None for json_object."""
 
     def hash(self) -> str:
-        """Hash of everything that shapes the results; the output section and the file location are left out."""
+        """Hash of everything that shapes the results; the output and report sections and the file location are left
+        out."""
         return hashlib.sha256(json.dumps(self.fingerprint(), sort_keys=True).encode()).hexdigest()[:16]
 
     def fingerprint(self) -> dict:
         d = dataclasses.asdict(self)
-        for k in ("output", "source"):
+        for k in ("output", "report", "source"):
             d.pop(k)
         d["model"].pop("max_in_flight")
         d["model"].pop("hang_timeout_s")
@@ -488,6 +500,7 @@ def parse_spec(doc: dict, base: Path, source: str = "") -> JobSpec:
                         **{k: getattr(JobSpec.fallback, k) for k in ("temperature", "repetition_penalty", "seed")}),
         output=dataclasses.replace(out, **{k: _resolve(base, getattr(out, k)) for k in ("path", "rejects")
                                            if getattr(out, k)}),
+        report=_build(ReportSpec, doc.get("report", {}), "report"),
         source=source,
         schema_doc=load_schema(schema, base, model_class),
     )

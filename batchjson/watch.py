@@ -85,7 +85,8 @@ class RunWatch:
                 if commits.listed(stage, key):
                     add_record(passes, commits.record(stage, key))
         i, n = storage.shard
-        for other in progress_files(storage.state, storage.state.names()):  # an earlier layout's (another --shard N): not this run's
+        # An earlier layout's progress files (another --shard N) are not this run's.
+        for other in progress_files(storage.state, storage.state.names()):
             if not other.name.endswith(f"of{n}.json"):
                 other.unlink(missing_ok=True)
         if n == 1:  # a marker here names runs that are gone: this run holds the whole folder

@@ -1,10 +1,14 @@
-"""The run report's account of where a run's time went (fake engine)."""
+"""The run report's account of where a run's time went and what it cost (fake engine)."""
 
 from __future__ import annotations
 
 import time
 
+import pytest
+
 from batchjson.engine import EngineWrapper, WrappedEngines
+from batchjson.engine.devices import Layout, Placement
+from batchjson.errors import SpecError
 from batchjson.engine.fake import FakeEngines
 from batchjson.job import run_job
 from batchjson.report import PassStats
@@ -57,3 +61,30 @@ def test_every_note_is_an_event_though_the_note_keeps_the_first():
     stats.first_note("engine-hung", "engine hung and was restarted")
     assert stats.note == "engine restarted after 1 death(s)"
     assert [e["code"] for e in stats.events] == ["engine-restarted", "engine-hung"]
+
+
+def test_the_report_says_what_the_run_cost(tmp_path, tiny_model):
+    """Engine time x GPUs, per 1,000 valid rows, tokens per row, and a price with [report] gpu_hour_price."""
+    write_rows(tmp_path / "in.parquet", 60)
+    spec = load_spec(write_job(tmp_path, tiny_model, tmp_path / "in.parquet", extra="[report]\ngpu_hour_price = 3.6"))
+    report = run_job(spec, engine_factory=FakeEngines(seed=1), progress=False)
+    cost, passes = report.cost(), report.to_dict()["passes"]
+    window = report.timeline["passes"] - report.timeline["checked"]
+    assert report.gpus == 0 and cost["gpu_seconds"] == 0 and "price_per_1000_valid" not in cost  # a CPU engine
+    assert cost["engine_seconds"] == round(window, 1) and "engine-seconds (a CPU engine)" in report.summary()
+    assert cost["output_tokens_per_row"] == round(sum(p["output_tokens"] for p in passes.values()) / 60, 1) > 0
+    report.lay_out(Layout((Placement("0"), Placement("1")), per_gpu=1, why="one per GPU"))  # as two GPUs would
+    cost = report.cost()
+    assert report.gpus == 2 and cost["gpu_seconds"] == round(window * 2, 1)
+    assert cost["gpu_seconds_per_1000_valid"] == round(window * 2 * 1000 / report.valid, 2)
+    assert cost["price_per_1000_valid"] == round(cost["gpu_seconds_per_1000_valid"] / 1000, 4)  # 3.6 an hour
+    assert "GPU-seconds (2 GPU(s))" in report.summary() and "per GPU-hour" in report.summary()
+    report.lay_out(Layout((Placement(),) * 4, per_gpu=2, why="two per GPU"))
+    assert report.gpus == 2
+
+
+def test_a_negative_gpu_hour_price_is_refused(tmp_path, tiny_model):
+    write_rows(tmp_path / "in.parquet", 4)
+    job = write_job(tmp_path, tiny_model, tmp_path / "in.parquet", extra="[report]\ngpu_hour_price = -1")
+    with pytest.raises(SpecError, match="report.gpu_hour_price"):
+        load_spec(job)
