@@ -70,14 +70,21 @@ def test_status_read_while_a_run_commits_only_grows_and_ends_at_the_report(tmp_p
     assert counts(mid) <= counts(final)
 
 
-def test_status_beside_a_run_in_another_process_never_goes_backwards(tmp_path):
-    """The fake engine, slowed, in its own process; this process reads status until the run ends."""
-    write_rows(tmp_path / "in.parquet", 240, row_group_size=8)
+def fake_run(tmp_path, rows: int, delay: str):
+    """A run of `rows` rows (units of 8) on the fake engine, slowed by `delay` s a row, in its own process: the job,
+    its output folder and the process."""
+    write_rows(tmp_path / "in.parquet", rows, row_group_size=8)
     job = write_job(tmp_path, "default", tmp_path / "in.parquet")
     out = tmp_path / "out"
     runner = subprocess.Popen([sys.executable, str(HERE / "fake_runner.py"), str(job), str(out), "none", "0"],
-                              env=ENV | {"FAKE_DELAY": "0.01"}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              env=ENV | {"FAKE_DELAY": delay}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True)
+    return job, out, runner
+
+
+def test_status_beside_a_run_in_another_process_never_goes_backwards(tmp_path):
+    """The fake engine, slowed, in its own process; this process reads status until the run ends."""
+    job, out, runner = fake_run(tmp_path, 240, "0.01")
     seen, running = [], 0
     while runner.poll() is None:
         if (out / STATE / "progress-0of1.json").exists():
@@ -103,12 +110,7 @@ def wait_for_commits(out, n: int, process: subprocess.Popen) -> None:
 
 
 def test_cancel_from_a_second_process_stops_the_run_cleanly_and_a_rerun_finishes(tmp_path):
-    write_rows(tmp_path / "in.parquet", 400, row_group_size=8)
-    job = write_job(tmp_path, "default", tmp_path / "in.parquet")
-    out = tmp_path / "out"
-    runner = subprocess.Popen([sys.executable, str(HERE / "fake_runner.py"), str(job), str(out), "none", "0"],
-                              env=ENV | {"FAKE_DELAY": "0.02"}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True)
+    job, out, runner = fake_run(tmp_path, 400, "0.02")
     wait_for_commits(out, 2, runner)
     cancel = subprocess.run([sys.executable, "-m", "batchjson", "cancel", "--output", str(out)], env=ENV,
                             capture_output=True, text=True, timeout=120)
