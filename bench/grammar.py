@@ -17,8 +17,14 @@ Each reports generate seconds, engine steps, ms per step, the profile's parts pe
 schedule, update_from_output, grammar_bitmask, forward launch, sampling launch; BATCHJSON_PROFILE_SYNC=0, so the
 GPU overlaps as in a plain run), GPU busy (nvidia-smi), valid and correct rows, and a digest of each row's tokens:
 `differ` counts the rows whose tokens differ from the first configuration of the same kind (schema or free),
-method and --seqs. --pyspy S samples the engine process's stacks for S seconds during generate (py-spy, where
+--seqs, drafts or not (exactness: schema drafts against none). --pyspy S samples the engine process's stacks for S seconds during generate (py-spy, where
 installed), and the table gives the share of samples in grammar work. Results: OUT/grammar-<task>-<rows>.json.
+
+    python -m bench grammar --masks --seqs 1024 --drafts 0,4,8 --out OUT
+
+masks the logits of a step with drafts, no engine (where vLLM decodes with its V1 model runner: 0.26 with any
+speculation): vLLM's apply_grammar_bitmask against batchjson's (engine/internals.py, mask_rows and apply_mask_rows),
+CPU ms per call and ms until the GPU is done, on this machine's GPU (its CPU without one), the masked logits compared.
 """
 
 from __future__ import annotations
@@ -240,6 +246,57 @@ def matchers(tokenizer: str, task: str, rows: int, in_flight: int, steps: int, t
             **{f"{k}_ms": round(1000 * v / steps, 2) for k, v in sorted(clock.items())}}
 
 
+def masks(in_flight: int, drafts: int, vocab: int, repeat: int) -> dict:
+    """vLLM's apply_grammar_bitmask against batchjson's on one step of `in_flight` requests with `drafts` drafted
+    positions each: random masks in pinned memory (as BatchFills leaves them), the scheduler's order the reverse of
+    the batch's, bfloat16 logits on a GPU (float32 on a CPU)."""
+    from types import SimpleNamespace
+
+    import numpy as np
+    import torch
+    from vllm.v1.structured_output.utils import apply_grammar_bitmask
+
+    from batchjson.engine.internals import apply_mask_rows, mask_rows
+
+    gpu = torch.cuda.is_available()
+    device, words, rows = ("cuda" if gpu else "cpu"), (vocab + 31) // 32, in_flight * (1 + drafts)
+    req_ids = [f"r{i}" for i in range(in_flight)]
+    scheduled = SimpleNamespace(scheduled_spec_decode_tokens={r: [0] * drafts for r in req_ids} if drafts else {})
+    bitmask = torch.empty((rows, words), dtype=torch.int32, pin_memory=gpu)
+    bitmask.copy_(torch.randint(-2**31, 2**31 - 1, (rows, words), dtype=torch.int32))
+    grammar = SimpleNamespace(grammar_bitmask=bitmask.numpy(), structured_output_request_ids=req_ids[::-1])
+    batch = SimpleNamespace(req_ids=req_ids)
+    logits = torch.randn((rows, vocab), dtype=torch.bfloat16 if gpu else torch.float32, device=device)
+    sync = torch.cuda.synchronize if gpu else (lambda: None)
+
+    def ours(out):
+        kept, targets = mask_rows(batch.req_ids, grammar.structured_output_request_ids,
+                                  scheduled.scheduled_spec_decode_tokens)
+        apply_mask_rows(grammar.grammar_bitmask, kept, targets, out)
+
+    result, masked = {"in_flight": in_flight, "drafts": drafts, "rows": rows, "device": device,
+                      "mask_mb": round(bitmask.numel() * 4 / 2**20, 1)}, {}
+    for name, apply in (("vllm", lambda out: apply_grammar_bitmask(scheduled, grammar, batch, out)),
+                        ("batchjson", ours)):
+        cpu, done = [], []
+        for i in range(repeat + 1):  # the first is a warm-up (allocations, the kernels' compile)
+            out = logits.clone()
+            sync()
+            t0 = time.perf_counter()
+            apply(out)
+            t1 = time.perf_counter()
+            sync()
+            t2 = time.perf_counter()
+            if i:
+                cpu.append(t1 - t0)
+                done.append(t2 - t0)
+        masked[name] = out
+        result |= {f"{name}_cpu_ms": round(1000 * sorted(cpu)[len(cpu) // 2], 2),
+                   f"{name}_done_ms": round(1000 * sorted(done)[len(done) // 2], 2)}
+    result["equal"] = bool(torch.equal(masked["vllm"], masked["batchjson"]))
+    return result
+
+
 def main(argv: list[str]) -> int:
     if argv[:1] == ["_one"]:
         cfg = json.loads(argv[1])
@@ -260,7 +317,19 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--matchers", metavar="TOKENIZER", help="xgrammar alone, no engine (see `matchers`): the "
                     "tokenizer's folder (a model's); --seqs are the matchers in flight, --threads the fill threads")
     ap.add_argument("--threads", type=int, default=max(1, min((os.cpu_count() or 2) // 2, 8)))
+    ap.add_argument("--masks", action="store_true", help="the masks' application alone, no engine (see `masks`): "
+                    "--seqs requests in flight, --drafts drafted positions each, --vocab tokens")
+    ap.add_argument("--drafts", default="0,4,8")
+    ap.add_argument("--vocab", type=int, default=151936)
+    ap.add_argument("--repeat", type=int, default=10)
     args = ap.parse_args(argv)
+    if args.masks:
+        args.out.mkdir(parents=True, exist_ok=True)
+        got = [masks(int(n), int(k), args.vocab, args.repeat) for n in args.seqs.split(",")
+               for k in args.drafts.split(",")]
+        dump(args.out / "masks.json", got)
+        print(table(got, [(k, k) for k in got[0]]))
+        return 0 if all(g["equal"] for g in got) else 1
     if args.matchers:
         args.out.mkdir(parents=True, exist_ok=True)
         got = [matchers(args.matchers, args.task, min(args.rows, 500), int(n), 50, args.threads)
@@ -296,7 +365,7 @@ def main(argv: list[str]) -> int:
             except subprocess.TimeoutExpired:
                 row = {"error": f"timeout after {args.timeout:.0f} s"}
             row |= {"name": name, "seqs": seqs, "fills": fills, "method": method, "wall_s": round(time.monotonic() - t0, 1)}
-            same = [r for r in results if r["seqs"] == seqs and r.get("method") == method and "digests" in r
+            same = [r for r in results if r["seqs"] == seqs and "digests" in r
                     and (r["fills"] == "free") == (fills == "free")]
             if same and "digests" in row:
                 row["differ"] = sum(a != b for a, b in zip(same[0]["digests"], row["digests"]))

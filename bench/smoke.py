@@ -194,6 +194,8 @@ def plan(w: Path, model: Path) -> list[tuple]:
         ("grammar", ["--help"]),  # its engine runs need vLLM; xgrammar alone runs on the tokenizer:
         ("grammar", ["--matchers", str(byte_tokenizer(w / "bytes")), "--task", "C", "--rows", "20", "--seqs", "8,16", "--threads", "1",
                      "--out", str(w / "grammar")]),
+        ("grammar", ["--masks", "--seqs", "8", "--drafts", "0,3", "--vocab", "1000", "--repeat", "2",
+                     "--out", str(w / "masks")]),
         ("drafts", ["--tasks", "C", "--rows", "6", "--ks", "4", "--tokenizer", str(byte_tokenizer(w / "bytes-drafts")),
                     "--out", str(w / "drafts")]),
         # Two replicas on one (pretended) GPU: the fake engine needs none, the layout only CUDA_VISIBLE_DEVICES.

@@ -34,6 +34,9 @@
 # PLAN schema15: batchjson's schema drafter on the 1.5B (task C, 6,000 rows): the step with it, with n-gram lookup and
 #   with none and with no grammar (bench grammar, batchjson's fills), then whole runs: none, schema, bare vLLM with and without it.
 #   schemasmol: the same whole runs on SmolLM2 at 30,000 rows.
+# PLAN schemaprof: why batchjson's whole run with the schema drafter gained nothing where bare generate gained x1.33
+#   (run19): the step with the masks placed on the GPU (bench grammar, drafts and none), then whole runs of none and
+#   schema with the step profiler, after warm-ups of both.
 # PLAN grammar15: what the JSON constraint costs the 1.5B's step (bench grammar): xgrammar alone on the host's cores,
 #   then bare vLLM at 1,024 in flight with vLLM's mask fills, batchjson's, and no grammar (py-spy on each).
 # PLAN fills15: the 1.5B's step with vLLM's fills, batchjson's and no grammar (bench grammar), whole runs of the
@@ -169,6 +172,10 @@ run_plan() {
                 --runs schema+warm,none+warm,bare-none,none,schema,bare-schema ;;
     schemasmol) need smol && wr smol-C30000-schema --task C --rows 30000 --model $smol --timeout 300 \
                 --runs schema+warm,none,schema ;;
+    schemaprof) need q15 && gb g15-C6000-schemaprof --task C --rows 6000 --model $q15 --seqs 1024 \
+                  --configs batch,batch-schema --timeout 200
+                need q15 && wr t15-C6000-schemaprof --task C --rows 6000 --model $q15 --timeout 200 \
+                  --runs schema+warm,none+warm,none+prof,schema+prof,schema ;;
     t30k) need q15 && wr t15-C30000 --task C --rows 30000 --model $q15 --timeout 300 --runs bare-none,auto ;;
   esac
 }

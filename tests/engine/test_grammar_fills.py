@@ -1,6 +1,7 @@
 """batchjson's grammar fills (engine/internals.py, BatchFills): the same masks and the same tokens as vLLM's own
 fills, the drafted rows as vLLM 0.26 makes them with the grammars rolled back, and vLLM's own fills where batchjson
-has not read the vLLM version or the spec asks for them."""
+has not read the vLLM version or the spec asks for them; the masks placed on the logits' device (mask_rows,
+apply_mask_rows) as vLLM's V1 model runner places them."""
 
 from __future__ import annotations
 
@@ -126,6 +127,32 @@ def test_drafted_rows_are_vllm_026s_and_the_grammars_come_back(grammar_kit):
     again, again_expected = fills.bitmask(requests_of(mine), list(requests_of(mine)), {}), expected.clone()
     vllm_rows(gs, [()] * 4, again_expected)
     assert (again == again_expected[:4].numpy()).all()
+
+
+def test_masks_placed_in_one_scatter_mask_what_vllms_row_copies_mask():
+    """A step of vLLM's V1 runner with drafts: requests in another order than the scheduler's, some drafted and some
+    not, one without a grammar, one grammar request no longer in the batch. Both ways leave the same logits."""
+    import torch
+    from vllm.v1.structured_output.utils import apply_grammar_bitmask
+
+    vocab, words = 300, 10
+    batch = ["a", "free", "b", "c", "d"]  # "free" decodes without a grammar; "gone" left the batch
+    drafts = {"a": [1, 2, 3], "free": [4], "c": [5, 6], "gone": [7]}
+    grammar_ids = ["d", "gone", "c", "a", "b"]
+    rows = sum(1 + len(drafts.get(r, ())) for r in grammar_ids)
+    seeded = torch.Generator().manual_seed(3)
+    bitmask = torch.randint(-2**31, 2**31 - 1, (rows, words), dtype=torch.int32, generator=seeded)
+    logits = torch.randn((sum(1 + len(drafts.get(r, ())) for r in batch), vocab), generator=seeded)
+    scheduled = SimpleNamespace(scheduled_spec_decode_tokens=drafts)
+    grammar = SimpleNamespace(grammar_bitmask=bitmask.numpy(), structured_output_request_ids=grammar_ids)
+    theirs, ours = logits.clone(), logits.clone()
+    apply_grammar_bitmask(scheduled, grammar, SimpleNamespace(req_ids=batch), theirs)
+    kept, targets = internals.mask_rows(batch, grammar_ids, drafts)
+    internals.apply_mask_rows(grammar.grammar_bitmask, kept, targets, ours)
+    assert torch.isinf(theirs).any() and not torch.isinf(theirs[4:6]).any()  # masked, but not "free"'s rows
+    assert torch.equal(theirs, ours)
+    assert len(targets) == rows - 2  # "gone"'s two rows have no place
+    assert internals.install_mask_scatter() == "ok"  # on this vLLM; the CPU runner's logits keep vLLM's own path
 
 
 def test_an_unread_vllm_keeps_its_own_fills(monkeypatch):
