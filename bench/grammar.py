@@ -52,7 +52,7 @@ GRAMMAR_FRAMES = ("grammar_bitmask", "accept_tokens", "fill_next_token_bitmask",
 def one(cfg: dict) -> dict:
     """One configuration in this process: bare vLLM's LLM and one generate."""
     from batchjson.engine import internals
-    from batchjson.engine.profiler import DUMP_EVERY_S, ENV_PROFILE, ENV_PROFILE_SYNC, read_profile
+    from batchjson.engine.profiler import DUMP_EVERY_S, ENV_PROFILE, ENV_PROFILE_SYNC, SCHEDULED, read_profile
 
     profile = Path(cfg["profile"])
     name, stats = cfg["name"].removesuffix("+stats"), cfg["name"].endswith("+stats")
@@ -103,13 +103,14 @@ def one(cfg: dict) -> dict:
                if m.name.startswith("vllm:spec_decode_num")} if method else {}
     llm.llm_engine.engine_core.shutdown()
     steps = after["steps"] - before["steps"] - 1  # the flush's step
+    scheduled = {f"{k}_per_step": round((after.get(k, 0) - before.get(k, 0)) / max(steps, 1), 1) for k in SCHEDULED}
     parts = {name: round(1000 * (after["parts"].get(name, {}).get("seconds", 0)
                                  - before["parts"].get(name, {}).get("seconds", 0)) / max(steps, 1), 2)
              for name in PARTS}
     tokens = [list(o.outputs[0].token_ids) for o in outs]
     result = {"generate_s": round(seconds, 2), "steps": steps, "ms_per_step": round(1000 * seconds / max(steps, 1), 1),
               "output_tokens": sum(map(len, tokens)), "mean_tokens": round(sum(map(len, tokens)) / len(tokens), 1),
-              "parts_ms_per_step": parts, "gpu_busy": host["gpu_util_mean"], "cpu_busy": host["cpu_busy_mean"],
+              "parts_ms_per_step": parts, **scheduled, "gpu_busy": host["gpu_util_mean"], "cpu_busy": host["cpu_busy_mean"],
               "batch_fill_calls": after["parts"].get("batch_fills", {}).get("count", 0),  # 0: vLLM's fills ran
               "digests": [hashlib.md5(json.dumps(t).encode()).hexdigest()[:12] for t in tokens]}
     if drafted:
@@ -377,7 +378,8 @@ def main(argv: list[str]) -> int:
         r |= {f"{p}_ms": r.get("parts_ms_per_step", {}).get(p) for p in PARTS}
     print(table(results, [("seqs", "seqs"), ("name", "config"), ("generate_s", "generate s"), ("steps", "steps"),
                           ("ms_per_step", "ms/step"), ("schedule_ms", "schedule"), ("update_from_output_ms", "update"),
-                          ("get_grammar_bitmask_ms", "masks"),
+                          ("get_grammar_bitmask_ms", "masks"), ("scheduled_requests_per_step", "requests"),
+                          ("drafted_tokens_per_step", "drafted"),
                           ("forward_ms", "forward"), ("sample_tokens_ms", "sample"), ("gpu_busy", "GPU %"),
                           ("mean_tokens", "mean tok"), ("valid", "valid"), ("correct", "correct"),
                           ("differ", "differ"), ("error", "error")]))

@@ -214,15 +214,17 @@ def batchjson_run(name: str, args, rows: int, work: Path, t_launch: float, timeo
 
 
 def profile_summary(path: Path) -> dict:
-    """The step profile of a whole run: steps, ms per step of the engine step, and each part's ms per step."""
-    from batchjson.engine.profiler import read_profile
+    """The step profile of a whole run: steps, ms per step of the engine step, each part's ms per step, and the
+    requests, tokens and drafted tokens a step scheduled on average (how full the engine's batch was)."""
+    from batchjson.engine.profiler import SCHEDULED, read_profile
 
     if not path.exists():
         return {"error": "no profile written"}
     prof = read_profile(path)
     steps = max(prof["steps"], 1)
     parts = {k: round(1000 * v["seconds"] / steps, 2) for k, v in sorted(prof["parts"].items())}
-    return {"steps": prof["steps"], "ms_per_step": parts.get("engine_step"), "parts_ms_per_step": parts}
+    return {"steps": prof["steps"], "ms_per_step": parts.get("engine_step"), "parts_ms_per_step": parts,
+            **{f"{k}_per_step": round(prof.get(k, 0) / steps, 1) for k in SCHEDULED}}
 
 
 def spy(command: list[str], out: str, name: str) -> list[str]:

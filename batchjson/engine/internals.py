@@ -792,7 +792,7 @@ V2_SPECULATORS = ("vllm.v1.worker.gpu.spec_decode.autoregressive.speculator",
 Timer = Callable[[Callable, str, bool], Callable]  # (method, part, runs on the GPU) -> the timed method
 
 
-def time_engine_steps(timer: Timer, on_step: Callable[[], None],
+def time_engine_steps(timer: Timer, on_step: Callable[[int, int, int], None],
                       on_shutdown: Callable[[], None]) -> tuple[dict[str, str], list[str]]:
     """Replace each method of TIMED (in this process) with `timer(method, part, gpu)`; call `on_step()` after each
     schedule that schedules a token, and `on_shutdown()` before the engine core shuts down (an error there never
@@ -847,7 +847,7 @@ def _subclasses(cls) -> list:
 
 
 def _time_method(module: str, cls_name: str, name: str, part: str, gpu: bool, timer: Timer,
-                 on_step: Callable[[], None]) -> str:
+                 on_step: Callable[[int, int, int], None]) -> str:
     """Time one method of TIMED; returns what happened ("ok", "skipped: ...")."""
     import importlib
 
@@ -884,14 +884,17 @@ def _time_method(module: str, cls_name: str, name: str, part: str, gpu: bool, ti
     return "ok" if patched == [cls_name] else "ok: " + ", ".join(patched)
 
 
-def _counting(schedule, on_step: Callable[[], None]):
-    """The scheduler's schedule, calling `on_step()` after each step that schedules any token."""
+def _counting(schedule, on_step: Callable[[int, int, int], None]):
+    """The scheduler's schedule, calling `on_step(requests, tokens, drafted)` after each step that schedules any
+    token: the requests it scheduled, their tokens, and how many of those are drafted tokens to verify."""
 
     @functools.wraps(schedule)
     def counted(self, *args, **kwargs):
         out = schedule(self, *args, **kwargs)
         if out.total_num_scheduled_tokens > 0:
-            on_step()
+            drafts = getattr(out, "scheduled_spec_decode_tokens", None) or {}
+            on_step(len(out.num_scheduled_tokens), out.total_num_scheduled_tokens,
+                    sum(len(d) for d in drafts.values()))
         return out
 
     return counted

@@ -27,6 +27,9 @@ DUMP_EVERY_S = 2.0
 EARLY_DUMPS = 64  # the first parts timed are written at once: a short run's counts do not hang on its shutdown's
 
 
+SCHEDULED = ("scheduled_requests", "scheduled_tokens", "drafted_tokens")  # summed over steps: the batch's size
+
+
 class StepProfile:
     """Count and seconds per part of an engine step, written to a JSON file shared by vLLM's processes (one
     entry per process id, merged under a file lock), with what was patched (or skipped, and why) and any error."""
@@ -37,14 +40,19 @@ class StepProfile:
         self.patches: dict[str, str] = {}
         self.errors: list[str] = []
         self.steps = 0
+        self.scheduled = [0, 0, 0]  # requests, tokens, drafted tokens, summed over the steps
         self.added = 0  # parts timed so far
         self.lock = threading.Lock()
         self.last_dump = time.monotonic()
         self.started = time.time()
 
-    def count_step(self) -> None:
-        """One more engine step that scheduled a token."""
+    def count_step(self, requests: int = 0, tokens: int = 0, drafted: int = 0) -> None:
+        """One more engine step that scheduled a token: to `requests` requests, `tokens` tokens in all, `drafted` of
+        them drafted tokens to verify."""
         self.steps += 1
+        self.scheduled[0] += requests
+        self.scheduled[1] += tokens
+        self.scheduled[2] += drafted
 
     def add(self, part: str, seconds: float) -> None:
         with self.lock:
@@ -59,6 +67,7 @@ class StepProfile:
         self.last_dump = time.monotonic()
         with self.lock:
             mine = {"steps": self.steps, "cuda_synchronized": self.sync, "started": self.started,
+                    **dict(zip(SCHEDULED, self.scheduled)),
                     "parts": {k: {"count": int(c), "seconds": s} for k, (c, s) in sorted(self.parts.items())},
                     "patches": dict(self.patches)}
             if self.errors:
@@ -101,6 +110,7 @@ def read_profile(path: Path) -> dict:
         for k, v in p.get("patches", {}).items():
             patches.setdefault(k, set()).add(v)
     return {"steps": sum(p.get("steps", 0) for _, p in processes), "processes": len(processes), "parts": parts,
+            **{k: sum(p.get(k, 0) for _, p in processes) for k in SCHEDULED},
             "patches": {k: " / ".join(sorted(v)) for k, v in sorted(patches.items())},
             "errors": errors}
 

@@ -43,6 +43,9 @@ def test_step_profiler_times_each_part_of_a_speculative_step(tiny_model, monkeyp
     assert len(gens) == len(PROMPTS) and drafts > 0  # speculation ran
     got = read_profile(profile)
     assert got["steps"] > 0 and not got["errors"]
+    # the batch's size per step: every step schedules a request, drafted tokens are among the scheduled ones
+    assert got["steps"] <= got["scheduled_requests"] <= 16 * got["steps"]
+    assert 0 < got["drafted_tokens"] < got["scheduled_tokens"]
     for part in ("schedule", "grammar_bitmask", "forward", "sample_tokens", "rejection_sampler", "propose",
                  "update_from_output", "engine_step"):
         assert got["parts"][part]["count"] > 0 and got["parts"][part]["seconds"] > 0, part
