@@ -6,6 +6,7 @@ No id becomes a Python object here except the repeated ones: digests and partiti
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
 import os
@@ -16,7 +17,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from batchjson.errors import InputError
+from batchjson.errors import InputError, StorageFull, is_full
 
 PARTITION_ROWS = 1_000_000
 """Ids held at once while repeated ids are looked for: the input's ids are split by a hash into partitions of about
@@ -112,8 +113,22 @@ class RepeatedIds:
         self.largest = 0
         self._held: list[pa.Table] = []
         self._folder = tempfile.TemporaryDirectory(prefix="batchjson-ids-") if self.count > 1 else None
-        self._writers = [pa.ipc.new_stream(os.path.join(self._folder.name, f"{p}.arrows"), _ROW)
-                         for p in range(self.count)] if self._folder else []
+        self._writers = []
+        with self._spilling():
+            for p in range(self.count if self._folder else 0):
+                self._writers.append(pa.ipc.new_stream(os.path.join(self._folder.name, f"{p}.arrows"), _ROW))
+
+    @contextlib.contextmanager
+    def _spilling(self) -> Iterator[None]:
+        """A full TMPDIR is the user's to fix: say so, and leave nothing behind."""
+        try:
+            yield
+        except OSError as e:
+            if not is_full(e):
+                raise
+            self._close()
+            raise StorageFull(f"{StorageFull.at(self._folder.name, e)} It holds the input's ids while repeated ids "
+                              "are looked for (about their size): or point TMPDIR at a larger disk.") from None
 
     def __enter__(self) -> RepeatedIds:
         return self
@@ -122,9 +137,10 @@ class RepeatedIds:
         self._close()
 
     def _close(self) -> None:
-        for writer in self._writers:
-            writer.close()
-        self._writers, self._held = [], []
+        writers, self._writers, self._held = self._writers, [], []
+        for writer in writers:
+            with contextlib.suppress(OSError):  # a full disk: its last bytes go with the folder anyway
+                writer.close()
         if self._folder:
             self._folder.cleanup()
 
@@ -140,9 +156,10 @@ class RepeatedIds:
         order = np.argsort(part, kind="stable")
         bounds = np.searchsorted(part[order], np.arange(self.count + 1))
         rows = rows.take(pa.array(order))
-        for p in range(self.count):
-            if bounds[p + 1] > bounds[p]:
-                self._writers[p].write_table(rows.slice(bounds[p], bounds[p + 1] - bounds[p]))
+        with self._spilling():
+            for p in range(self.count):
+                if bounds[p + 1] > bounds[p]:
+                    self._writers[p].write_table(rows.slice(bounds[p], bounds[p + 1] - bounds[p]))
 
     def _partitions(self) -> Iterator[pa.Table]:
         if self._folder is None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import os
 import subprocess
+import tempfile
 from pathlib import Path
 
 import pyarrow.dataset as ds
@@ -129,3 +130,19 @@ def test_a_full_disk_at_the_run_report(tmp_path, disk, monkeypatch, tiny_model):
     free(disk)
     assert cli_run(monkeypatch, job, out).exit_code == 0
     assert_exactly_once(IDS[:40], out, out / "_rejects")
+
+
+def test_a_full_temporary_folder_while_the_ids_are_spilled(tmp_path, disk, monkeypatch, tiny_model):
+    """Repeated ids are looked for in partitions spilled to TMPDIR: a full one is exit 2 naming it and the fix,
+    before the output folder is touched, and leaves nothing in it."""
+    write_rows(tmp_path / "in.parquet", 400, row_group_size=100)
+    job = write_job(tmp_path, tiny_model, tmp_path / "in.parquet", batch_size=100)
+    monkeypatch.setenv("BATCHJSON_ID_PARTITION_ROWS", "50")
+    monkeypatch.setattr(tempfile, "tempdir", str(disk))  # TMPDIR as Python took it, before the disk filled up
+    fill(disk)
+    result = cli_run(monkeypatch, job, tmp_path / "out")
+    message = result.output.strip().splitlines()[-1]
+    assert result.exit_code == 2 and f"cannot write {disk}/batchjson-ids-" in message and "TMPDIR" in message, message
+    assert [p.name for p in disk.iterdir()] == ["ballast"] and not (tmp_path / "out").exists()
+    free(disk)
+    assert cli_run(monkeypatch, job, tmp_path / "out").exit_code == 0
