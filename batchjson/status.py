@@ -20,6 +20,7 @@ from datetime import datetime
 from pyarrow import fs
 
 from batchjson.errors import OutputError, SpecError
+from batchjson.records import Stage
 from batchjson.spec import JobSpec
 from batchjson.storage import STATE, Location, Storage
 from batchjson.storage.progress import (RATE_WINDOW, TALLIED, add_record, empty_tally, finished, progress_files,
@@ -87,7 +88,7 @@ class Status:
             of = self.units if stage == "p1" else sent
             reasons = ", ".join(f"{k} {v}" for k, v in sorted(t["reasons"].items(), key=lambda kv: -kv[1]))
             again = f", {t['requeue']} to pass 2" if t["requeue"] else ""
-            lines.append(f"  pass{stage[1]}: {t['units']}{'' if of is None else f'/{of}'} units, {t['output']} valid, "
+            lines.append(f"  {Stage(stage).label}: {t['units']}{'' if of is None else f'/{of}'} units, {t['output']} valid, "
                          f"{t['rejects']} rejected{again}" + (f" ({reasons})" if reasons else ""))
         if self.state == "running":
             rate = f"{self.rows_per_s:.2f} rows/s over the last {RATE_WINDOW / 60:.0f} min" if self.rows_per_s \
@@ -96,7 +97,9 @@ class Status:
             lines.append(f"  rate: {rate}{eta}")
         deadlines = sorted({r["deadline"] for r in self.runs if r.get("deadline")})
         if deadlines and self.state == "running":
-            lines.append(f"  deadline: {_clock(deadlines[0])} (in {_ago(deadlines[0] - now)})")
+            when = (f"in {_ago(deadlines[0] - now)}" if deadlines[0] > now else
+                    "passed: the units in flight are finished and committed, then the run ends")
+            lines.append(f"  deadline: {_clock(deadlines[0])} ({when})")
         if self.report:
             lines.append(f"  report: {self.report['valid']} valid, {self.report['rejected']} rejected "
                          f"({self.report['reject_rate']:.1%}); verified: {self.report['verified']}")

@@ -2,7 +2,7 @@
 
 names.py (part and record names) · folder.py (layout, claim, swap, fingerprints) · commits.py (the unit commits:
 begin, stage, write_record, publish; recover, damaged, drop) · locks.py (flock, leases) · location.py (local path or
-object-storage URI).
+object-storage URI) · progress.py (the progress file `status` reads, the cancel marker).
 """
 
 from batchjson.storage.commits import Commits

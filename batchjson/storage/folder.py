@@ -14,6 +14,7 @@ OUT/_rejects unless output.rejects says otherwise):
     OUT/_batchjson/requeue/<unit>.parquet                 pass-1 failures waiting for pass 2
     OUT/_batchjson/scan.json                              the input's fingerprints and repeated ids, for a resume
     OUT/_batchjson/index.json                             the records folded into one, for a cheap resume (index.py)
+    OUT/_batchjson/progress-<I>of<N>.json, cancel.json    what `batchjson status` reads, `batchjson cancel` (progress.py)
     OUT/_batchjson/lock-of<N>, lock-<I>of<N>              locks (a local folder)
     OUT/_batchjson/lease-<I>of<N>-<owner>.json            leases (object storage)
 

@@ -18,9 +18,11 @@ a run started after it (a new id) never obeys it, whoever left it.
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Literal
 
+from batchjson.errors import StorageFull
 from batchjson.storage.location import Location, writing
 
 # How a run ended: every unit done ("done"), SIGTERM or Ctrl-C ("interrupted"), `batchjson cancel` ("cancelled"),
@@ -28,6 +30,7 @@ from batchjson.storage.location import Location, writing
 Outcome = Literal["done", "interrupted", "cancelled", "deadline", "failed"]
 PREFIX, CANCEL = "progress-", "cancel.json"
 RATE_WINDOW = 300.0  # seconds of samples kept: status's rate is that of the last five minutes
+log = logging.getLogger("batchjson")
 
 
 def progress_file(state: Location, shard: tuple[int, int]) -> Location:
@@ -90,10 +93,16 @@ class ProgressFile:
     def write(self, outcome: Outcome | Literal[""] = "", detail: str = "") -> None:
         now = time.time()
         self.samples = [s for s in self.samples if s[0] >= now - RATE_WINDOW] + [[round(now, 2), finished(self.passes)]]
-        with writing(self.file):
-            self.file.write_json({"run": self.run, "state": "ended" if outcome else "running", "outcome": outcome,
-                                  "detail": detail, "updated": round(now, 2), "rows": self.rows, "units": self.units,
-                                  "passes": self.passes, "samples": self.samples})
+        try:
+            with writing(self.file):
+                self.file.write_json({"run": self.run, "state": "ended" if outcome else "running",
+                                      "outcome": outcome, "detail": detail, "updated": round(now, 2), "rows": self.rows,
+                                      "units": self.units, "passes": self.passes, "samples": self.samples})
+        except StorageFull as e:
+            # The run's own writes fail on a full disk where it matters (a commit, the report), naming their file;
+            # status meanwhile shows the counts last written, which the next write brings up to date.
+            log.warning("progress file not written: %s", e)
+            return
         self.written = time.monotonic()
 
 
