@@ -4,6 +4,8 @@ cancel marker, a deadline mid-run and its rerun, and the mistakes that must end 
 from __future__ import annotations
 
 import json
+import logging
+import re
 import subprocess
 import sys
 import threading
@@ -240,3 +242,16 @@ def test_status_on_object_storage_reads_the_run_state_alone(tmp_path, s3, s3_ser
     assert (final.state, final.outcome, final.valid, final.rejected) == ("ended", "done", report.valid, report.rejected)
     for paths in (read_mid, read):
         assert not [p for p in paths if "/units/" in p or p.endswith(".parquet")] and len(paths) <= 6, paths
+
+
+def test_a_run_logs_its_progress_for_a_log_without_a_bar(tmp_path, monkeypatch, caplog):
+    """An Airflow task's log: a progress line now and then (here at every commit), counts that only grow."""
+    write_rows(tmp_path / "in.parquet", 64, row_group_size=8)
+    job = write_job(tmp_path, "default", tmp_path / "in.parquet")
+    monkeypatch.setattr(watch, "LOG_EVERY", 0.0)
+    monkeypatch.setattr(ProgressFile, "WRITE_EVERY", 0.0)
+    with caplog.at_level(logging.INFO, logger="batchjson"):
+        report = run_job(load_spec(job), str(tmp_path / "out"), engine_factory=FakeEngines(), progress=False)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("progress: ")]
+    done = [int(re.match(r"progress: (\d+) of 64 rows finished", line)[1]) for line in lines]
+    assert len(done) >= 8 and done == sorted(done) and done[-1] == report.valid + report.rejected, lines
