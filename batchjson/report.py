@@ -274,6 +274,9 @@ class RunReport:
         for name, p in self.passes.items():
             d = p.to_dict()
             acc = f", draft acceptance {d['acceptance']:.2f}" if "acceptance" in d else ""
+            if p.speculative.get("audit_rows"):
+                acc += (f", audit {p.speculative['audit_differ']:.0f} of {p.speculative['audit_rows']:.0f} rows "
+                        "differ without drafts")
             reasons = ", ".join(f"{k} {v}" for k, v in p.reasons.most_common()) or "none"
             note = f"  ({p.note})" if p.note else ""
             cost = (f", {d['gpu_seconds_per_valid_row'] * 1000:.0f} ms per valid row"

@@ -194,6 +194,9 @@ class SpeculativeSpec:
     prompt_lookup_max: int = 4
     options: dict = field(default_factory=dict)
     """Other speculative_config keys, passed through unchanged."""
+    audit_rows: int = 32
+    """The speculation audit: pass 1's first rows decoded a second time without drafts on the same engine, where
+    pass 1 is greedy; one whose two answers differ turns speculation off for the rest of the run. 0: no audit."""
 
     def __post_init__(self):
         _require(self.num_speculative_tokens > 0, "speculative.num_speculative_tokens must be > 0.")
@@ -201,6 +204,7 @@ class SpeculativeSpec:
                  'speculative.method = "draft_model" needs speculative.draft_model = "<model folder>".')
         _require(0 < self.prompt_lookup_min <= self.prompt_lookup_max,
                  "speculative.prompt_lookup_min must be > 0 and <= prompt_lookup_max.")
+        _require(self.audit_rows >= 0, "speculative.audit_rows must be >= 0 (0: no audit).")
 
     @property
     def enabled(self) -> bool:
@@ -325,6 +329,7 @@ class JobSpec:
         d["model"].pop("grammar_fills")  # the same masks either way
         d["model"].pop("replicas")  # where decoding runs does not change what a run writes
         d["model"].pop("replicas_per_gpu")
+        d["speculative"].pop("audit_rows")  # an audit checks the outputs, it does not shape them
         for name in ("sampling", "fallback"):  # added later: folders written before resume under the same hash
             d[name].pop("adapt")
         # The model's schema counts (schema_doc), not where the class lives: a model moved out of a notebook into

@@ -38,7 +38,7 @@ from batchjson.report import PassStats
 from batchjson.tables import PartSink
 from batchjson.source import ParquetSource, UnitRef
 from batchjson.spec import JobSpec, SpeculativeSpec
-from batchjson.engine.speculation import Auto
+from batchjson.engine.speculation import Audit, Auto
 from batchjson.ends import run_ends
 from batchjson.storage import Storage
 from batchjson.schema.validate import Validator
@@ -175,7 +175,8 @@ class Worker:
     def serve(self, channel: Channel) -> None:
         """Work until the queue says the run is over (or a stop); then report this worker's counts per pass."""
         self.channel = channel
-        self.policies = [p for p in (Recipe.for_job(self.spec), self._plan_auto()) if p]
+        self.policies = [p for p in (Recipe.for_job(self.spec), self._plan_auto(),
+                                     Audit.for_job(self.passes[0].speculative)) if p]
         tracker = Tracker(self.validator, self.stats, self._commit, self.stop, self.started)
         try:
             while not self.stop.is_set():

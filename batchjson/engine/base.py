@@ -29,7 +29,9 @@ class Engine(ABC):
     on, see internals.notice), with its code in `notice_code` (a report.NoteCode; "" for the generic
     "engine-notice"); `fills`, how it fills the grammar's masks (the report's grammar line; "" for no word on it);
     and `tokenizer`, the model's tokenizer where the engine loaded one (the worker renders
-    prompts with it instead of loading it again; None: the worker loads it from the model's files).
+    prompts with it instead of loading it again; None: the worker loads it from the model's files); and `audit`, the
+    speculation audit's rows so far and how many of them differed without drafts (VllmEngine: [speculative]
+    audit_rows).
     """
 
     steps: int = 0
@@ -39,6 +41,7 @@ class Engine(ABC):
     notice_code: str = ""
     fills: str = ""
     tokenizer: object | None = None
+    audit: dict = {"rows": 0, "differ": 0}  # noqa: RUF012 - read only here; an engine that audits keeps its own
 
     @abstractmethod
     def accepts(self, decoding: DecodingSpec, speculative: SpeculativeSpec | None) -> bool:

@@ -66,6 +66,7 @@ from collections.abc import Callable
 from batchjson.schema.drafts import COPY_MAX, Drafter, PromptIndex
 
 NO_DRAFT = "batchjson_no_draft"  # the SamplingParams.extra_args key
+AUDIT_TWIN = "batchjson_audit_twin"  # ... beside NO_DRAFT: a speculation audit's twin of a drafted row
 # Read on: vllm/v1/core/sched/ and vllm/v1/engine/core.py of these versions. Scheduler.schedule(self,
 # throttle_prefills=False) schedules a running request's drafts from Request.spec_token_ids alone (and empties them);
 # Scheduler.add_request(self, request); SamplingParams.extra_args. Drafts reach spec_token_ids after a step
@@ -207,14 +208,18 @@ def few_drafted(requests: dict, req_ids: list[str]) -> bool:
     it is drafted for: with k drafts accepted at rate a, a step whose share f of requests is drafted for gains
     (1 + f*a*k) / (1 + a*k) of what an all-drafted step gains, so at f = 1/2 (a*k ~ 4) a draft model must gain
     more than x1.66 at a full step to break even (the 0.5B draft on the 1.5B: x0.54-0.76 at 64 in flight and at a
-    full batch, BENCHMARKS.md)."""
-    drafted = 0
+    full batch, BENCHMARKS.md). A speculation audit's twins (AUDIT_TWIN) do not count: they stand beside drafted rows
+    of the same pass for a while, and must not stop the drafts they are compared with."""
+    drafted = counted = 0
     for req_id in req_ids:
         state = requests.get(req_id)
         params = getattr(state, "sampling_params", None)
-        extra = getattr(params, "extra_args", None)
-        drafted += not (extra and extra.get(NO_DRAFT))
-    return bool(req_ids) and 2 * drafted <= len(req_ids)
+        extra = getattr(params, "extra_args", None) or {}
+        if extra.get(AUDIT_TWIN):
+            continue
+        counted += 1
+        drafted += not extra.get(NO_DRAFT)
+    return bool(counted) and 2 * drafted <= counted
 
 
 @installs_once

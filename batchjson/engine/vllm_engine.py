@@ -144,6 +144,11 @@ class VllmEngine(Engine):
         self._refused = (ValueError, getattr(importlib.import_module("vllm.exceptions"), "VLLMClientError", ValueError))
 
         self.max_in_flight = model.max_in_flight
+        # The speculation audit: a twin without drafts of pass 1's first greedy rows (`use` makes its settings),
+        # compared token for token when both are done.
+        self.audit = {"rows": 0, "differ": 0}
+        self._audit_left = speculative.audit_rows if speculative is not None and speculative.enabled else 0
+        self._twin_params: dict[str, Any] = {}  # stage -> its settings without drafts, where the stage is audited
         self.steps = 0  # engine steps taken so far (ms per step, tokens per step)
         self.unfinished: list[Prompt] = []
         # vLLM refuses its own "auto" with disable_any_whitespace: batchjson picks the backend, and gives it the
@@ -204,16 +209,22 @@ class VllmEngine(Engine):
         """Decode prompts of `stage` with these sampling settings (per request: no engine restart)."""
         if not draft and self.speculative is not None and not self.no_draft:
             raise EngineError("[internal] this engine cannot decode requests without a draft")
-        extra = {internals.NO_DRAFT: True} if not draft and self.speculative is not None else None
         try:
-            self.params[stage] = self._sampling(
-                temperature=decoding.temperature, top_p=decoding.top_p, max_tokens=decoding.max_tokens,
-                repetition_penalty=decoding.repetition_penalty, frequency_penalty=decoding.frequency_penalty,
-                presence_penalty=decoding.presence_penalty, seed=None if self._cpu else decoding.seed, n=decoding.n,
-                structured_outputs=self._constraint, extra_args=extra,
-                **self._repetition(decoding.repetition_detection))
+            self.params[stage] = self._params(decoding, no_draft=not draft and self.speculative is not None)
+            self._twin_params.pop(stage, None)
+            if draft and self.no_draft and self._audit_left and decoding.temperature == 0 and decoding.n == 1:
+                self._twin_params[stage] = self._params(decoding, no_draft=True, twin=True)
         except (TypeError, *self._refused) as e:
             raise EngineError(f"vLLM refuses these sampling settings: {e}. Fix [sampling] or [fallback].") from None
+
+    def _params(self, decoding: DecodingSpec, no_draft: bool, twin: bool = False):
+        return self._sampling(
+            temperature=decoding.temperature, top_p=decoding.top_p, max_tokens=decoding.max_tokens,
+            repetition_penalty=decoding.repetition_penalty, frequency_penalty=decoding.frequency_penalty,
+            presence_penalty=decoding.presence_penalty, seed=None if self._cpu else decoding.seed, n=decoding.n,
+            structured_outputs=self._constraint,
+            extra_args=({internals.NO_DRAFT: True} | ({internals.AUDIT_TWIN: True} if twin else {})) if no_draft else None,
+            **self._repetition(decoding.repetition_detection))
 
     def _hung(self) -> str:
         """Why the engine is taken for hung ("" while it is not): one step has not returned for hang_timeout_s.
@@ -254,6 +265,8 @@ class VllmEngine(Engine):
         """
         in_flight: dict[str, Prompt] = {}
         self.unfinished = []
+        self._twins: dict[str, str] = {}  # an audit twin's request id -> its row's request id
+        self._answers: dict[str, list] = {}  # an audited row's request id -> [its tokens, its twin's], as they come
         try:
             yield from self._stream(iter(prompts), in_flight, stop or threading.Event())
         except self._dead as e:
@@ -263,9 +276,10 @@ class VllmEngine(Engine):
             # stream on the same engine. `unfinished` says which they were (another engine may take them over).
             in_flight.pop("adding", None)
             self.unfinished = list(in_flight.values())
-            if in_flight and not self._closed.is_set():
+            left = [*in_flight, *self._twins]
+            if left and not self._closed.is_set():
                 try:
-                    self.llm.llm_engine.abort_request(list(in_flight))
+                    self.llm.llm_engine.abort_request(left)
                 except Exception:  # a dead engine has nothing left to abort
                     pass
 
@@ -294,7 +308,13 @@ class VllmEngine(Engine):
                     continue
                 # Outputs carry the caller's id; newer vLLM returns it with a random suffix ("7-1a2b3c4d").
                 in_flight[request_id.split("-", 1)[0]] = in_flight.pop("adding")
-            if not in_flight:
+                twin = self._twin_params.get(prompt.stage)
+                if twin is not None and self._audit_left > 0:
+                    self._audit_left -= 1
+                    (twin_id,) = self.llm.enqueue(prompt.text, twin, use_tqdm=False)
+                    self._twins[twin_id.split("-", 1)[0]] = request_id.split("-", 1)[0]
+                    self._answers[request_id.split("-", 1)[0]] = [None, None]
+            if not in_flight and not (exhausted and self._twins):  # the last audit twins are waited for
                 if exhausted:
                     return
                 if waiting:
@@ -307,6 +327,11 @@ class VllmEngine(Engine):
             for out in outputs:
                 if not out.finished:
                     continue
+                if out.request_id in self._twins:  # an audit twin: compared, never yielded
+                    self._audited(self._twins.pop(out.request_id), 1, out)
+                    continue
+                if out.request_id in self._answers:
+                    self._audited(out.request_id, 0, out)
                 prompt = in_flight.pop(out.request_id)
                 prompt_tokens = len(out.prompt_token_ids or ())
                 candidates = [self._generation(prompt, c, prompt_tokens) for c in out.outputs]
@@ -315,6 +340,15 @@ class VllmEngine(Engine):
                     gen = Generation(prompt, gen.text, gen.finish_reason, prompt_tokens,
                                      sum(c.output_tokens for c in candidates), gen.error, gen.detail, candidates)
                 yield gen
+
+    def _audited(self, row: str, which: int, out: Any) -> None:
+        """One of an audited row's two answers (0: with drafts, 1: its twin without): compared once both came."""
+        answers = self._answers[row]
+        answers[which] = list(out.outputs[0].token_ids) if out.outputs else []
+        if None not in answers:
+            del self._answers[row]
+            self.audit["rows"] += 1
+            self.audit["differ"] += answers[0] != answers[1]
 
     @staticmethod
     def _generation(prompt: Prompt, completion: Any, prompt_tokens: int) -> Generation:
@@ -329,6 +363,8 @@ class VllmEngine(Engine):
         names = {"vllm:spec_decode_num_drafts": "drafts", "vllm:spec_decode_num_draft_tokens": "draft_tokens",
                  "vllm:spec_decode_num_accepted_tokens": "accepted_tokens"}
         out = dict.fromkeys(names.values(), 0.0)
+        if self.audit["rows"]:  # the speculation audit's rows and those whose answer differed without drafts
+            out |= {"audit_rows": self.audit["rows"], "audit_differ": self.audit["differ"]}
         if self.speculative is None or not getattr(self.llm.llm_engine, "log_stats", True):  # or [model.engine] set them off
             return out
         for metric in self.llm.get_metrics():

@@ -35,6 +35,8 @@ def test_schema_drafts_are_proposed_and_accepted_and_change_no_token(tiny_model)
     drafted, stats = decode(tiny_model, SpeculativeSpec(method="schema", num_speculative_tokens=4))
     assert drafted == plain  # greedy: the drafts are verified, never taken on trust
     assert stats["draft_tokens"] > 0 and stats["accepted_tokens"] > 0, stats
+    # the speculation audit (its default 32 rows): each row decoded again without drafts, beside it, the same
+    assert stats["audit_rows"] == len(PROMPTS) and stats["audit_differ"] == 0, stats
 
 
 def test_schema_drafts_name_batchjsons_proposer_and_are_refused_on_an_unread_vllm(monkeypatch):

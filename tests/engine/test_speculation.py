@@ -215,3 +215,30 @@ def test_a_configured_draft_model_is_the_candidate_judged_like_the_others():
     full.started(30.0)
     trial = feed(full, full.sample, seconds=10.0)  # a long pass tries the draft model
     assert trial is not None and trial.method == "draft_model"
+
+
+def test_an_audited_row_that_differs_without_drafts_turns_speculation_off_and_loses_no_row(tmp_path):
+    """The speculation audit found a row whose answer without drafts differs: pass 1 goes on on an engine without
+    drafts (the rows in flight move to it), the report says why, every row once."""
+    class Differing(FakeEngines):
+        def start(self, spec, decoding, speculative):
+            engine = super().start(spec, decoding, speculative)
+            if speculative is not None:
+                engine.audit = {"rows": 3, "differ": 1}
+            return engine
+
+    write_rows(tmp_path / "in.parquet", 48)
+    job = write_job(tmp_path, "default", tmp_path / "in.parquet", speculative="ngram", batch_size=4)
+    engines = Differing()
+    report = run_job(load_spec(job), engine_factory=engines, progress=False)
+    assert [s is not None for _, s in engines.started] == [True, False]  # drafts, then none for the rest
+    assert engines.engines[1].drafted["p1"] == 0 and engines.engines[1].stages["p1"] > 0
+    assert "speculation-off" in codes(report.passes["pass1"])
+    assert "1 of the 3 rows audited" in report.passes["pass1"].note
+    assert_exactly_once([f"r{i:05d}" for i in range(48)], tmp_path / "out", tmp_path / "out" / "_rejects")
+
+
+def test_no_audit_where_speculation_is_off_or_the_audit_is():
+    assert speculation.Audit.for_job(SpeculativeSpec(method="ngram")) is not None
+    assert speculation.Audit.for_job(SpeculativeSpec(method="none")) is None
+    assert speculation.Audit.for_job(SpeculativeSpec(method="ngram", audit_rows=0)) is None

@@ -34,7 +34,7 @@ def test_step_profiler_times_each_part_of_a_speculative_step(tiny_model, monkeyp
     monkeypatch.setenv("BATCHJSON_PROFILE_STEPS", str(profile))
     model = ModelSpec(path=tiny_model, dtype="float32", max_model_len=512, max_in_flight=16)
     engine = VllmEngine(model, DecodingSpec(max_tokens=40), TINY_SCHEMA,
-                        SpeculativeSpec(method="ngram", num_speculative_tokens=4, prompt_lookup_min=1))
+                        SpeculativeSpec(method="ngram", num_speculative_tokens=4, prompt_lookup_min=1, audit_rows=0))
     try:
         gens = list(engine.stream(Prompt(str(i), "u", text) for i, text in enumerate(PROMPTS)))
         drafts = engine.stats()["draft_tokens"]
@@ -125,6 +125,8 @@ def test_the_idle_drafter_patch_counts_the_requests_of_the_step():
     assert not internals.few_drafted(both, ["a", "b", "b"])  # most of the step is drafted for
     assert not internals.few_drafted(both, ["b"])
     assert not internals.few_drafted({}, [])  # an empty step: vLLM decides
+    twin = NS(sampling_params=NS(extra_args={internals.NO_DRAFT: True, internals.AUDIT_TWIN: True}))
+    assert not internals.few_drafted(both | {"t": twin}, ["b", "t", "t"])  # audit twins do not idle the drafter
 
     def runner(draft_model: bool, ids: list[str]):
         return NS(speculative_config=NS(uses_draft_model=lambda: draft_model, use_dflash=lambda: False),
