@@ -128,7 +128,7 @@ def check_job(job: JobSpec, output: str | None = None, *, input_path: str | None
     lines, warnings = [], []
     if storage:
         storage.check_paths(spec.input.path)
-        if (storage.state / "spec.json").exists():
+        if storage.spec_file.exists():
             new = storage.check_inputs(scan.fingerprints, write=False)
             lines.append(f"resumes {storage.output}: {len(new)} new input file(s)")
     if spec.speculative.draft_model:

@@ -23,6 +23,7 @@ from batchjson.errors import OutputError, SpecError
 from batchjson.records import Stage
 from batchjson.spec import JobSpec
 from batchjson.storage import STATE, Location, Storage
+from batchjson.storage.names import SPEC
 from batchjson.storage.progress import (RATE_WINDOW, TALLIED, add_record, empty_tally, finished, progress_files,
                                         rate, write_cancel)
 
@@ -129,8 +130,8 @@ def folder_of(job: JobSpec | None, output: str | None) -> tuple[Location, dict[s
             raise OutputError(f"{folder} is not a folder: nothing has run there. Check --output (or output.path).")
     except OSError as e:
         raise OutputError(f"cannot read {folder}: {e.strerror or e}. Check the path and permissions.") from None
-    if "spec.json" not in files:
-        raise OutputError(f"{folder} holds no batchjson run (no {STATE}/spec.json). Check --output (or output.path).")
+    if SPEC not in files:
+        raise OutputError(f"{folder} holds no batchjson run (no {STATE}/{SPEC}). Check --output (or output.path).")
     return folder, files
 
 

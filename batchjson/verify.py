@@ -171,8 +171,8 @@ def verify(commits: Commits, source: ParquetSource, refs: list[UnitRef], id_colu
 def verify_job(spec, output: str | None = None) -> Verdict:
     """`batchjson verify`: check a job's output folder against its input, without an engine."""
     source, storage = run_ends(spec, output)
-    if not (storage.state / "spec.json").exists():
-        raise OutputError(f"{storage.output} holds no batchjson run (no {storage.state / 'spec.json'}). Check "
+    if not storage.spec_file.exists():
+        raise OutputError(f"{storage.output} holds no batchjson run (no {storage.spec_file}). Check "
                           "--output.")
     source.check()
     scan = source.scan()

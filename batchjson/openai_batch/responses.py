@@ -103,7 +103,7 @@ def _finished(toml: Path):
 
     spec = load_spec(toml)
     storage = Storage(spec.output.path, spec.output.rejects or None)
-    if not (storage.state / "spec.json").exists():
+    if not storage.spec_file.exists():
         raise OutputError(f"{toml}: not run yet. Run `batchjson run {toml}`, then export again.")
     try:
         if storage.report_path().read_json().get("verified", {}).get("complete"):

@@ -31,7 +31,7 @@ from batchjson.errors import InputError, OutputError, ResumeConflict, StorageFul
 from batchjson.storage.commits import Commits
 from batchjson.storage.location import Location, glob_match, writing
 from batchjson.storage.locks import Lease, lock_folder, release
-from batchjson.storage.names import STAGED, PartName, Stage
+from batchjson.storage.names import SPEC, STAGED, PartName, Stage
 
 STATE = "_batchjson"  # leading underscore: Parquet dataset readers (pyarrow, DuckDB, Polars) skip it
 
@@ -73,6 +73,7 @@ class Storage:
         self.units = self.state / "units"
         self.inputs = self.state / "inputs"
         self.requeue_dir = self.state / "requeue"
+        self.spec_file = self.state / SPEC  # written when a run claims the folder: the folder holds a batchjson run
         self._locks: list = []
         self._lease: Lease | None = None
         self.commits = Commits({"output": self.output, "rejects": self.rejects, "requeue": self.requeue_dir},
@@ -123,7 +124,7 @@ class Storage:
             raise OutputError(f'--fresh and output.if_exists = "{if_exists}" cannot be used with --shard: shards '
                               f"share {self.output}. Clear the folder once before starting the shards, and run them "
                               'with output.if_exists = "resume".')
-        spec_file = self.state / "spec.json"
+        spec_file = self.spec_file
         if not spec_file.exists() and any(not name.startswith(("_", ".")) for name in self.output.names()):
             raise OutputError(f"{self.output} is not empty and holds no batchjson run. Choose an empty or new folder.")
         for d in (self.output, self.state, self.units, self.inputs, self.requeue_dir, self.rejects):

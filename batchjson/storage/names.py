@@ -9,6 +9,7 @@ folder written so far; a folder written before resumes only while they stay as t
     <unit>.parquet                                        pass-1 failures waiting for pass 2 (the requeue folder)
     p1-<unit>.json, p2-<unit>.json                        commit records (the units folder)
     .<part>.tmp                                           a part file staged before its record (see commits.py)
+    spec.json                                             the job spec, in the run state folder (SPEC)
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ STAGES: tuple[Stage, ...] = tuple(Stage)
 STAGED = ".tmp"  # a staged file's suffix (after a leading dot)
 PARQUET, JSON = ".parquet", ".json"
 REJECTS = "rejects-"
+SPEC = "spec.json"  # the run state's copy of the job spec: what marks a folder as a batchjson run's
 
 
 @dataclass(frozen=True, slots=True)
