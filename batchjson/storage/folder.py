@@ -275,7 +275,7 @@ class Storage:
         """The input scan a run kept (`keep_scan`), or None; read before the folder is claimed, writing nothing."""
         try:
             return (self.state / "scan.json").read_json()
-        except (FileNotFoundError, ValueError):
+        except (FileNotFoundError, NotADirectoryError, ValueError):  # none kept, or no folder there (the claim says)
             return None
 
     def keep_scan(self, scan: dict) -> None:
