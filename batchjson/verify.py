@@ -13,7 +13,6 @@ from collections import Counter
 from collections.abc import Collection
 from dataclasses import dataclass, field
 
-
 from batchjson.ends import run_ends
 from batchjson.errors import OutputError
 from batchjson.records import Stage

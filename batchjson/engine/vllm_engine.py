@@ -222,9 +222,15 @@ class VllmEngine(Engine):
             temperature=decoding.temperature, top_p=decoding.top_p, max_tokens=decoding.max_tokens,
             repetition_penalty=decoding.repetition_penalty, frequency_penalty=decoding.frequency_penalty,
             presence_penalty=decoding.presence_penalty, seed=None if self._cpu else decoding.seed, n=decoding.n,
-            structured_outputs=self._constraint,
-            extra_args=({internals.NO_DRAFT: True} | ({internals.AUDIT_TWIN: True} if twin else {})) if no_draft else None,
+            structured_outputs=self._constraint, extra_args=self._extra(no_draft, twin),
             **self._repetition(decoding.repetition_detection))
+
+    @staticmethod
+    def _extra(no_draft: bool, twin: bool) -> dict | None:
+        """SamplingParams.extra_args: no draft for this request (pass 2 on pass 1's engine), or an audit's twin."""
+        if not no_draft:
+            return None
+        return {internals.NO_DRAFT: True, internals.AUDIT_TWIN: True} if twin else {internals.NO_DRAFT: True}
 
     def _hung(self) -> str:
         """Why the engine is taken for hung ("" while it is not): one step has not returned for hang_timeout_s.
@@ -307,13 +313,13 @@ class VllmEngine(Engine):
                     yield Generation(prompt, error="prompt_too_long" if too_long else "engine_error", detail=str(e)[:500])
                     continue
                 # Outputs carry the caller's id; newer vLLM returns it with a random suffix ("7-1a2b3c4d").
-                in_flight[request_id.split("-", 1)[0]] = in_flight.pop("adding")
+                key = request_id.split("-", 1)[0]
+                in_flight[key] = in_flight.pop("adding")
                 twin = self._twin_params.get(prompt.stage)
                 if twin is not None and self._audit_left > 0:
                     self._audit_left -= 1
                     (twin_id,) = self.llm.enqueue(prompt.text, twin, use_tqdm=False)
-                    self._twins[twin_id.split("-", 1)[0]] = request_id.split("-", 1)[0]
-                    self._answers[request_id.split("-", 1)[0]] = [None, None]
+                    self._twins[twin_id.split("-", 1)[0]], self._answers[key] = key, [None, None]
             if not in_flight and not (exhausted and self._twins):  # the last audit twins are waited for
                 if exhausted:
                     return
@@ -365,7 +371,7 @@ class VllmEngine(Engine):
         out = dict.fromkeys(names.values(), 0.0)
         if self.audit["rows"]:  # the speculation audit's rows and those whose answer differed without drafts
             out |= {"audit_rows": self.audit["rows"], "audit_differ": self.audit["differ"]}
-        if self.speculative is None or not getattr(self.llm.llm_engine, "log_stats", True):  # or [model.engine] set them off
+        if self.speculative is None or not getattr(self.llm.llm_engine, "log_stats", True):  # no draft, or stats off ([model.engine])
             return out
         for metric in self.llm.get_metrics():
             if metric.name in names and hasattr(metric, "value"):

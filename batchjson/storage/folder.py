@@ -31,7 +31,7 @@ from batchjson.errors import InputError, OutputError, ResumeConflict, StorageFul
 from batchjson.storage.commits import Commits
 from batchjson.storage.location import Location, glob_match, writing
 from batchjson.storage.locks import Lease, lock_folder, release
-from batchjson.storage.names import SPEC, STAGED, PartName, Stage
+from batchjson.storage.names import SCAN, SPEC, STAGED, PartName, Stage
 
 STATE = "_batchjson"  # leading underscore: Parquet dataset readers (pyarrow, DuckDB, Polars) skip it
 
@@ -74,6 +74,7 @@ class Storage:
         self.inputs = self.state / "inputs"
         self.requeue_dir = self.state / "requeue"
         self.spec_file = self.state / SPEC  # written when a run claims the folder: the folder holds a batchjson run
+        self.scan_file = self.state / SCAN
         self._locks: list = []
         self._lease: Lease | None = None
         self.commits = Commits({"output": self.output, "rejects": self.rejects, "requeue": self.requeue_dir},
@@ -274,15 +275,15 @@ class Storage:
     def kept_scan(self) -> dict | None:
         """The input scan a run kept (`keep_scan`), or None; read before the folder is claimed, writing nothing."""
         try:
-            return (self.state / "scan.json").read_json()
+            return self.scan_file.read_json()
         except (FileNotFoundError, NotADirectoryError, ValueError):  # none kept, or no folder there (the claim says)
             return None
 
     def keep_scan(self, scan: dict) -> None:
         """Keep the input scan (fingerprints and repeated ids) for the next run: when its input is unchanged, it
         reads no id to know them again. One file, written whole, so its fingerprints and ids always agree."""
-        with writing(self.state / "scan.json"):
-            (self.state / "scan.json").write_json(scan)
+        with writing(self.scan_file):
+            self.scan_file.write_json(scan)
 
     def write_report(self, data: dict) -> None:
         with writing(self.report_path()):

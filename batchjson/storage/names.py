@@ -25,6 +25,7 @@ STAGED = ".tmp"  # a staged file's suffix (after a leading dot)
 PARQUET, JSON = ".parquet", ".json"
 REJECTS = "rejects-"
 SPEC = "spec.json"  # the run state's copy of the job spec: what marks a folder as a batchjson run's
+SCAN = "scan.json"  # the run state's input scan, kept for the next run (Storage.keep_scan)
 
 
 @dataclass(frozen=True, slots=True)
