@@ -1,6 +1,7 @@
 """Command line: `batchjson run JOB.toml`, `batchjson check JOB.toml` and `batchjson verify JOB.toml`; a run seen
 and stopped from anywhere: `batchjson status [JOB] --output OUT`, `batchjson cancel [JOB] --output OUT`; OpenAI Batch
-files in and out: `batchjson import-openai REQUESTS.jsonl DIR`, `batchjson export-openai DIR OUT.jsonl`.
+files in and out: `batchjson import-openai REQUESTS.jsonl DIR`, `batchjson export-openai DIR OUT.jsonl`; the
+Batch API itself: `batchjson serve --state DIR`.
 
 Exit codes: 0 done, rejects within output.max_reject_rate; 1 a bug (the traceback is printed); 2 bad spec, input
 or output folder, or an engine that cannot start or keeps dying (the message says what to do); 3 done, but rejects
@@ -190,6 +191,34 @@ def export_openai(folder, output, errors):
     except BatchjsonError as e:
         raise _user_error(e) from None
     click.echo(exported.summary())
+
+
+@main.command()
+@click.option("--state", required=True, type=click.Path(file_okay=False),
+              help="Folder of the server's files and batches (made if missing); a restarted server resumes from it.")
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Address to listen on. The server is for a trusted network: 0.0.0.0 opens it to every host "
+              "that reaches this one.")
+@click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535))
+@click.option("--model", default="default", show_default=True,
+              help="The model every batch runs on (the requests' own model is not used).")
+@click.option("--api-key", envvar="BATCHJSON_API_KEY", metavar="KEY",
+              help="Refuse requests without `Authorization: Bearer KEY` (401) [env BATCHJSON_API_KEY].")
+@click.option("--max-requests", type=click.IntRange(min=1), default=50_000, show_default=True,
+              help="Requests per batch; a larger file is refused when the batch is created (400).")
+def serve(state, host, port, model, api_key, max_requests):
+    """Serve OpenAI's Batch API (/v1/files, /v1/batches) on this host's GPUs: each batch runs as batchjson jobs,
+    one batch at a time, each request once in its output or error file.
+
+    Point the `openai` client's base_url at http://HOST:PORT/v1. A batch's completion_window ("24h", or a shorter
+    duration such as "2h") is its deadline: it then ends as expired, with what it finished."""
+    from batchjson.serve import serve as run_server
+
+    try:
+        run_server(state, host, port, model if model == "default" else str(Path(model).resolve()), api_key,
+                   max_requests)
+    except BatchjsonError as e:
+        raise _user_error(e) from None
 
 
 def entry() -> None:

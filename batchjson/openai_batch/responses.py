@@ -94,16 +94,19 @@ def _lines(spec) -> Iterator[tuple[int, str, bytes]]:
         yield line, kind, _line(kind, row, spec_hash, model, created)
 
 
-def _finished(toml: Path):
+def _finished(toml: Path, partial: bool = False):
     """A job of the import, finished with each of its rows once in output or rejects: as the exactly-once check
     that ended its run found (its _report.json), else as `batchjson verify` finds now. The export then checks
-    again, in flat memory, that it writes each line number of the requests file once (verify holds every id)."""
+    again, in flat memory, that it writes each line number of the requests file once (verify holds every id).
+    `partial`: a job stopped early (or never run: None) will do, if nothing in it is lost or doubled."""
     from batchjson.storage import Storage
     from batchjson.verify import verify_job
 
     spec = load_spec(toml)
     storage = Storage(spec.output.path, spec.output.rejects or None)
     if not storage.spec_file.exists():
+        if partial:
+            return None
         raise OutputError(f"{toml}: not run yet. Run `batchjson run {toml}`, then export again.")
     try:
         if storage.report_path().read_json().get("verified", {}).get("complete"):
@@ -111,25 +114,70 @@ def _finished(toml: Path):
     except (OSError, ValueError):
         pass  # no report (a sharded run writes one per shard, an interrupted one none): verify
     verdict = verify_job(spec)
-    if not verdict.complete:
+    if not (verdict.ok if partial else verdict.complete):
         what = verdict.summary() if not verdict.ok else "it is not finished"
         raise OutputError(f"{toml}: {what}. Run `batchjson run {toml}` (it resumes), then export again.")
     return spec
 
 
-def export_results(folder: str | Path, output: str | Path, errors: str | Path | None = None) -> Exported:
+# The error a request gets that a stopped batch did not answer, by the reason it stopped (the Batch API's codes).
+UNFINISHED = {"batch_expired": "This request could not be executed before the completion window expired.",
+              "batch_cancelled": "This request was not executed: the batch was cancelled."}
+
+
+def _requests(spec) -> Iterator[tuple[int, str]]:
+    """A job's requests in line order: (line, custom_id), one row group at a time."""
+    import pyarrow.dataset as ds
+
+    for batch in ds.dataset(spec.input.path, format="parquet").to_batches(columns=["line", "custom_id"]):
+        yield from zip(batch.column("line").to_pylist(), batch.column("custom_id").to_pylist())
+
+
+def _unanswered(answers: Iterator[tuple[int, str, bytes]], requests: Iterator[tuple[int, str]],
+                code: str) -> Iterator[tuple[int, str, bytes]]:
+    """The answers, and an error of `code` in its place for each request that has none (both in line order)."""
+    pending = next(answers, None)
+    for line, custom_id in requests:
+        while pending is not None and pending[0] < line:  # a line no request has: the check after the merge fails
+            yield pending
+            pending = next(answers, None)
+        if pending is not None and pending[0] == line:
+            yield pending
+            pending = next(answers, None)
+            continue
+        digest = hashlib.sha256(f"{code}\x00{custom_id}".encode()).hexdigest()
+        yield line, "rejects", orjson.dumps({"id": f"batch_req_{digest[:32]}", "custom_id": custom_id,
+                                             "response": None, "error": {"code": code, "message": UNFINISHED[code]}})
+    if pending is not None:
+        yield pending
+        yield from answers
+
+
+def export_results(folder: str | Path, output: str | Path, errors: str | Path | None = None, *,
+                   unfinished: str | None = None) -> Exported:
     """Write the Batch output file of a folder import_requests wrote, once its jobs are finished: one line per
     request, in the requests file's order; a valid row as a chat.completion (the JSON as the message's content,
     its finish_reason and token usage), a rejected one as an error whose code is its reject reason. Errors go
     to `errors`, or without it into `output` (response null, error set). Both files are written under a temporary
-    name and renamed at the end, so a failed export leaves none half written."""
+    name and renamed at the end, so a failed export leaves none half written.
+
+    `unfinished` ("batch_expired" or "batch_cancelled"): the jobs may have stopped early (a deadline, a cancel);
+    what they finished is written as above, and each request they did not answer gets an error of that code, so
+    each request still has exactly one line."""
     folder, output = Path(folder), Path(output)
     errors = Path(errors) if errors else output
     try:
         manifest = json.loads((folder / MANIFEST).read_text())
     except (OSError, ValueError):
         raise InputError(f"{folder}: no {MANIFEST} here. Give the folder import-openai wrote.") from None
-    streams = [_lines(_finished(folder / name / "job.toml")) for name in manifest["jobs"]]
+    if unfinished is not None and unfinished not in UNFINISHED:
+        raise ValueError(f"unfinished must be one of {', '.join(UNFINISHED)}, not {unfinished!r}")
+    jobs = [folder / name / "job.toml" for name in manifest["jobs"]]
+    specs = [(toml, _finished(toml, partial=unfinished is not None)) for toml in jobs]
+    merged = heapq.merge(*[_lines(spec) for _, spec in specs if spec is not None], key=lambda r: r[0])
+    if unfinished is not None:
+        requests = heapq.merge(*[_requests(spec or load_spec(toml)) for toml, spec in specs], key=lambda r: r[0])
+        merged = _unanswered(merged, requests, unfinished)
     staged = {path: path.with_name(f".{path.name}.tmp") for path in {output, errors}}
     files = {}
     try:
@@ -144,7 +192,7 @@ def export_results(folder: str | Path, output: str | Path, errors: str | Path | 
     try:
         changed = (f"The jobs' output folders changed since their runs: run `batchjson verify` on the jobs of "
                    f"{folder}, and `batchjson run` on those it finds incomplete, then export again.")
-        for line, kind, text in heapq.merge(*streams, key=lambda r: r[0]):
+        for line, kind, text in merged:
             if line <= last:
                 raise OutputError(f"line {line} of the requests has two answers. {changed}")
             last = line
