@@ -20,7 +20,7 @@ finished one.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from fnmatch import fnmatchcase
 
 import pyarrow as pa
@@ -63,8 +63,10 @@ class Commits:
         self.guard = guard
         """Raises if this run no longer holds the folder (a lost lease), before a record is written."""
         self._committed: set[str] | None = None
-        self._read: dict[str, dict] = {}  # commit records read so far: a record never changes, only goes (drop)
-        self._digests: dict[str, str] = {}  # record name -> the digest of its file's bytes, as read or written
+        # Commit records read or written so far, as their files' bytes (a record never changes, only goes: drop):
+        # about 1.1 KB a record with its name where the parsed dict took 3.2 KB (BENCHMARKS.md, "A job on a Ray
+        # cluster"). Parsed again at each look (a few µs), and digested when the index is written.
+        self._read: dict[str, bytes] = {}
         self.after: Callable[[str, str], None] = lambda step, stage: None
         """Called after each step of the commit protocol, with the pass; tests use it to kill the process there."""
 
@@ -84,16 +86,15 @@ class Commits:
         if self._committed is None:
             listed = {i.base_name: stamp(i) for i in self.units.files() if fnmatchcase(i.base_name, "p[12]-*.json")}
             self._committed = {UnitName.parse(name).unit_id() for name in listed}
-            for name, (sha, record) in self._index.records(listed).items():
+            for name, (_, record) in self._index.records(listed).items():
                 if name not in self._read:
-                    self._read[name], self._digests[name] = record, sha
+                    self._read[name] = json_bytes(record)  # the bytes the indexed digest is of (index.py)
         return self._committed
 
     def forget(self) -> None:
         """Drop what was listed and read: the folder was cleared."""
         self._committed, self._index = None, Index()
         self._read.clear()
-        self._digests.clear()
 
     def read_index(self) -> None:
         """Read the index (index.py) for this run: its records stand in for reading theirs. Before anything is
@@ -129,10 +130,9 @@ class Commits:
         """After an exactly-once check of the whole folder passed: its records, and its files as `trusted` listed
         them before the check read them, folded into the index for the next run."""
         listed = {i.base_name: stamp(i) for i in self.units.files()}
-        records = {name: (listed[name], self._digests[name], record) for name, record in self._read.items()
-                   if name in listed}
-        checked = {name: self._seen[name] for *_, record in records.values() for name in record["files"].values()
-                   if name in self._seen}
+        records = {name: (listed[name], digest(data), data) for name, data in self._read.items() if name in listed}
+        checked = {name: self._seen[name] for *_, data in records.values()
+                   for name in json.loads(data)["files"].values() if name in self._seen}
         with writing(self.index_file):
             Index.write(self.index_file, records, checked)
 
@@ -147,8 +147,9 @@ class Commits:
         self.committed()  # lists the records once, taking those the index stands in for
         if path.name not in self._read:
             data = path.read_bytes()
-            self._read[path.name], self._digests[path.name] = json.loads(data), digest(data)
-        return self._read[path.name]
+            json.loads(data)  # a record that does not parse fails here, before it is kept
+            self._read[path.name] = data
+        return json.loads(self._read[path.name])
 
     def record(self, stage: Stage, key: str) -> dict | None:
         try:
@@ -156,10 +157,11 @@ class Commits:
         except FileNotFoundError:
             return None
 
-    def records(self, stage: Stage | None = None) -> list[dict]:
-        """The commit records of one pass, or of both."""
+    def records(self, stage: Stage | None = None) -> Iterator[dict]:
+        """The commit records of one pass, or of both, one at a time (a folder's records parsed at once would be
+        the driver's largest object)."""
         pattern = f"{stage}-*.json" if stage else "p[12]-*.json"
-        return [self._load(p) for p in sorted(self.units.glob(pattern))]
+        return (self._load(p) for p in sorted(self.units.glob(pattern)))
 
     def requeued(self, key: str) -> bool:
         record = self.record(Stage.FIRST, key)
@@ -215,7 +217,7 @@ class Commits:
         path = self.record_path(stage, key)
         with writing(path, undo=lambda: self._unstage(stage, key)):
             path.write_json(record)
-        self._read[path.name], self._digests[path.name] = record, digest(json_bytes(record))
+        self._read[path.name] = json_bytes(record)
         self.committed().add(UnitName(stage, key).unit_id())
         self.after("committed", stage)
 
@@ -292,7 +294,6 @@ class Commits:
         for stage in reversed(Stage):
             self.record_path(stage, key).unlink(missing_ok=True)
             self._read.pop(self.record_path(stage, key).name, None)
-            self._digests.pop(self.record_path(stage, key).name, None)
             self.committed().discard(UnitName(stage, key).unit_id())
         for stage in reversed(Stage):
             self.begin(stage, key)

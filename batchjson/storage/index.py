@@ -26,6 +26,7 @@ for the units it names. Hence the end check's count of units taken from it; `bat
 from __future__ import annotations
 
 import hashlib
+import json
 import time
 
 from pyarrow import fs
@@ -80,9 +81,15 @@ class Index:
         return now is not None and self._checked.get(name) == list(now)
 
     @staticmethod
-    def write(file: Location, records: dict[str, tuple[Stamp, str, dict]], checked: dict[str, Stamp]) -> None:
-        """`records`: record name -> (stamp, digest of its file's bytes, record)."""
-        file.write_json({"written": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
-                         "records": {name: {"stamp": list(s), "sha256": d, "record": r}
-                                     for name, (s, d, r) in records.items()},
-                         "checked": {name: list(s) for name, s in checked.items()}})
+    def write(file: Location, records: dict[str, tuple[Stamp, str, bytes]], checked: dict[str, Stamp]) -> None:
+        """`records`: record name -> (stamp, digest of its file's bytes, those bytes). Each record goes in as its
+        file's bytes (JSON already), not parsed and encoded again: the index is built as one object of its own size
+        (about 0.5 KB a record), where json.dumps with an indent built twice that in small strings, 4x slower."""
+        dumps = json.dumps
+        parts = [b'{"written": ', dumps(time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())).encode(),
+                 b', "records": {']
+        for n, (name, (s, d, data)) in enumerate(records.items()):
+            parts += [b", " if n else b"", dumps(name).encode(), b': {"stamp": ', dumps(list(s)).encode(),
+                      b', "sha256": ', dumps(d).encode(), b', "record": ', data, b"}"]
+        parts += [b'}, "checked": ', dumps({name: list(s) for name, s in checked.items()}).encode(), b"}"]
+        file.write_json(b"".join(parts))

@@ -336,8 +336,9 @@ class Location:
             f.write(data)
 
     def write_json(self, data) -> None:
-        """All or nothing: a PUT on object storage is; locally, a temporary file renamed over the target is."""
-        text = json_bytes(data)
+        """All or nothing: a PUT on object storage is; locally, a temporary file renamed over the target is. `data`
+        as bytes is JSON encoded already (the index, index.py)."""
+        text = data if isinstance(data, bytes) else json_bytes(data)
         if not self.local:
             self.write_bytes(text)
             return
