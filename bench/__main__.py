@@ -34,6 +34,7 @@ COMMANDS = {
     "spec-profile": ("spec_profile", "where a speculative step's time goes, per in-flight size (vLLM plugin)"),
     "validators": ("validators", "validation's cost per row: Validator.check against other validators"),
     "openai-batch": ("openai_batch", "import-openai and export-openai: peak memory and time per requests file size"),
+    "serve": ("serve", "one requests file through `batchjson serve` against import-openai, run and export-openai"),
     "whole-runs": ("whole_runs", "whole runs of a new user's minimal job next to bare vLLM, one call"),
     "start-trace": ("start_trace", "where a run's time goes before its engine decodes (sampled stacks)"),
     "smoke": ("smoke", "every subcommand above, tiny, on the fake engine (make bench-smoke)"),

@@ -212,6 +212,7 @@ def plan(w: Path, model: Path) -> list[tuple]:
                       "--out", str(w / "replicas"), "--work", str(w / "replicas-work"), *m]),
         ("guard-cost", ["--repeat", "1"]),
         ("openai-batch", ["--lines", "300", "--work", str(w / "openai-batch")]),
+        ("serve", ["--lines", "300", "--work", str(w / "serve")]),
         ("validators", []),
         ("schemas", ["--limit", "5", "--out", str(w / "schemas.json")]),
         ("extract-schemastore", [str(w / "schemastore"), "--out", str(w / "corpus.jsonl.gz")]),

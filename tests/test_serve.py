@@ -13,8 +13,9 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
+import urllib.request
 
-import httpx
 import openai
 import pytest
 import uvicorn
@@ -61,6 +62,15 @@ def server(state, engines, model: str, api_key: str | None = None, **runner):
         srv.should_exit = True
         thread.join(60)
         store.close()
+
+
+def raw(url: str, data: bytes | None = None, headers: dict | None = None) -> tuple[int, dict]:
+    """A request without the client: (status, the JSON body)."""
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, data, headers or {}), timeout=30) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
 
 
 def client(base_url: str, api_key: str = "unused") -> OpenAI:
@@ -166,10 +176,13 @@ def test_bad_input_gets_openai_errors_and_stores_nothing(fake, tmp_path):
     with pytest.raises(openai.BadRequestError) as refused:
         fake.files.create(file=("g.jsonl", b"{}\n"), purpose="fine-tune")
     assert refused.value.body["param"] == "purpose"
-    raw = httpx.post(str(fake.base_url) + "batches", content=b"{", headers={"content-type": "application/json"})
-    assert raw.status_code == 400 and raw.json()["error"]["type"] == "invalid_request_error"
-    raw = httpx.post(str(fake.base_url) + "files", files={"file": ("x.jsonl", b"{}")})  # no purpose
-    assert raw.status_code == 400 and raw.json()["error"]["param"] == "purpose"
+    status, body = raw(str(fake.base_url) + "batches", b"{", {"content-type": "application/json"})
+    assert status == 400 and body["error"]["type"] == "invalid_request_error" and "not JSON" in body["error"]["message"]
+    form = b'--x\r\nContent-Disposition: form-data; name="file"; filename="x.jsonl"\r\n\r\n{}\r\n--x--\r\n'
+    status, body = raw(str(fake.base_url) + "files", form, {"content-type": "multipart/form-data; boundary=x"})
+    assert status == 400 and body["error"]["param"] == "purpose"  # no purpose
+    status, body = raw(str(fake.base_url) + "nothing")
+    assert status == 404 and body["error"]["type"] == "invalid_request_error"
 
 
 def test_over_the_request_limit_is_refused(tmp_path, tiny_model):
@@ -231,7 +244,7 @@ def test_an_api_key_refuses_other_callers(tmp_path, tiny_model):
         with pytest.raises(openai.AuthenticationError) as refused:
             client(base_url, "wrong").files.list()
         assert refused.value.status_code == 401 and refused.value.body["code"] == "invalid_api_key"
-        assert httpx.get(base_url + "/batches").status_code == 401
+        assert raw(base_url + "/batches")[0] == 401
         assert client(base_url, "s3cret").files.list().data == []
 
 
@@ -246,9 +259,9 @@ def test_a_killed_server_resumes_its_batch_to_exactly_once(tmp_path, tiny_model)
         deadline = time.monotonic() + 60
         while True:
             try:
-                httpx.get(f"http://127.0.0.1:{port}/v1/files")
+                raw(f"http://127.0.0.1:{port}/v1/files")
                 return proc
-            except httpx.TransportError:
+            except OSError:
                 assert proc.poll() is None and time.monotonic() < deadline, "the server did not start"
                 time.sleep(0.1)
 

@@ -158,6 +158,7 @@ class Runner:
     # the queue
 
     def start(self) -> None:
+        threading.Thread(target=_warm, name="batchjson-serve-warm", daemon=True).start()
         self._thread = threading.Thread(target=self._loop, name="batchjson-serve-runner", daemon=True)
         self._thread.start()
 
@@ -325,6 +326,14 @@ class Runner:
         except (BatchjsonError, OSError, ValueError):
             return None
         return {"completed": completed, "failed": failed}
+
+
+def _warm() -> None:
+    """Import what the first batch's import and run would (the grammar backends take seconds), at the start."""
+    from batchjson.schema.grammar import choose
+    import batchjson.worker  # noqa: F401
+
+    choose({"type": "object", "properties": {"a": {"type": "string"}}})
 
 
 def _manifest(work: Path) -> dict:
