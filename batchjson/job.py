@@ -7,7 +7,6 @@ two passes that run as a pipeline, and the exactly-once check that ends every ru
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from collections import Counter
@@ -15,10 +14,7 @@ from collections import Counter
 from tqdm import tqdm
 
 from batchjson.errors import SpecError, StorageFault
-from batchjson.executors.base import Queue
-from batchjson.executors.inline import run_inline
-from batchjson.engine.devices import Layout
-from batchjson.executors.local import local_layout
+from batchjson.executors import Pool, Queue, local_layout, make_pool
 from batchjson.report import NoteCode, PassStats, RunReport, process_age
 from batchjson.engine.base import EngineFactory
 from batchjson.ends import run_ends
@@ -90,7 +86,10 @@ class JobRun:
                                for row_id, places in scan.repeated.items()}
                 report.timeline["checked"] = mark()
                 with self.watch.running(self.refs):  # the progress file says "running", or "failed" and why
-                    self._run_passes(report, layout)
+                    todo = self._todo()
+                    if any(todo.values()):
+                        with self._pool(todo, layout, report.resumed) as pool:
+                            self._run_passes(report, todo, pool)
                 report.timeline["passes"] = mark()
                 report.tally(commits.records())
                 # Units an earlier passing check read, unchanged since, are counted from their records (verify.py);
@@ -125,11 +124,26 @@ class JobRun:
             todo[Stage.SECOND] = [k for k in self.refs if commits.requeued(k) and not commits.done(Stage.SECOND, k)]
         return todo
 
-    def _run_passes(self, report: RunReport, layout: Layout | None) -> None:
-        """Both passes through one queue, on this process's engine or on replicas: the same worker body."""
-        todo = self._todo()
-        if not any(todo.values()):
-            return
+    def _left(self, todo: dict[Stage, list[str]]) -> dict[Stage, int]:
+        """The rows each pass has left to decode."""
+        left = {Stage.FIRST: sum(self.refs[k].rows for k in todo[Stage.FIRST])}
+        if todo.get(Stage.SECOND):
+            left[Stage.SECOND] = sum(self.storage.commits.record(Stage.FIRST, k)["rows"]["requeue"]
+                                     for k in todo[Stage.SECOND])
+        return left
+
+    def _pool(self, todo: dict[Stage, list[str]], layout, resumed: bool) -> Pool:
+        """Where the passes run (executors.make_pool): in this process, local replicas or Ray actors, one body for
+        all. A resumed run with replicas_per_gpu "auto" lays its replicas out by the rows it has left."""
+        if layout is not None and resumed and self.replicas is None:
+            layout = local_layout(None, self.spec.model, sum(self._left(todo).values()))
+        worker = lambda channel: Worker(self.spec, self.storage, self.source, self.refs, self.owners,  # noqa: E731
+                                        self.engines, self.stop, started=self.started).serve(channel)
+        args = (self.spec, self.output, self.shard, self.engines, self.owners, self.source.stamps)
+        return make_pool(layout, worker, serve_replica, args, self.ray, self.replicas, self.spec.model)
+
+    def _run_passes(self, report: RunReport, todo: dict[Stage, list[str]], pool: Pool) -> None:
+        """Both passes through one queue, on the pool it is handed: the same worker body wherever it runs."""
         work = Queue(todo, {Stage.FIRST: Stage.SECOND} if len(self.passes) > 1 else {},
                      expired=lambda: self.watch.expired)
         stats = {p.stage: PassStats() for p in self.passes}
@@ -140,10 +154,8 @@ class JobRun:
                 bars[stage] = tqdm(total=0, desc=stage.label, unit="row", disable=self.progress, position=len(bars))
             return bars[stage]
 
-        bar(Stage.FIRST).total = sum(self.refs[k].rows for k in todo[Stage.FIRST])
-        if todo.get(Stage.SECOND):
-            requeued = (self.storage.commits.record(Stage.FIRST, k)["rows"]["requeue"] for k in todo[Stage.SECOND])
-            bar(Stage.SECOND).total = sum(requeued)
+        for stage, rows in self._left(todo).items():
+            bar(stage).total = rows
 
         def on_done(stage: Stage, key: str, rows: int, requeued: int) -> None:
             self.watch.committed(stage, key)
@@ -159,17 +171,9 @@ class JobRun:
         def on_note(stage: str, code: NoteCode, text: str) -> None:
             stats[stage].note = "; ".join(filter(None, (stats[stage].note, stats[stage].event(code, text))))
 
-        if layout is not None and report.resumed and self.replicas is None:  # auto: by the rows left to decode
-            layout = local_layout(None, self.spec.model, sum(b.total for b in bars.values()))
         try:
-            if layout:
-                report.lay_out(layout)
-            if self.ray or len(layout.placements) > 1:
-                report.lay_out(self._on_replicas(work, layout, on_done, on_stats, on_note))
-            else:
-                worker = Worker(self.spec, self.storage, self.source, self.refs, self.owners, self.engines,
-                                self.stop, started=self.started)
-                run_inline(worker.serve, work, on_done, on_stats)
+            report.lay_out(pool.layout)
+            pool.drive(work, self.stop, on_done, on_stats, on_note)
         finally:
             for b in bars.values():
                 b.close()
@@ -179,25 +183,6 @@ class JobRun:
                     s.seconds = work.seconds(p.stage)
                     s.replicas = report.replicas
                     report.passes[p.stage.label] = s
-
-    def _on_replicas(self, work: Queue, layout: Layout | None, on_done, on_stats, on_note) -> Layout:
-        """The queue served to engine replicas that pull units from it (executors/local.py, executors/ray.py); the
-        layout they ran in."""
-        os.environ["BATCHJSON_RUNNER_PID"] = str(os.getpid())  # local replicas die with this process
-        args = (self.spec, self.output, self.shard, self.engines, self.owners, self.source.stamps)
-        if self.ray:
-            from batchjson.executors.ray import ray_pool
-
-            pool = ray_pool(serve_replica, args, self.ray, self.replicas, self.spec.model)
-        else:
-            from batchjson.executors.local import LocalPool
-
-            pool = LocalPool(serve_replica, args, layout)
-        try:
-            pool.drive(work, self.stop, on_done, on_stats, on_note)
-        finally:
-            pool.close()
-        return pool.layout
 
 
 def run_job(spec: JobSpec, output: str | None = None, **kwargs) -> RunReport:

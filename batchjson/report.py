@@ -71,10 +71,10 @@ class PassStats:
     replicas: int = 1
     """Engine replicas the pass ran on at once: its engine-seconds are seconds x replicas."""
     auto: list = field(default_factory=list)
-    """speculative.method = "auto": what each engine (replica) chose and why (see engine/speculation.py)."""
+    """speculative.method = "auto": what each engine (replica) chose and why (see adapt/auto.py)."""
     recipe: list = field(default_factory=list)
     """Pass 1 only: per engine (replica) that judged its first rows, the sampling settings it decoded the rest with
-    and why (see passes.py)."""
+    and why (see adapt/recipe.py)."""
     engine_starts: int = 0
     """Engines this pass started (all replicas): 0 when it ran on the previous pass's engine."""
     engine_start_s: float = 0.0
@@ -196,7 +196,7 @@ class RunReport:
         record(self.events, code, text)
 
     def lay_out(self, layout) -> None:
-        """Record where the replicas ran (an engine/devices.py Layout)."""
+        """Record where the replicas ran (an executors/placement.py Layout)."""
         self.replicas, self.replicas_per_gpu, self.layout = len(layout.placements), layout.per_gpu, layout.summary()
         named = {g for p in layout.placements if p.devices for g in p.devices.split(",")}
         self.gpus = len(named) or (-(-self.replicas // layout.per_gpu) if layout.per_gpu else 0)

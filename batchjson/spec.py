@@ -163,7 +163,7 @@ class ModelSpec:
     """Engine replicas sharing each GPU (each tensor-parallel group of GPUs): each its own engine processes, its share
     of the GPU's memory (vLLM's gpu_memory_utilization divided among them, unless [model.engine] sets it) and of the
     host's cores. A small model leaves one engine CPU-bound and the GPU mostly idle. "auto": a count measured to pay
-    for the model's size and the host's cores (engine/devices.py, REPLICAS_PER_GPU_RULE), else one."""
+    for the model's size and the host's cores (executors/placement.py, REPLICAS_PER_GPU_RULE), else one."""
 
     def __post_init__(self):
         _require(self.structured_output_backend in BACKEND_NAMES,
@@ -183,7 +183,7 @@ class ModelSpec:
 @dataclass(frozen=True)
 class SpeculativeSpec:
     method: str = "auto"
-    """auto (measure on the job's rows and keep speculation only where it pays: see engine/speculation.py), none,
+    """auto (measure on the job's rows and keep speculation only where it pays: see adapt/auto.py), none,
     ngram, suffix, draft_model, schema (batchjson's drafter: what the grammar forces, copies from the prompt), or
     another vLLM speculative method; the draft never carries the JSON constraint."""
     num_speculative_tokens: int = 4

@@ -1,12 +1,12 @@
 """One engine's share of a job: take units of either pass from the queue, load and render them, decode, check and
-commit each one; recover from engine deaths; apply the answers of the adaptive policies (adapt.py: pass 1's
-recipe, auto's engine switches). Every executor runs this body: inline in the runner's process, or as a replica's
-whole life (`serve_replica`, at the end).
+commit each one; recover from engine deaths; apply the answers of the adaptive policies (adapt/: pass 1's recipe,
+auto's engine switches, the speculation audit). Every executor runs this body: inline in the runner's process, or as
+a replica's whole life (`serve_replica`, at the end).
 
 Both passes share the worker's engine where it decodes both (sampling is per request; pass 2's requests go
 without a draft on a speculative engine, see engine/internals.py), so a unit's pass 2 decodes beside other units'
 pass 1. An engine that does not decode a pass (a vLLM without the per-request draft switch, another grammar
-backend; its factory says, engine/base.py) makes the worker ask only for the passes it decodes and park the rest;
+backend; passes.decoded_by says) makes the worker ask only for the passes it decodes and park the rest;
 when nothing else is left it changes engines.
 
 Over 250 lines because the decode loop, engine deaths and the choice of work share one engine's state; Tracker,
@@ -26,19 +26,21 @@ from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from itertools import chain
 
-from batchjson.adapt import Answer, Policy, Resample, Switch
+from batchjson.adapt.audit import Audit
+from batchjson.adapt.auto import Auto
+from batchjson.adapt.base import Answer, Policy, Resample, Switch
+from batchjson.adapt.recipe import Recipe
 from batchjson.engine.base import Engine, EngineFactory
-from batchjson.engine.devices import Placement
 from batchjson.errors import BatchjsonError, EngineDied, EngineError
 from batchjson.executors.base import Channel, Work, queue_channel
-from batchjson.passes import Recipe, plan_passes
+from batchjson.executors.placement import Placement
+from batchjson.passes import decoded_by, engine_decoding, plan_passes
 from batchjson.prompts import Renderer, chat_frame, chat_messages
 from batchjson.records import FINAL, WAIT, Generation, Outcome, Prompt, Stage
 from batchjson.report import PassStats
 from batchjson.tables import PartSink
 from batchjson.source import ParquetSource, UnitRef
 from batchjson.spec import JobSpec, SpeculativeSpec
-from batchjson.engine.speculation import Audit, Auto
 from batchjson.ends import run_ends
 from batchjson.storage import Storage
 from batchjson.schema.validate import Validator
@@ -151,7 +153,7 @@ class Worker:
         self.validator = Validator(spec.schema_doc, spec.schema.check_format)
         self.sink = PartSink(spec.input.id_column, source.passthrough_schema(), spec.schema_doc)
         self.engine: Engine | None = None
-        self.decodes: tuple[Stage, ...] = ()  # the passes self.engine decodes (its factory says, at its start)
+        self.decodes: tuple[Stage, ...] = ()  # the passes self.engine decodes (passes.decoded_by, at its start)
         self.parked: deque[Work] = deque()  # handed to this worker for a pass its engine does not decode
         self.stats = {p.stage: PassStats() for p in self.passes}
         self.speculative: SpeculativeSpec | None = self.passes[0].speculative  # pass 1's draft, now
@@ -300,10 +302,11 @@ class Worker:
             with self.channel.turn(self.stop) as go:
                 if not go:
                     return None
+                decoding = engine_decoding(self.passes, p.decoding)
                 t0 = time.monotonic()
-                engine = self.engines.start(self.spec, p.decoding, self.speculative if p is self.passes[0] else None)
+                engine = self.engines.start(self.spec, decoding, self.speculative if p is self.passes[0] else None)
                 seconds = time.monotonic() - t0
-            self.engine, self.decodes = engine, self.engines.takes(engine, self.passes, self.speculative)
+            self.engine, self.decodes = engine, decoded_by(engine, self.passes, self.speculative)
             for q in self.passes:  # each pass it decodes, with its sampling settings now: pass 1 with drafts
                 if q.stage in self.decodes:
                     engine.use(self.sampling[q.stage], q.stage, draft=q is self.passes[0])
@@ -331,7 +334,7 @@ class Worker:
 
     def _decode(self, tracker: Tracker, stage: Stage, pairs: Iterator[Work]) -> None:
         """Decode, check and commit the units of `pairs` on an engine for `stage`, until the channel has no more
-        for it; after each row, apply the policies' answers (adapt.py).
+        for it; after each row, apply the policies' answers (adapt/).
 
         A stop never starts an engine: a signal that reached the engine processes too (Ctrl-C in a terminal) kills
         them, and that is not a death to recover from (see `_died`).

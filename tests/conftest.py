@@ -11,7 +11,8 @@ import pytest
 
 from helpers import SCRATCH  # first: it sets the session's environment up
 from batchjson.engine import EngineWrapper
-from batchjson.engine.vllm_engine import VllmEngines, engine_decoding
+from batchjson.engine.vllm_engine import VllmEngines
+from batchjson.passes import engine_decoding, plan_passes
 
 
 def pytest_configure(config):
@@ -51,7 +52,7 @@ class SharedEngines(VllmEngines):
 
     def start(self, spec, decoding, speculative):
         schema = json.dumps(spec.schema_doc, sort_keys=True)
-        key = repr((spec.model, engine_decoding(spec, decoding), speculative, schema))  # the engine-wide seed too
+        key = repr((spec.model, engine_decoding(plan_passes(spec), decoding), speculative, schema))  # the engine-wide seed too
         engine = self.engines.pop(key, None)
         if engine is None:
             self._evict(keep=self.MAX_IDLE - 1)

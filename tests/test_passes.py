@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from batchjson import passes
+from batchjson.adapt import recipe
 from batchjson.engine import EngineWrapper, WrappedEngines
 from batchjson.engine.fake import FakeEngines
 from batchjson.errors import SpecError
@@ -38,7 +38,7 @@ def test_pass_one_takes_the_fallbacks_sampling_when_greedy_fails(tmp_path, tiny_
     p1 = report.passes["pass1"]
     (judged,) = p1.recipe
     assert judged["recipe"] == "fallback"
-    assert judged["judged"]["sampling"]["rows"] == passes.JUDGE_ROWS
+    assert judged["judged"]["sampling"]["rows"] == recipe.JUDGE_ROWS
     # Most of pass 1 decoded sampled: far more valid rows than greedy's 10%, fewer left for pass 2.
     assert p1.valid > 0.7 * ROWS and report.passes["pass2"].rows == ROWS - p1.valid
     assert len(engines.started) == 1  # the same engine: only the requests' settings changed
@@ -67,7 +67,7 @@ def test_a_fallback_that_does_worse_hands_pass_one_back(tmp_path, tiny_model):
     report, engines = run(job_with(tmp_path, tiny_model), valid=0.4, sampled_valid=0.05)
     (judged,) = report.passes["pass1"].recipe
     assert judged["recipe"] == "sampling" and judged["why"].startswith("back to its own sampling settings")
-    assert judged["judged"]["fallback"]["rows"] == passes.JUDGE_ROWS
+    assert judged["judged"]["fallback"]["rows"] == recipe.JUDGE_ROWS
     assert engines.engines[0].decoding["p1"].temperature == 0
 
 

@@ -7,7 +7,7 @@ import time
 import pytest
 
 from batchjson.engine import EngineWrapper, WrappedEngines
-from batchjson.engine.devices import Layout, Placement
+from batchjson.executors.placement import Layout, Placement
 from batchjson.errors import SpecError
 from batchjson.engine.fake import FakeEngines
 from batchjson.job import run_job

@@ -53,9 +53,9 @@ def test_truncated_rows_are_rescued_by_a_larger_fallback_budget(tmp_path, tiny_m
 def test_pass_one_takes_the_fallbacks_settings_when_its_own_fail(tmp_path, tiny_model, engines, monkeypatch):
     """Pass 1's budget cuts every row; once its first rows show it, the rest decode with the fallback's settings on
     the same engine, and pass 2 has only what still failed."""
-    from batchjson import passes
+    from batchjson.adapt import recipe
 
-    monkeypatch.setattr(passes, "JUDGE_ROWS", 8)
+    monkeypatch.setattr(recipe, "JUDGE_ROWS", 8)
     write_rows(tmp_path / "in.parquet", 40)
     spec = load_spec(write_job(tmp_path, tiny_model, tmp_path / "in.parquet", max_tokens=3, fallback_max_tokens=64))
     report = run_job(spec, engine_factory=engines, progress=False)

@@ -31,35 +31,14 @@ import math
 import time
 from dataclasses import dataclass, field
 
-from batchjson.adapt import KEEP, Answer, Policy, Switch
+from batchjson.adapt.base import KEEP, Answer, Policy, Switch
 from batchjson.engine.base import Engine
 from batchjson.records import Generation, Outcome, Stage
 from batchjson.spec import SpeculativeSpec
 
-# Output tokens/s of each speculative method over no speculation, by requests in flight: measured on an H200 with
-# bench/spec_profile.py (SmolLM2-135M, bounded JSON Schema, loop guard, greedy; BENCHMARKS.md, "Speculation").
-# suffix: the geometric mean over extraction tasks A, B and C (A alone: 1.67 1.65 1.87 1.24 0.96; B: 1.31 1.57 3.06
-# 1.84 1.86; C: 1.09 1.75 2.09 1.70 1.46); ngram: task A. Acceptance there: ngram k=4 0.70-0.77, suffix k=8
-# 0.57-0.90. Between two sizes the nearer counts. On CPU, verification costs what it saves (VLLM_NOTES): no prior
-# gain there.
-# 1024 (vLLM's batch on an H100/H200, where an unset max_in_flight fills it) is whole runs of a new user's job
-# (bench/whole_runs.py, task C, 6,000 rows, one call): after the first request, suffix decoding took 49.5 s and no
-# speculation 43.5 s (bare vLLM 42.3 s and 40.3-41.6 s); a full batch keeps the GPU busy without drafts, and each
-# draft position costs a grammar mask in the engine core (BENCHMARKS.md, "Whole runs against bare vLLM").
-# draft_model: whole runs with Qwen2.5-Coder-1.5B as the target and its 0.5B sibling as the draft (k 4, acceptance
-# 0.99), pass-1 decode after the first request against no speculation (bench/whole_runs.py, task C; BENCHMARKS.md,
-# "A real target"): 17.3 s vs 12.3 s at 64 in flight, 39.5 s vs 28.3 s at a full batch. A draft of 24 layers costs
-# a 28-layer target about a target step per drafted token when both are bound by per-step overheads, as on an H200.
-# The same run put suffix decoding at 0.57 at a full batch on the 1.5B (0.65 on the 0.5B as the target).
-# The 1.5B target confirms suffix's prior with few in flight: x1.48 of no speculation's pass-1 decode at 16
-# (bare vLLM x1.37), and ngram lost in bare vLLM (x0.90; BENCHMARKS.md, "The 1.5B target at 16 requests in flight").
-# The 1.5B (Qwen2.5-Coder-1.5B-Instruct, 3.1 GB of bfloat16 weights; whole runs, pass-1 decode after the first request
-# against no speculation, each pair in one call; BENCHMARKS.md, "A real target"): suffix x1.48 at 16 in flight
-# (bare vLLM x1.37), x0.85 at 64 (bare x0.80), x0.57 at a full batch; ngram x0.90 at 16 in bare vLLM; the 0.5B
-# draft x0.71 at 64 and x0.72 at a full batch; at 16 in flight (run14; its none from run10's sitting, the same task,
-# rows and settings) the draft's pass-1 decode took 20.6 s against none's 11.65 s (x0.57; bare vLLM 20.2 s, x0.56),
-# and batchjson's ngram 18.2 s (x0.64). A bigger target spends more of each step in the GPU, where a verified
-# position costs about what a decoded one does, so speculation pays only with few requests in flight.
+# Output tokens/s of each speculative method over no speculation, by requests in flight (the nearer of two sizes
+# counts): measured on an H200 (bench/spec_profile.py, bench/whole_runs.py); where each figure comes from is in
+# BENCHMARKS.md, "auto: the measurements behind its prior". On a CPU verification costs what it saves: no prior gain.
 # Keys: platform, then the target's weight gigabytes (the nearest measured size that has the method counts), then
 # the method, then requests in flight.
 MEASURED_SPEEDUP = {
@@ -248,30 +227,3 @@ class Auto(Policy):
                 "predicted_speedup": round(self.prior, 2), "in_flight": self.in_flight, "platform": self.platform,
                 "weights_gb": round(self.weights_gb, 2) if self.weights_gb else None,
                 "trials": [t.to_dict() for t in self.trials if t.rows]}
-
-
-class Audit(Policy):
-    """The speculation audit: under greedy decoding an answer with drafts must be the answer without them. The engine
-    decodes a twin without drafts of pass 1's first `[speculative] audit_rows` rows beside them (VllmEngine keeps the
-    count in `engine.audit`); once a row's two answers differ, speculation is off for the rest of the run: pass 1
-    goes on on an engine without drafts, the rows in flight with it. One differing row is enough: greedy decoding
-    with drafts is exact by design, so a difference is a fault (or, rarely, floating-point noise between two
-    batches, which costs one engine start). The report says how many rows were audited and how many differed."""
-
-    def __init__(self) -> None:
-        self.off: dict | None = None  # the audit's numbers when it turned speculation off
-
-    @classmethod
-    def for_job(cls, speculative: SpeculativeSpec | None) -> Audit | None:
-        return cls() if speculative is not None and speculative.enabled and speculative.audit_rows else None
-
-    def observe(self, engine: Engine, gen: Generation, outcome: Outcome) -> Answer:
-        if self.off is not None or not engine.audit["differ"]:
-            return KEEP
-        self.off = dict(engine.audit)
-        return Switch(None)
-
-    def report(self, stats) -> None:
-        if self.off is not None:
-            stats.first_note("speculation-off", f"speculation switched off: {self.off['differ']} of the "
-                             f"{self.off['rows']} rows audited so far decoded otherwise without drafts")

@@ -1,5 +1,5 @@
-"""The adaptive policies of a worker behind one contract: pass 1's recipe (passes.Recipe) and auto's engine switches
-(engine/speculation.Auto).
+"""The contract of a worker's adaptive policies: pass 1's recipe (recipe.py), auto's engine switches (auto.py) and
+the speculation audit (audit.py).
 
 A policy watches the rows its worker's engine finishes and answers after each one: keep going (KEEP), decode pass 1
 with other sampling settings on this engine (Resample), or go on on another engine (Switch). The worker applies the

@@ -6,14 +6,11 @@ from __future__ import annotations
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from batchjson.records import Generation, Prompt, Stage
 from batchjson.schema.grammar import Choice
 from batchjson.spec import DecodingSpec, JobSpec, SpeculativeSpec
-
-if TYPE_CHECKING:
-    from batchjson.passes import Pass
 
 
 class Engine(ABC):
@@ -69,8 +66,8 @@ class Engine(ABC):
 
 
 class EngineFactory(ABC):
-    """Starts a run's engines, and says what they decode: before any starts, whether a speculative one can decode a
-    request without a draft; after each start, which passes it takes.
+    """Starts a run's engines, and says before any starts whether a speculative one can decode a request without a
+    draft (which passes an engine then decodes is passes.py's question: `decoded_by`).
 
     VllmEngines (vllm_engine.py) starts VllmEngine, FakeEngines (fake.py) the fake. A factory goes to each replica
     (pickled), so it holds settings, not engines. Tests and benchmarks that watch or break engines wrap a factory's
@@ -79,21 +76,14 @@ class EngineFactory(ABC):
 
     @abstractmethod
     def start(self, spec: JobSpec, decoding: DecodingSpec, speculative: SpeculativeSpec | None) -> Engine:
-        """A new engine for a pass with these settings (the engine-wide ones: grammar backend, draft); EngineError
-        when it cannot start."""
+        """A new engine for a pass with these settings (the engine-wide ones: grammar backend, draft, and on a CPU
+        the seed, which passes.engine_decoding has set); EngineError when it cannot start."""
 
     @property
     @abstractmethod
     def drafts_optional(self) -> bool:
         """Whether its speculative engines can decode a request without a draft. When they can, pass 2 decodes
         beside pass 1 on a speculative engine; when not, pass 2 would need an engine start of its own."""
-
-    def takes(self, engine: Engine, passes: Sequence[Pass], speculative: SpeculativeSpec | None) -> tuple[Stage, ...]:
-        """The passes `engine` decodes as it is: the first with `speculative` (its draft now) or without a draft,
-        the others without. Engine-wide settings change only with the engine (auto's switches, deaths)."""
-        first = passes[0]
-        return tuple(p.stage for p in passes
-                     if (p is first and engine.accepts(p.decoding, speculative)) or engine.accepts(p.decoding, None))
 
 
 class EngineWrapper(Engine):
@@ -146,6 +136,3 @@ class WrappedEngines(EngineFactory):
     @property
     def drafts_optional(self) -> bool:
         return self.inner.drafts_optional
-
-    def takes(self, engine: Engine, passes: Sequence[Pass], speculative: SpeculativeSpec | None) -> tuple[Stage, ...]:
-        return self.inner.takes(engine, passes, speculative)

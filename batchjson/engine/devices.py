@@ -1,40 +1,16 @@
-"""The GPUs a run can see and how engine replicas are laid over them: how many GPUs each replica takes, how many
-replicas share each GPU (model.replicas_per_gpu and the rule behind its "auto"), and each one's share of the GPU's
-memory. The arithmetic every executor shares; no executor decides any of it on its own.
+"""The GPUs a run can see, asked without initialising CUDA: which ones, their memory, what holds it, the host's cores.
+How replicas are laid over them is executors/placement.py's.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import math
 import os
 import socket
 import subprocess
-from collections import Counter
-from dataclasses import dataclass, field
 
-from batchjson.errors import SpecError
-from batchjson.spec import JobSpec, ModelSpec
-
-GIB = 1 << 30
 # vLLM's default gpu_memory_utilization (CacheConfig): the share of a GPU's memory one engine takes when the spec does
 # not say. The replicas sharing a GPU divide it.
 VLLM_GPU_MEMORY_UTILIZATION = 0.9
-
-# replicas_per_gpu = "auto": rows of (the model's weights at most this share of one GPU's memory, at least this many
-# host cores per replica, at least this many rows to decode per replica, replicas per GPU), tried in order; the first
-# row that holds gives the count. A row sharing a GPU belongs here only once it was measured to pay on whole runs
-# against fewer engines per GPU, for models of that size, on hosts of that many cores per replica, on jobs of that many
-# rows (BENCHMARKS.md, "Replicas per GPU"). Measured on an H200 (140 GiB, 16 cores), 30,000 rows, each model in one
-# sitting: SmolLM2-135M (0.25 GiB, 0.18% of it) 1, 2, 3, 4 replicas 194.6, 153.3, 118.0, 121.0 s (bare vLLM's one
-# engine 251.4 s); Qwen2.5-Coder-0.5B (1.17 GiB, 0.84%) 1, 2, 3 replicas 179.3, 122.5, 112.4 s; the same valid rows.
-# Three hold wherever two did (8 cores and 15,000 rows for each of two), so two has no row of its own; four gained
-# nothing on three. Below its rows (a small job ends before another engine's start pays), above its share (the 1.5B
-# target, 2.4%: two replicas 229.1 s against one's 155.1 s, two sittings), or with fewer cores: one per GPU.
-REPLICAS_PER_GPU_RULE: tuple[tuple[float, int, int, int], ...] = (
-    (0.01, 5, 10_000, 3),
-    (1.0, 0, 0, 1),
-)
 
 
 def visible_gpus() -> list[str]:
@@ -105,126 +81,3 @@ def gpus_here() -> str | None:
     CUDA_VISIBLE_DEVICES); None without a GPU."""
     gpus = visible_gpus()
     return f"{socket.gethostname()}:{','.join(gpus)}" if gpus else None
-
-
-def gpus_per_replica(engine: dict) -> int:
-    return int(engine.get("tensor_parallel_size", 1)) * int(engine.get("pipeline_parallel_size", 1))
-
-
-@dataclass(frozen=True)
-class Placement:
-    """Where one replica runs: the GPUs it sees (its CUDA_VISIBLE_DEVICES; None: as its process finds them), how many
-    replicas share those GPUs (itself included), and the [model.engine] keys its engine gets on top of the spec's
-    (its share of the GPUs' memory)."""
-
-    devices: str | None = None
-    share: int = 1
-    engine: dict = field(default_factory=dict)
-
-    def applied(self, spec: JobSpec) -> JobSpec:
-        """The spec this replica's engines start with. Only a replica's own copy changes: the run's hash is the
-        driver's, and where decoding runs does not change what a run writes."""
-        if not self.engine:
-            return spec
-        model = dataclasses.replace(spec.model, engine={**spec.model.engine, **self.engine})
-        return dataclasses.replace(spec, model=model)
-
-
-@dataclass(frozen=True)
-class Layout:
-    """Every replica's placement, the replicas per GPU (group) they were laid out at (0: no GPU), and why: the
-    report's one line."""
-
-    placements: tuple[Placement, ...]
-    per_gpu: int = 0
-    why: str = ""
-
-    def summary(self) -> str:
-        if not self.per_gpu:
-            return ""
-        gpus = {g for p in self.placements if p.devices is not None for g in p.devices.split(",")}
-        on = f" on {len(gpus)} GPU(s)" if gpus else ""
-        memory = self.placements[0].engine.get("gpu_memory_utilization")
-        each = f"; each engine gpu_memory_utilization {memory}" if memory else ""
-        return f"{len(self.placements)} replica(s){on}, {self.per_gpu} per GPU ({self.why}){each}"
-
-
-def memory_share(engine: dict, share: int) -> dict:
-    """The [model.engine] keys of one of `share` engines on the same GPUs: vLLM's default gpu_memory_utilization
-    divided among them. A gpu_memory_utilization set in [model.engine] is vLLM's own, per engine, and kept as it is,
-    as long as the engines of a GPU ask for no more than all of it."""
-    given = engine.get("gpu_memory_utilization")
-    if given is not None:
-        if share > 1 and given * share > 1:
-            raise SpecError(f"model.engine.gpu_memory_utilization = {given} with {share} replicas on each GPU "
-                            f"(model.replicas_per_gpu): together they would ask for {given * share:.0%} of its memory. "
-                            f"Set it to at most {math.floor(100 / share) / 100}, or leave it out (each replica then "
-                            f"gets {VLLM_GPU_MEMORY_UTILIZATION}/{share}).")
-        return {}
-    if share == 1:
-        return {}
-    return {"gpu_memory_utilization": math.floor(VLLM_GPU_MEMORY_UTILIZATION / share * 1000) / 1000}
-
-
-def auto_per_gpu(weights: int | None, memory: int | None, cores: int, groups: int,
-                 rows: int | None = None) -> tuple[int, str]:
-    """replicas_per_gpu = "auto": the first row of REPLICAS_PER_GPU_RULE that the model's weights (bytes on each
-    GPU), the GPU's memory, the host's cores per replica and the rows to decode per replica (None: unknown, as many
-    as it takes) allow; and why, in words."""
-    if not weights or not memory:
-        return 1, "auto: the model's weights or the GPU's memory are unknown"
-    share = weights / memory
-    size = f"weights {weights / GIB:.2f} GiB, {share:.1%} of a {memory / GIB:.0f} GiB GPU"
-    for most, cores_each, rows_each, n in REPLICAS_PER_GPU_RULE:
-        replicas = max(1, groups * n)
-        if share <= most and cores // replicas >= cores_each and (rows is None or rows // replicas >= rows_each):
-            if n == 1:
-                job = f", {rows:,} rows" if rows is not None else ""
-                return 1, f"auto: {size}, {cores} cores{job}: no measured rule shares a GPU for that"
-            return n, f"auto: {size}, {cores // replicas} cores per replica: measured to pay"
-    return 1, "auto: no rule applies"
-
-
-def choose_per_gpu(model: ModelSpec, groups: int, per: int, cores: int, memory: int | None,
-                   rows: int | None = None) -> tuple[int, str]:
-    """Replicas per GPU (group of `per` GPUs) for `model` on `groups` groups, for a job of `rows` rows, and why."""
-    if model.replicas_per_gpu != "auto":
-        return int(model.replicas_per_gpu), f"model.replicas_per_gpu = {model.replicas_per_gpu}"
-    from batchjson.engine.models import resolve_model, weight_bytes
-
-    weights = weight_bytes(resolve_model(model.path))
-    return auto_per_gpu(weights // per if weights else None, memory, cores, groups, rows)
-
-
-def replica_count(gpus: int, per: int, per_gpu: int, requested: int | None, where: str, hint: str) -> int:
-    """How many replicas of `per` GPUs to run on `gpus` GPUs at `per_gpu` replicas per GPU (group): as many as fit,
-    or as many as asked for if they fit."""
-    fit = gpus // per * per_gpu
-    n = requested or fit
-    if fit == 0 or n > fit:
-        raise SpecError(f"{where} has {gpus} GPU(s): room for {fit} replica(s) of {per} GPU(s) at {per_gpu} per GPU "
-                        f"(model.replicas_per_gpu), not {n}. {hint}")
-    return n
-
-
-def lay_out(gpus: list[str], engine: dict, per_gpu: int, requested: int | None, where: str, hint: str,
-            why: str = "") -> Layout:
-    """The replicas over `gpus`, in groups of gpus_per_replica, `per_gpu` at most on each group. Replica i goes to
-    group i % groups: fewer replicas than room spread over every GPU before any GPU takes two, and each engine's
-    share of memory is that of the replicas actually on its GPUs."""
-    per = gpus_per_replica(engine)
-    groups = [",".join(gpus[i * per:(i + 1) * per]) for i in range(len(gpus) // per)]
-    n = replica_count(len(gpus), per, per_gpu, requested, where, hint)
-    on = Counter(i % len(groups) for i in range(n))
-    placements = tuple(Placement(groups[g], on[g], memory_share(engine, on[g]))
-                       for g in (i % len(groups) for i in range(n)))
-    return Layout(placements, max(on.values()), why)
-
-
-def refuse_without_gpus(model: ModelSpec, where: str) -> None:
-    """replicas_per_gpu above 1 where there is no GPU to share: a mistake, not a request for CPU replicas (those are
-    model.replicas)."""
-    if model.replicas_per_gpu not in ("auto", 1):
-        raise SpecError(f"model.replicas_per_gpu = {model.replicas_per_gpu}: {where} has no GPU to share. Engine "
-                        "replicas on a CPU are model.replicas (--replicas); leave replicas_per_gpu out or set it to "
-                        '"auto" to run the same spec on GPU and CPU hosts.')

@@ -13,7 +13,6 @@ import gc
 import importlib
 import importlib.util
 import os
-import dataclasses
 import threading
 import time
 from collections.abc import Iterable, Iterator
@@ -392,20 +391,8 @@ class VllmEngines(EngineFactory):
     """The default engine factory: a VllmEngine per start."""
 
     def start(self, spec: JobSpec, decoding: DecodingSpec, speculative: SpeculativeSpec | None) -> VllmEngine:
-        return VllmEngine(spec.model, engine_decoding(spec, decoding), spec.schema_doc, speculative)
+        return VllmEngine(spec.model, decoding, spec.schema_doc, speculative)
 
     @property
     def drafts_optional(self) -> bool:
         return internals.no_draft_ready()
-
-
-def engine_decoding(spec: JobSpec, decoding: DecodingSpec) -> DecodingSpec:
-    """The settings an engine starts with for a pass of `spec` with `decoding`. On a CPU the seed is engine-wide
-    (`accepts`): a pass that sets none seeds the engine with the first seed another pass asks for, so that pass's
-    seed holds on this engine and both share it. Elsewhere seeds are per request and this changes nothing."""
-    if decoding.seed is not None:
-        return decoding
-    from batchjson.passes import plan_passes
-
-    seed = next((p.decoding.seed for p in plan_passes(spec) if p.decoding.seed is not None), None)
-    return dataclasses.replace(decoding, seed=seed)

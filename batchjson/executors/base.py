@@ -16,7 +16,7 @@ profiling: it measures the GPU's memory before and after a dummy forward pass an
 another process's allocations included (vllm/v1/worker/gpu_worker.py, determine_available_memory, in 0.26 as in
 0.32). Two engines starting side by side each count the other's weights and cache as their own, and the second finds
 no memory for its cache ("No available memory for the cache blocks"). Started one after the other, each profiles a
-GPU whose other engines hold still, and gets its gpu_memory_utilization share (engine/devices.py). An explicit
+GPU whose other engines hold still, and gets its gpu_memory_utilization share (placement.py). An explicit
 kv_cache_memory_bytes per replica would skip the profiling, but only a guess of each engine's other memory
 (activations, CUDA graphs, per model and vLLM version) could size it: too large runs out of memory mid-run, too small
 decodes fewer rows at once.
@@ -204,8 +204,9 @@ class Turns:
 
 
 class Pool:
-    """Workers in other processes and their mailboxes; subclasses start them as processes or as Ray actors. Each
-    replica gets its placement (engine/devices.py): the GPUs it sees, its share of their memory."""
+    """The workers of a run and their mailboxes; subclasses start them in this process (inline.py), as processes
+    (local.py) or as Ray actors (ray.py). Each replica gets its placement (placement.py): the GPUs it sees, its share
+    of their memory. A pool is closed when its run is over (`with pool:`)."""
 
     def __init__(self, target: Callable, args: tuple, layout):
         self.target, self.args, self.layout = target, args, layout
@@ -223,6 +224,12 @@ class Pool:
     def dead(self) -> list[int]: ...
     def stop(self) -> None: ...
     def close(self) -> None: ...
+
+    def __enter__(self) -> Pool:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def replace(self, slot: int) -> bool:
         """Start a new worker in a dead one's place; False once the slot has used up its respawns."""
@@ -277,19 +284,24 @@ class Pool:
                 raise EngineError(f"replica {slot}: {payload[0]}")
             if slot not in self.live:
                 continue  # from a worker already replaced: its pairs were handed to others
-            if kind == "want":
-                self.put(slot, work.want(slot, payload[0]))
-            elif kind == "done":
-                stage, key, rows, requeued = payload
-                if work.done(slot, stage, key, requeued):
-                    on_done(stage, key, rows, requeued)
-            elif kind == "stats":
+            if kind == "stats":
                 reported.add(slot)
-                on_stats(payload[0])
-            elif kind == "turn":
-                self._go(slot if self.turns.ask(slot, payload[0]) else None)
-            elif kind == "turned":
-                self._go(self.turns.release(slot))
+            self.answer(work, on_done, on_stats, slot, kind, *payload)
+
+    def answer(self, work: Queue, on_done: Callable, on_stats: Callable, slot: int, kind: str, *payload) -> None:
+        """One message of a live worker (see the module's docstring): the one dispatch of every pool."""
+        if kind == "want":
+            self.put(slot, work.want(slot, payload[0]))
+        elif kind == "done":
+            stage, key, rows, requeued = payload
+            if work.done(slot, stage, key, requeued):
+                on_done(stage, key, rows, requeued)
+        elif kind == "stats":
+            on_stats(payload[0])
+        elif kind == "turn":
+            self._go(slot if self.turns.ask(slot, payload[0]) else None)
+        elif kind == "turned":
+            self._go(self.turns.release(slot))
 
     def _go(self, slot: int | None) -> None:
         if slot is not None and slot in self.live:

@@ -1,29 +1,52 @@
-"""A pool of one worker in this process: a one-engine run takes the same path as many, with the queue called
-directly instead of through mailboxes. Signals reach the worker here, so a stop ends the stream at its next step.
+"""A pool of one worker in this process: a one-engine run takes the same path as many, its messages answered by the
+same dispatch (`Pool.answer`) but called directly instead of through mailboxes. Signals reach the worker here, so a
+stop ends the stream at its next step.
 
-It shares the queue, the channel and the worker's body with the other pools, not `Pool.drive`: drive() owns the
-driver's thread while the workers run elsewhere, and a worker's end is a death to it. Here the worker runs on the
-driver's thread, so its exceptions reach the job as they are (a BatchjsonError the job tells by type, a bug's
-traceback) and are never respawned, and the counts it sends after a stop still reach the report (drive() returns at
-the stop, leaving replicas' last messages unread).
+It does not share `Pool.drive`'s loop: drive() owns the driver's thread while the workers run elsewhere, and a
+worker's end is a death to it. Here the worker runs on the driver's thread, so its exceptions reach the job as they
+are (a BatchjsonError the job tells by type, a bug's traceback) and are never respawned, and the counts it sends
+after a stop still reach the report (drive() returns at the stop, leaving replicas' last messages unread).
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 
-from batchjson.executors.base import Channel, Queue
+from batchjson.executors.base import Channel, Pool, Queue
 
 
-def run_inline(body: Callable[[Channel], None], work: Queue, on_done: Callable, on_stats: Callable) -> None:
-    """Run `body` (a worker's serve) on this process's one engine against the queue `work`."""
+class InlinePool(Pool):
+    """`body` (a worker's serve) on this process's one engine, as slot 0 of a pool of one."""
 
-    def send(kind: str, *payload) -> None:
-        if kind == "done":
-            stage, key, rows, requeued = payload
-            if work.done(0, stage, key, requeued):
-                on_done(stage, key, rows, requeued)
-        elif kind == "stats":
-            on_stats(payload[0])
+    def __init__(self, body: Callable[[Channel], None], layout):
+        self.reply: tuple = ()
+        super().__init__(body, (), layout)
 
-    body(Channel(lambda stages: work.want(0, stages), send, prefetch=False))
+    def _queue(self) -> None:
+        return None  # no mailboxes: the worker calls the dispatch itself
+
+    def _spawn(self, slot: int) -> None:
+        self.live[slot] = self.target
+
+    def dead(self) -> list[int]:
+        return []
+
+    def stop(self) -> None:
+        pass  # the worker sees the stop itself, on this thread
+
+    def close(self) -> None:
+        pass
+
+    def put(self, slot: int, message: tuple) -> None:
+        self.reply = message
+
+    def drive(self, work: Queue, stop: threading.Event, on_done: Callable, on_stats: Callable,
+              on_note: Callable[[str, str, str], None]) -> None:
+        answer = lambda kind, *payload: self.answer(work, on_done, on_stats, 0, kind, *payload)  # noqa: E731
+
+        def ask(stages: tuple) -> tuple:
+            answer("want", stages)
+            return self.reply
+
+        self.target(Channel(ask, answer, prefetch=False))

@@ -6,28 +6,13 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 
-from batchjson.engine.devices import (Layout, Placement, choose_per_gpu, gpu_memory, gpus_per_replica, host_cores,
-                                      lay_out, refuse_without_gpus, visible_gpus)
+from batchjson.engine.devices import host_cores
 from batchjson.executors.base import Pool
-from batchjson.spec import ModelSpec
+from batchjson.executors.placement import Placement
 
 # torch's thread pool per GPU replica, unless OMP_NUM_THREADS says otherwise (BENCHMARKS.md, "Scaling over the GPUs
 # of one host", "5,000 rows, no speculation"); fewer where the host's cores, split among its replicas, give fewer.
 THREADS_PER_REPLICA = 4
-
-
-def local_layout(requested: int | None, model: ModelSpec, rows: int | None = None) -> Layout:
-    """Each local replica's placement: every GPU of the host in groups of gpus_per_replica, replicas_per_gpu on each
-    group (auto: by the model's size, the cores and the job's `rows` to decode), or as many as asked for. Without
-    GPUs (a CPU build) one replica, or as many CPU replicas as asked for."""
-    gpus = visible_gpus()
-    if not gpus:
-        refuse_without_gpus(model, "this host")
-        return Layout((Placement(),) * (requested or 1))
-    per = gpus_per_replica(model.engine)
-    n, why = choose_per_gpu(model, len(gpus) // per, per, host_cores(), gpu_memory(), rows)
-    return lay_out(gpus, model.engine, n, requested, "this host", "Ask for fewer (--replicas, model.replicas), let "
-                   "more share each GPU (model.replicas_per_gpu), or run on a Ray cluster (--ray).", why)
 
 
 def threads_per_replica(replicas: int, cores: int) -> int:

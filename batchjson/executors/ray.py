@@ -7,10 +7,10 @@ import math
 import os
 from collections.abc import Callable
 
-from batchjson.engine.devices import (Layout, Placement, gpus_per_replica, memory_share, refuse_without_gpus,
-                                      replica_count)
 from batchjson.errors import SpecError
 from batchjson.executors.base import Pool
+from batchjson.executors.placement import (Layout, Placement, gpus_per_replica, memory_share, refuse_without_gpus,
+                                           replica_count)
 from batchjson.spec import ModelSpec
 
 

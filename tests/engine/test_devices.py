@@ -1,4 +1,4 @@
-"""How replicas are laid over the GPUs (engine/devices.py, executors/local.py, executors/ray.py): N per GPU, with
+"""How replicas are laid over the GPUs (executors/placement.py, executors/local.py, executors/ray.py): N per GPU, with
 tensor parallelism, each engine's share of memory and cores, the "auto" rule, and the combinations refused with
 exit 2 naming the key. No GPU is needed: the GPUs are CUDA_VISIBLE_DEVICES, or counts."""
 
@@ -10,12 +10,13 @@ import pytest
 from click.testing import CliRunner
 
 from batchjson.cli import main
-from batchjson.engine import devices
-from batchjson.engine.devices import (GIB, Layout, Placement, auto_per_gpu, choose_per_gpu, lay_out, memory_share,
-                                      memory_taken)
+from batchjson.engine.devices import memory_taken
+from batchjson.executors import placement
+from batchjson.executors.placement import (GIB, Layout, Placement, auto_per_gpu, choose_per_gpu, lay_out,
+                                           local_layout, memory_share)
 from batchjson.errors import SpecError
 from batchjson.executors.base import Turns
-from batchjson.executors.local import local_layout, threads_per_replica
+from batchjson.executors.local import threads_per_replica
 from batchjson.executors.ray import ray_layout
 from batchjson.report import RunReport
 from batchjson.spec import ModelSpec, load_spec
@@ -153,7 +154,7 @@ def test_auto_shares_a_gpu_only_where_it_was_measured_to_pay():
 
 
 def test_the_auto_rule_shares_a_gpu_only_for_small_models_with_cores_to_spare(monkeypatch):
-    monkeypatch.setattr(devices, "REPLICAS_PER_GPU_RULE", ((0.01, 4, 0, 3), (0.01, 4, 0, 2), (1.0, 0, 0, 1)))
+    monkeypatch.setattr(placement, "REPLICAS_PER_GPU_RULE", ((0.01, 4, 0, 3), (0.01, 4, 0, 2), (1.0, 0, 0, 1)))
     small, big, gpu = int(0.27 * GIB), 3 * GIB, 140 * GIB
     assert auto_per_gpu(small, gpu, 16, 1)[0] == 3  # 5 cores for each of 3
     assert auto_per_gpu(small, gpu, 10, 1)[0] == 2  # 3 each would be too few for 3: two, 5 each
@@ -166,7 +167,7 @@ def test_the_auto_rule_shares_a_gpu_only_for_small_models_with_cores_to_spare(mo
 def test_auto_reads_the_models_weights(tmp_path, monkeypatch):
     (tmp_path / "config.json").write_text("{}")
     (tmp_path / "model.safetensors").write_bytes(b"\0" * 4096)
-    monkeypatch.setattr(devices, "REPLICAS_PER_GPU_RULE", ((0.01, 1, 0, 2), (1.0, 0, 0, 1)))
+    monkeypatch.setattr(placement, "REPLICAS_PER_GPU_RULE", ((0.01, 1, 0, 2), (1.0, 0, 0, 1)))
     assert choose_per_gpu(ModelSpec(path=str(tmp_path)), 1, 1, 8, 1 << 20)[0] == 2  # 4 KiB of a 1 MiB GPU
     assert choose_per_gpu(ModelSpec(path=str(tmp_path)), 1, 1, 8, 1 << 18)[0] == 1  # 1.6% of it
     assert choose_per_gpu(ModelSpec(path=str(tmp_path), replicas_per_gpu=4), 1, 1, 8, None) == (4, "model.replicas_per_gpu = 4")

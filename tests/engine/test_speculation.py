@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from batchjson.adapt import KEEP
-from batchjson.engine import speculation
+from batchjson.adapt.audit import Audit
+from batchjson.adapt.base import KEEP
+from batchjson.adapt import auto as speculation
 from batchjson.engine.fake import FakeEngines
 from batchjson.job import run_job
 from batchjson.spec import SpeculativeSpec, load_spec
@@ -239,6 +240,6 @@ def test_an_audited_row_that_differs_without_drafts_turns_speculation_off_and_lo
 
 
 def test_no_audit_where_speculation_is_off_or_the_audit_is():
-    assert speculation.Audit.for_job(SpeculativeSpec(method="ngram")) is not None
-    assert speculation.Audit.for_job(SpeculativeSpec(method="none")) is None
-    assert speculation.Audit.for_job(SpeculativeSpec(method="ngram", audit_rows=0)) is None
+    assert Audit.for_job(SpeculativeSpec(method="ngram")) is not None
+    assert Audit.for_job(SpeculativeSpec(method="none")) is None
+    assert Audit.for_job(SpeculativeSpec(method="ngram", audit_rows=0)) is None
