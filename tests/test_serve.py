@@ -326,3 +326,30 @@ def test_user_mistakes_exit_2_with_a_message(tmp_path):
         sock.close()
     result = CliRunner().invoke(main, ["serve", "--state", str(tmp_path / "s"), "--port", "99999"])
     assert result.exit_code == 2 and "--port" in result.output
+
+
+class NoEngines(FakeEngines):
+    """A factory whose engine cannot start, as a model folder that is not one."""
+
+    def start(self, spec, decoding, speculative):
+        from batchjson.errors import EngineError
+
+        raise EngineError("no model at /models/gone: check --model.")
+
+
+def test_an_engine_that_cannot_start_fails_the_batch_and_a_bug_is_a_500_without_traceback(tmp_path, tiny_model,
+                                                                                         monkeypatch):
+    with server(tmp_path / "state", NoEngines(), tiny_model) as base_url:
+        c = client(base_url)
+        done = wait(c, run_batch(c, [request("a")]).id)
+        assert done.status == "failed" and done.failed_at
+        assert done.errors.data[0].message.endswith("no model at /models/gone: check --model.")
+
+        def bug(self):
+            raise RuntimeError("[internal] a bug")
+
+        monkeypatch.setattr(Store, "files", bug)
+        with pytest.raises(openai.InternalServerError) as broken:
+            c.files.list()
+        assert broken.value.body == {"message": "The server had an error while processing your request (see its log).",
+                                     "type": "server_error", "param": None, "code": None}
