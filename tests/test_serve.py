@@ -324,6 +324,8 @@ def test_user_mistakes_exit_2_with_a_message(tmp_path):
         assert result.exit_code == 2 and f"cannot listen on 127.0.0.1:{port}" in result.output, result.output
     finally:
         sock.close()
+    result = CliRunner().invoke(main, ["serve", "--state", str(tmp_path / "s"), "--model", str(tmp_path)])
+    assert result.exit_code == 2 and f"--model {tmp_path}: no Hugging Face model folder" in result.output
     result = CliRunner().invoke(main, ["serve", "--state", str(tmp_path / "s"), "--port", "99999"])
     assert result.exit_code == 2 and "--port" in result.output
 

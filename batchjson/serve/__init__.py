@@ -12,6 +12,7 @@ optional --api-key.
 from __future__ import annotations
 
 import socket
+from pathlib import Path
 
 from batchjson.errors import BatchjsonError
 
@@ -49,6 +50,9 @@ def serve(state: str, host: str = "127.0.0.1", port: int = 8000, model: str = "d
     from batchjson.serve.runner import MAX_REQUESTS, Runner
     from batchjson.serve.store import Store
 
+    if model != "default" and not (Path(model) / "config.json").exists():
+        raise ServeError(f"--model {model}: no Hugging Face model folder there (no config.json). Give a model folder, "
+                         "or leave --model out for the embedded SmolLM2.")
     store = Store(state)
     try:
         sock = listen(host, port)
