@@ -58,7 +58,8 @@ def write_atomic(path: Path, data: bytes) -> None:
 
 
 def new_id(prefix: str) -> str:
-    return f"{prefix}{uuid.uuid4().hex[:24]}"
+    """An id that sorts by creation time (nanoseconds, then a random tail): the queue's order, and the lists'."""
+    return f"{prefix}{time.time_ns():016x}{uuid.uuid4().hex[:8]}"
 
 
 class Store:
