@@ -95,9 +95,9 @@ class BatchJsonOperator(BaseOperator):
     def _replace(self, spec, shard: tuple[int, int], run_id: str):
         """Run fresh into a hidden sibling of the partition, then swap it in (Storage.swap_in says what readers see
         meanwhile, locally and on object storage)."""
+        from batchjson.ends import output_folder
         from batchjson.errors import SpecError
         from batchjson.job import run_job
-        from batchjson.storage import Storage
 
         if shard != (0, 1):
             raise SpecError("replace=True rebuilds the whole partition, so it cannot run per shard. Leave replace "
@@ -107,7 +107,7 @@ class BatchJsonOperator(BaseOperator):
                             "from the spec so that rejects stay in <output>/_rejects.")
         if not (self.output_dir or spec.output.path):
             raise SpecError("no output folder: set output.path in the spec or pass output_dir.")
-        final = Storage(self.output_dir or spec.output.path)
+        final = output_folder(spec, self.output_dir)
         # Leading dot: dataset readers and `dt=*` globs skip the folder while it fills. Named by run, so a retry of
         # the same run reuses (and, being fresh, clears) what a killed try left.
         tag = re.sub(r"[^\w.-]", "_", run_id)
@@ -118,6 +118,6 @@ class BatchJsonOperator(BaseOperator):
         if report.verify_failed or report.outcome == "deadline":  # keep the old partition; execute() fails the task
             return report
         report.output, report.rejects = str(final.output), str(final.rejects)
-        Storage(tmp).write_report(report.to_dict())  # the swap brings it along
+        output_folder(spec, tmp.uri).write_report(report.to_dict())  # the swap brings it along
         final.swap_in(tmp)
         return report

@@ -152,7 +152,8 @@ def _schema(spec: JobSpec) -> tuple[dict[str, str], dict[str, str], list[str]]:
     from batchjson.schema.grammar import choose, coverage
     from batchjson.schema.shape import is_object_root, root_types
     from batchjson.schema.validate import FORMATS, unchecked_formats, used_formats
-    from batchjson.tables import reserved, typed_columns
+    from batchjson.schema.arrow import typed_columns
+    from batchjson.tables import reserved
 
     schema, lines = spec.schema_doc, []
     columns = typed_columns(schema, reserved(spec.input.id_column, spec.input.passthrough))

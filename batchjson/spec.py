@@ -6,6 +6,7 @@ user's whole surface, and its messages name the key and what to do, in one place
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import hashlib
 import json
@@ -15,18 +16,15 @@ import tomllib
 import types
 import typing
 import warnings
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from jsonschema import SchemaError, validators
-
 from batchjson.deadline import check_deadline
 from batchjson.errors import SpecError
 from batchjson.schema import pydantic_model
-from batchjson.schema.bundle import bundle
-from batchjson.schema.shape import bounded, local_refs
+from batchjson.schema.files import checked, read, schema_file
+from batchjson.schema.shape import bounded
 
 IfExists = Literal["resume", "fail", "overwrite"]
 GrammarFills = Literal["batch", "vllm"]
@@ -44,6 +42,11 @@ LOOP_GUARD = {"max_pattern_size": 64, "min_pattern_size": 8, "min_count": 3}
 # There LOOP_GUARD stops many valid rows and this one few, and it keeps more of the sample job's answers right
 # (BENCHMARKS.md, "Loop guard: which `repetition_detection`", "Bounded schemas get a lighter default").
 LOOP_GUARD_BOUNDED = {"max_pattern_size": 16, "min_pattern_size": 2, "min_count": 4}
+# The spec's hash (JobSpec.fingerprint) counts every field but those declared out of it on the field: UNHASHED never
+# counts; ADDED_LATER counts only off its default, so that a folder written before the key existed resumes under the
+# hash it had.
+UNHASHED = {"hash": "never"}
+ADDED_LATER = {"hash": "off its default"}
 
 
 def default_loop_guard(schema: dict | None) -> dict:
@@ -62,7 +65,7 @@ class InputSpec:
     id_column: str = "id"
     """Unique row key: output, rejects and resume are keyed by it, never by position. With generate_ids, the name of
     the column the generated ids are written to (the input must have no column of that name)."""
-    generate_ids: bool = False
+    generate_ids: bool = field(default=False, metadata=ADDED_LATER)
     """For inputs without an id column: each row's id is made from its place, "<file below the input root>:<row
     group>:<row>", the same on every run over the same files. A resume is refused, naming the file, when a file with
     committed units changed since (size, footer, or modification time or ETag); README, "Inputs without ids"."""
@@ -80,7 +83,7 @@ class PromptSpec:
     template: str = ""
     """User message with {column} placeholders, rendered through the model's chat template."""
     system: str = ""
-    messages: str | None = None
+    messages: str | None = field(default=None, metadata=ADDED_LATER)
     """Instead of template and system: a column whose rows are whole conversations, a list of {role, content}
     (system, user and assistant turns), rendered through the model's chat template as they are. For prompts written
     elsewhere, e.g. an OpenAI Batch file (`batchjson import-openai`)."""
@@ -119,7 +122,7 @@ class SchemaSpec:
     """A JSON Schema file; relative paths are taken from the spec file's folder."""
     inline: dict | None = None
     """The JSON Schema as a TOML table, instead of `path`."""
-    pydantic: str | None = None
+    pydantic: str | None = field(default=None, metadata=UNHASHED)  # its schema (schema_doc) counts, not where it lives
     """A Pydantic model, 'package.module:Class', instead of `path`: imported from the spec file's folder first, then
     the installed packages; its model_json_schema() is the schema. In Python (build_job) the class itself."""
     json_object: bool = False
@@ -141,25 +144,26 @@ class ModelSpec:
     first backend of a measured order that builds the schema's grammar in time (`batchjson check` says which)."""
     disable_any_whitespace: bool = True
     """Forbid whitespace between JSON tokens. Small models otherwise pad with spaces until max_tokens."""
-    max_in_flight: int | None = None
+    max_in_flight: int | None = field(default=None, metadata=UNHASHED)
     """Requests kept inside the engine at once; the engine is refilled as each one finishes. Unset: twice the
     engine's batch (vLLM's max_num_seqs: 1024 on an H100/H200, 256 on most others), so that its scheduler always has
     the next requests waiting while batchjson checks and commits finished ones."""
-    hang_timeout_s: float = 300.0
+    hang_timeout_s: float = field(default=300.0, metadata=UNHASHED)
     """An engine with requests in flight that returns no step for this long is taken for hung (a deadlocked step, a
     stuck collective, a stopped process): its processes are killed and it is restarted like a dead engine, its rows
     decoded again, the death counted and the report noting "hung". The longest step seen on a GPU is well under a
     second and a CPU's prefill of a full batch a few seconds: raise it only for very long prompts on slow hardware."""
-    grammar_fills: GrammarFills = "batch"
+    grammar_fills: GrammarFills = field(default="batch", metadata=UNHASHED)  # the same masks either way
     """How the engine fills the grammar's masks each step: "batch" (xgrammar's batch matcher: one call per step, in
     C++ threads, into pinned buffers; engine/internals.py) or "vllm" (vLLM's own, a Python call per row). The same
     masks either way; "vllm" is for comparison, and is what runs on a vLLM version batchjson has not read."""
     engine: dict = field(default_factory=dict)
     """Any other vllm.LLM keyword argument, passed through unchanged (e.g. gpu_memory_utilization)."""
-    replicas: int | None = None
+    # Where decoding runs does not change what a run writes.
+    replicas: int | None = field(default=None, metadata=UNHASHED)
     """Engine replicas; unset: one per GPU of the host (per tensor_parallel_size GPUs), or one on a CPU; with
     replicas_per_gpu, that many per GPU."""
-    replicas_per_gpu: int | str = "auto"
+    replicas_per_gpu: int | str = field(default="auto", metadata=UNHASHED)
     """Engine replicas sharing each GPU (each tensor-parallel group of GPUs): each its own engine processes, its share
     of the GPU's memory (vLLM's gpu_memory_utilization divided among them, unless [model.engine] sets it) and of the
     host's cores. A small model leaves one engine CPU-bound and the GPU mostly idle. "auto": a count measured to pay
@@ -194,7 +198,7 @@ class SpeculativeSpec:
     prompt_lookup_max: int = 4
     options: dict = field(default_factory=dict)
     """Other speculative_config keys, passed through unchanged."""
-    audit_rows: int = 32
+    audit_rows: int = field(default=32, metadata=UNHASHED)  # an audit checks the outputs, it does not shape them
     """The speculation audit: pass 1's first rows decoded a second time without drafts on the same engine, where
     pass 1 is greedy; one whose two answers differ turns speculation off for the rest of the run. 0: no audit."""
 
@@ -234,9 +238,9 @@ class DecodingSpec:
     """Fallback only: another grammar backend for pass 2 (default: the model's, "auto" unless set)."""
     enabled: bool = True
     """Fallback only: false sends pass-1 failures straight to rejects."""
-    adapt: bool = True
+    adapt: bool = field(default=True, metadata=UNHASHED)  # added later: folders written before resume as they were
     """Sampling only: when fewer than half of pass 1's first 100 rows are valid, pass 1 decodes the rest with the
-    fallback's sampling settings (kept if they do better on the next 100; see passes.py). False keeps pass 1 on
+    fallback's sampling settings (kept if they do better on the next 100; see adapt/recipe.py). False keeps pass 1 on
     these settings whatever its rows show."""
 
     def __post_init__(self):
@@ -308,9 +312,9 @@ class JobSpec:
     speculative: SpeculativeSpec = SpeculativeSpec()
     sampling: DecodingSpec = DecodingSpec()
     fallback: DecodingSpec = DecodingSpec(temperature=0.7, repetition_penalty=1.1, seed=0)
-    output: OutputSpec = OutputSpec()
-    report: ReportSpec = ReportSpec()
-    source: str = ""
+    output: OutputSpec = field(default=OutputSpec(), metadata=UNHASHED)
+    report: ReportSpec = field(default=ReportSpec(), metadata=UNHASHED)
+    source: str = field(default="", metadata=UNHASHED)
     """The spec file this was read from."""
     schema_doc: dict | None = None
     """The JSON Schema itself (loaded from schema.path or schema.inline); None for json_object."""
@@ -321,25 +325,18 @@ class JobSpec:
         return hashlib.sha256(json.dumps(self.fingerprint(), sort_keys=True).encode()).hexdigest()[:16]
 
     def fingerprint(self) -> dict:
-        d = dataclasses.asdict(self)
-        for k in ("output", "report", "source"):
-            d.pop(k)
-        d["model"].pop("max_in_flight")
-        d["model"].pop("hang_timeout_s")
-        d["model"].pop("grammar_fills")  # the same masks either way
-        d["model"].pop("replicas")  # where decoding runs does not change what a run writes
-        d["model"].pop("replicas_per_gpu")
-        d["speculative"].pop("audit_rows")  # an audit checks the outputs, it does not shape them
-        for name in ("sampling", "fallback"):  # added later: folders written before resume under the same hash
-            d[name].pop("adapt")
-        # The model's schema counts (schema_doc), not where the class lives: a model moved out of a notebook into
-        # a module keeps its job's hash.
-        d["schema"].pop("pydantic")
-        if d["prompt"]["messages"] is None:  # added later: template jobs keep the hash they had
-            d["prompt"].pop("messages")
-        if not d["input"]["generate_ids"]:  # added later: jobs with an id column keep the hash they had
-            d["input"].pop("generate_ids")
-        return d
+        """The fields the hash counts: all but those declared out of it (UNHASHED, ADDED_LATER)."""
+        return _hashed(self)
+
+
+def _hashed(obj: Any) -> dict:
+    d = {}
+    for f in dataclasses.fields(obj):
+        value, how = getattr(obj, f.name), f.metadata.get("hash")
+        if how is UNHASHED["hash"] or (how is ADDED_LATER["hash"] and value == f.default):
+            continue
+        d[f.name] = _hashed(value) if dataclasses.is_dataclass(value) else copy.deepcopy(value)
+    return d
 
 
 def _coerce(value: Any, hint: Any, key: str) -> Any:
@@ -418,26 +415,10 @@ def _resolve(base: Path, path: str) -> str:
     return os.path.normpath(base / os.path.expanduser(path))
 
 
-def _read(path: Path, loads: Callable[[str], Any], syntax_error: type[Exception], what: str) -> Any:
-    try:
-        return loads(path.read_text())
-    except OSError as e:
-        raise SpecError(f"{what} {path} cannot be read: {e.strerror}.") from None
-    except syntax_error as e:
-        raise SpecError(f"{what} {path} does not parse: {e}.") from None
-
-
-def _check_schema(doc: dict, what: str = "") -> None:
-    try:
-        validators.validator_for(doc, default=validators.Draft202012Validator).check_schema(doc)
-    except SchemaError as e:
-        raise SpecError(f"the JSON Schema {what}is invalid at {'/'.join(map(str, e.absolute_path)) or 'its root'}: "
-                        f"{e.message}.") from None
-
 
 def load_schema(spec: SchemaSpec, base: Path, model: type | None = None) -> dict | None:
-    """Read and check the output JSON Schema; None means any JSON object. `model`: the class of schema.pydantic,
-    when the job was built in Python with the class itself."""
+    """Read and check the output JSON Schema (schema/files.py); None means any JSON object. `model`: the class of
+    schema.pydantic, when the job was built in Python with the class itself."""
     given = [k for k in ("path", "inline", "pydantic") if getattr(spec, k)]
     given += ["json_object"] if spec.json_object else []
     _require(len(given) == 1, "[schema] needs exactly one of path, inline, pydantic or json_object = true"
@@ -447,33 +428,12 @@ def load_schema(spec: SchemaSpec, base: Path, model: type | None = None) -> dict
     if spec.pydantic:
         doc = pydantic_model.json_schema(model or pydantic_model.load(spec.pydantic, base))
         try:
-            return _checked(doc, base, None)
+            return checked(doc, base)
         except SpecError as e:
             raise SpecError(f"schema.pydantic ({spec.pydantic}): {e}") from None
     if spec.inline:
-        return _checked(spec.inline, base, None)
-    path = Path(_resolve(base, spec.path))
-    doc = _read(path, json.loads, json.JSONDecodeError, "schema.path: the JSON Schema")
-    return _checked(doc, path.parent, path.name)
-
-
-def _checked(doc: Any, folder: Path, name: str | None) -> dict:
-    """The schema, checked, with the files its refs reach bundled in (`folder/name` is where it was read)."""
-    _require(isinstance(doc, dict), "the JSON Schema must be a JSON object ({...}), got "
-             f"{type(doc).__name__}: wrap it, e.g. {{\"type\": \"string\"}}.")
-    _check_schema(doc)
-    _, remote = local_refs(doc)
-    if remote:
-        # Refs to sibling files are bundled in, so that the grammar and the validator see one document.
-        doc, remote = bundle(doc, folder, name)
-        _check_schema(doc, "with the files it refers to bundled in, ")
-    # jsonschema would fetch a remote $ref over the network while validating, row after row.
-    if remote:
-        raise SpecError(f"the JSON Schema refers to a URL ($ref {remote[0]!r}"
-                        f"{f' and {len(remote) - 1} more' if len(remote) > 1 else ''}): batchjson does not fetch "
-                        "schemas. Save the referenced schema next to the schema file and refer to it by a relative "
-                        "path (\"$ref\": \"other.json#/definitions/x\"), or inline it under \"$defs\".")
-    return doc
+        return checked(spec.inline, base)
+    return schema_file(Path(_resolve(base, spec.path)))
 
 
 def parse_spec(doc: dict, base: Path, source: str = "") -> JobSpec:
@@ -559,7 +519,7 @@ def parse_shard(value: str | None) -> tuple[int, int]:
 def load_spec(path: str | Path) -> JobSpec:
     """Read a job spec file. Raises SpecError naming the key and what is allowed."""
     path = Path(path)
-    doc = _read(path, tomllib.loads, tomllib.TOMLDecodeError, "the job spec")
+    doc = read(path, tomllib.loads, tomllib.TOMLDecodeError, "the job spec")
     try:
         return parse_spec(doc, path.resolve().parent, str(path))
     except SpecError as e:

@@ -23,6 +23,7 @@ from batchjson.errors import OutputError, SpecError
 from batchjson.records import Stage
 from batchjson.spec import JobSpec
 from batchjson.storage import STATE, Location, Storage
+from batchjson.storage.locks import LEASE
 from batchjson.storage.names import SPEC
 from batchjson.storage.progress import (RATE_WINDOW, TALLIED, add_record, empty_tally, finished, progress_files,
                                         rate, write_cancel)
@@ -195,7 +196,7 @@ def _leases(state: Location, listed: dict[str, fs.FileInfo]) -> list[dict]:
     """The unexpired leases of the folder (storage/locks.py) among the files `listed`, by the store's clock."""
     found = []
     for info in listed.values():
-        if not info.base_name.startswith("lease-"):
+        if not info.base_name.startswith(LEASE):
             continue
         try:
             lease = (state / info.base_name).read_json()

@@ -24,8 +24,8 @@ from batchjson.records import Stage
 from batchjson.report import RunReport
 from batchjson.source import UnitRef
 from batchjson.storage import Storage
-from batchjson.storage.progress import (ProgressFile, add_record, cancel_marker, cancelled, finished, progress_file,
-                                        progress_files, rate)
+from batchjson.storage.progress import (ProgressFile, add_record, cancel_marker, cancelled, finished, layout_of,
+                                        progress_file, progress_files, rate)
 
 CANCEL_POLL = 2.0  # seconds between looks for a cancel marker: how long `batchjson cancel` may take to be obeyed
 LOG_EVERY = 60.0  # seconds between progress lines in the log (an Airflow task's log, where no bar shows)
@@ -87,7 +87,7 @@ class RunWatch:
         i, n = storage.shard
         # An earlier layout's progress files (another --shard N) are not this run's.
         for other in progress_files(storage.state, storage.state.names()):
-            if not other.name.endswith(f"of{n}.json"):
+            if layout_of(other) != n:
                 other.unlink(missing_ok=True)
         if n == 1:  # a marker here names runs that are gone: this run holds the whole folder
             cancel_marker(storage.state).unlink(missing_ok=True)

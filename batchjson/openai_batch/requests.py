@@ -1,6 +1,9 @@
 """An OpenAI Batch requests file -> jobs: each request checked (refused, naming its line and field, where batchjson
 would not answer it as the Batch API would), grouped by schema and sampling settings, written to Parquet a row
-group at a time, with a job spec per group."""
+group at a time, with a job spec per group.
+
+Over 350 lines because the import is one pass over the file: each request's check names its line, and the checks,
+the grouping into jobs and the duplicate custom_ids share that pass's state (`_Problems`, the jobs being written)."""
 
 from __future__ import annotations
 

@@ -87,8 +87,10 @@ def _line(kind: str, row: dict, spec_hash: str, model: str, created: int) -> byt
 
 def _lines(spec) -> Iterator[tuple[int, str, bytes]]:
     """A finished job's lines of the output format, in line order: (line number, kind, the line)."""
-    report = Path(spec.output.path) / "_report.json"
-    created = int(report.stat().st_mtime) if report.exists() else 0  # when the run ended: the same on a re-export
+    from batchjson.ends import output_folder
+
+    report = output_folder(spec).report_path()
+    created = int(report.info().mtime.timestamp()) if report.exists() else 0  # when the run ended: the same again
     spec_hash, model = spec.hash(), _model_name(spec.model.path)
     for line, kind, row in _rows(spec):
         yield line, kind, _line(kind, row, spec_hash, model, created)
@@ -99,11 +101,11 @@ def _finished(toml: Path, partial: bool = False):
     that ended its run found (its _report.json), else as `batchjson verify` finds now. The export then checks
     again, in flat memory, that it writes each line number of the requests file once (verify holds every id).
     `partial`: a job stopped early (or never run: None) will do, if nothing in it is lost or doubled."""
-    from batchjson.storage import Storage
+    from batchjson.ends import output_folder
     from batchjson.verify import verify_job
 
     spec = load_spec(toml)
-    storage = Storage(spec.output.path, spec.output.rejects or None)
+    storage = output_folder(spec)
     if not storage.spec_file.exists():
         if partial:
             return None

@@ -313,13 +313,14 @@ class Runner:
     def _counts(self, batch_id: str) -> dict | None:
         """Requests answered (completed) and refused (failed) so far, from the jobs' status; None if unknown."""
         from batchjson.api import load_job, status_job
+        from batchjson.ends import output_folder
 
         work = self.store.work(batch_id)
         completed = failed = 0
         try:
             for name in _manifest(work)["jobs"]:
                 spec = load_job(work / name / "job.toml")
-                if not (Path(spec.output.path) / "_batchjson").exists():
+                if not output_folder(spec).state.exists():  # not started yet
                     continue
                 status = status_job(spec)
                 completed, failed = completed + status.valid, failed + status.rejected

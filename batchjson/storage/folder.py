@@ -1,8 +1,10 @@
 """The output folder: its layout, its claim, resume and swap, and the input fingerprints.
 
-Every path of a run, and its run state, live here; the part and record names are names.py's (`PartName`,
-`UnitName`), the unit commits commits.py's (`Commits`, this folder's `commits`), the folder's locks locks.py's.
-Nothing else in batchjson builds or parses these names. The layout of an output folder OUT (rejects in
+Every path of a run and of its run state is built here, from the names of storage/'s other modules: the file names
+(parts, commit records, the spec, the kept scan, the report) are names.py's (`PartName`, `UnitName`, `report_name`),
+the unit commits commits.py's (`Commits`, this folder's `commits`), the progress files and the cancel marker
+progress.py's, the locks and leases locks.py's. Nothing outside storage/ builds or parses these names: the rest of
+batchjson asks a `Storage` (ends.output_folder) for the path. The layout of an output folder OUT (rejects in
 OUT/_rejects unless output.rejects says otherwise):
 
     OUT/p1-<unit>.parquet, OUT/p2-<unit>.parquet          valid rows of pass 1 and pass 2
@@ -30,8 +32,8 @@ from pathlib import Path
 from batchjson.errors import InputError, OutputError, ResumeConflict, StorageFull, is_full
 from batchjson.storage.commits import Commits
 from batchjson.storage.location import Location, glob_match, writing
-from batchjson.storage.locks import Lease, lock_folder, release
-from batchjson.storage.names import SCAN, SPEC, STAGED, PartName, Stage
+from batchjson.storage.locks import HELD, Lease, lock_folder, release
+from batchjson.storage.names import PARQUET, SCAN, SPEC, PartName, Stage, report_name, staged
 
 STATE = "_batchjson"  # leading underscore: Parquet dataset readers (pyarrow, DuckDB, Polars) skip it
 
@@ -111,8 +113,7 @@ class Storage:
                                       "read back as input on the next run. Choose a folder outside the input.")
 
     def report_path(self) -> Location:
-        i, n = self.shard
-        return self.output / ("_report.json" if n == 1 else f"_report-{i}of{n}.json")
+        return self.output / report_name(self.shard)
 
     # ----- claiming the folder ---------------------------------------------------------------------------------
     def open(self, spec_hash: str, fingerprint: dict, if_exists: str = "resume", fresh: bool = False,
@@ -190,10 +191,10 @@ class Storage:
 
     def _clear(self) -> None:
         for folder in (self.output, self.rejects):
-            for p in folder.glob("*.parquet") + folder.glob(f".*.parquet{STAGED}"):
+            for p in folder.glob(f"*{PARQUET}") + folder.glob(staged(f"*{PARQUET}")):
                 p.unlink(missing_ok=True)
         for name in self.state.names():
-            if not name.startswith(("lock", "lease")):
+            if not name.startswith(HELD):
                 p = self.state / name
                 p.rmtree() if p.is_dir() else p.unlink(missing_ok=True)
         for d in (self.units, self.inputs, self.requeue_dir):

@@ -29,6 +29,9 @@ from pathlib import Path
 from batchjson.errors import BatchjsonError, OutputError, StorageFull, is_full
 from batchjson.storage.location import Location
 
+LEASE = "lease-"  # how a lease object's name begins: lease-<I>of<N>-<owner>.json
+HELD = ("lock", LEASE)  # how the names of the folder's lock files and lease objects begin (a fresh run keeps them)
+
 
 def lock_folder(state: Path, shard: tuple[int, int], busy: str) -> list:
     """Lock a local folder's run state `state` for one shard; returns the open lock files (see `release`).
@@ -88,7 +91,7 @@ class Lease:
         i, n = shard
         self.state, self.slot, self.layout = state, f"{i}of{n}", n
         self.owner = uuid.uuid4().hex[:12]
-        self.file = state / f"lease-{self.slot}-{self.owner}.json"
+        self.file = state / f"{LEASE}{self.slot}-{self.owner}.json"
         self.renewed = 0.0  # time.monotonic() of the last write that reached the store
         self.lost = ""
         self._stop = threading.Event()
@@ -105,7 +108,7 @@ class Lease:
         """Write this lease, then refuse (deleting it) if an unexpired lease of another layout or of this shard
         exists; expired ones are deleted (taken over)."""
         self._write()
-        found = {i.base_name: i for i in self.state.files() if i.base_name.startswith("lease-")}
+        found = {i.base_name: i for i in self.state.files() if i.base_name.startswith(LEASE)}
 
         def stamp(info) -> float:
             return info.mtime.timestamp() if info.mtime else time.time()
@@ -114,7 +117,7 @@ class Lease:
         for name, info in sorted(found.items()):
             if name == self.file.name:
                 continue
-            slot = name[len("lease-"):].rsplit("-", 1)[0]
+            slot = name[len(LEASE):].rsplit("-", 1)[0]
             try:
                 other = (self.state / name).read_json()
             except FileNotFoundError:

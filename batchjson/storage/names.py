@@ -10,6 +10,8 @@ folder written so far; a folder written before resumes only while they stay as t
     p1-<unit>.json, p2-<unit>.json                        commit records (the units folder)
     .<part>.tmp                                           a part file staged before its record (see commits.py)
     spec.json                                             the job spec, in the run state folder (SPEC)
+    scan.json                                             the input scan kept for the next run, there too (SCAN)
+    _report.json, _report-<I>of<N>.json                   the run report, of the whole folder or of a shard
 """
 
 from __future__ import annotations
@@ -26,6 +28,12 @@ PARQUET, JSON = ".parquet", ".json"
 REJECTS = "rejects-"
 SPEC = "spec.json"  # the run state's copy of the job spec: what marks a folder as a batchjson run's
 SCAN = "scan.json"  # the run state's input scan, kept for the next run (Storage.keep_scan)
+
+
+def report_name(shard: tuple[int, int]) -> str:
+    """The run report's file name in the output folder: the whole folder's, or one shard's of a layout."""
+    i, n = shard
+    return "_report.json" if n == 1 else f"_report-{i}of{n}.json"
 
 
 @dataclass(frozen=True, slots=True)

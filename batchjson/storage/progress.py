@@ -43,6 +43,12 @@ def progress_files(state: Location, names: list[str]) -> list[Location]:
     return [state / name for name in sorted(names) if name.startswith(PREFIX) and name.endswith(".json")]
 
 
+def layout_of(file: Location) -> int | None:
+    """The shard count N of a progress file's name ("progress-<I>of<N>.json"); None for another name."""
+    _, of, n = file.name.removeprefix(PREFIX).removesuffix(".json").partition("of")
+    return int(n) if of and n.isdigit() else None
+
+
 TALLIED = ("units", "output", "rejects", "requeue", "requeued_units")  # a pass's counts, besides its reasons
 
 
