@@ -1,4 +1,4 @@
-"""Everything that touches vLLM's internals: two scheduler patches, two model-runner patches, the grammar's batch
+"""Everything that touches vLLM's internals: three scheduler patches, two model-runner patches, the grammar's batch
 fills, the step profiler's timers, the engine-process watcher, the engine's shutdown and the plugin flag of a forked engine process, each with
 its check. It is long on purpose: every line that reads or changes vLLM's internals is here, so that this one file
 says what a vLLM upgrade must read again (each part's READ_ON names the versions it was read on).
@@ -34,6 +34,15 @@ StructuredOutputManager.grammar_bitmask with BatchFills: the same rows from one 
 threads), into pinned buffers the GPU runner copies as they are (H200, the 1.5B at 1,024 in flight: 62.4-71.2 ms a
 step against vLLM's 81.4-98.8; BENCHMARKS.md, "What the JSON constraint costs a step"). Checked against
 FILLS_READ_ON; `[model] grammar_fills = "vllm"` (GRAMMAR_FILLS_ENV) keeps vLLM's fills.
+
+**The schema drafts made where the grammar already is.** `[speculative] method = "schema"` drafts what each
+request's grammar forces next, else a copy from its prompt (schema/drafts.py). vLLM asks a custom drafter in the model
+runner, before the scheduler has advanced the grammars through the step's tokens: a drafter there must keep and
+advance matchers of its own (33 ms of a 162 ms step at 1,024 requests on the H200 host), and vLLM then checks each
+draft by advancing the grammar once more. `install_scheduler_drafts` makes the drafts in the scheduler instead, from
+vLLM's own matchers just after update_from_output, and skips the check for forced strings whose tokens passed it
+once (SchedulerDrafts); SchemaProposer, the runner's half, proposes nothing. Checked against SCHEMA_DRAFTS_READ_ON:
+elsewhere the method is refused at the engine's start.
 
 **The masks placed on the GPU with drafts.** Once speculation is on, vLLM 0.26 decodes with its V1 model runner,
 whose apply_grammar_bitmask copies the step's mask into a fresh pinned tensor one row at a time in Python (9,216
@@ -122,6 +131,7 @@ def install() -> None:
     """The patches, in this process (the plugin calls it in each vLLM process of a run)."""
     install_no_draft()
     install_fast_loop_guard()
+    install_scheduler_drafts()
     install_idle_drafter()
     install_mask_scatter()
     if fills_wanted():
@@ -135,6 +145,7 @@ def install_in_runner() -> None:
     importing the GPU model runner here would only add its import to the start (bare vLLM's runner never imports it)."""
     install_no_draft()
     install_fast_loop_guard()
+    install_scheduler_drafts()
     import vllm.envs
 
     if not vllm.envs.VLLM_ENABLE_V1_MULTIPROCESSING:
@@ -553,72 +564,45 @@ def install_mask_scatter() -> str:
 
 
 # ---------------------------------------------------------------- the schema drafter
-# Read on: vllm/v1/spec_decode/custom_class_proposer.py and the V1 model runner of these versions.
-# speculative_config {"method": "custom_class", "model": "<module>.<Class>"} makes the runner build Class(vllm_config)
-# and call its propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu, slot_mappings=...) once a step from
-# GPUModelRunner.propose_draft_token_ids, after the step's bookkeeping: row i of the batch (input_batch.req_ids[i]) holds
-# its prompt (input_batch.num_prompt_tokens[i] tokens) then its output, num_tokens_no_spec[i] tokens in all, in
-# token_ids_cpu[i]; an empty sampled_token_ids[i] means no draft. The request's SamplingParams are in
-# runner.requests[req_id].sampling_params (structured_outputs: StructuredOutputsParams). vLLM's scheduler then keeps
-# the grammar-valid prefix of each draft (validate_tokens) and verifies it under the grammar. A custom drafter runs
-# without async scheduling in both versions.
+# Read on: vllm/v1/spec_decode/custom_class_proposer.py, the V1 model runner, vllm/v1/engine/core.py and
+# vllm/v1/core/sched/scheduler.py of these versions. speculative_config {"method": "custom_class", "model":
+# "<module>.<Class>"} makes the runner build Class(vllm_config) and call its propose(sampled_token_ids, ...) once a
+# step; the runner hands the lists it returns, with the batch's request ids, to the scheduler. A custom drafter runs
+# without async scheduling, where EngineCore.post_step passes them (DraftTokenIds(req_ids, draft_token_ids)) to
+# Scheduler.update_draft_token_ids after update_from_output has advanced each request's grammar through the step's
+# tokens; that method skips finished requests, clears a prefill chunk's drafts, keeps each draft's grammar-valid prefix
+# (0.26: grammar.validate_tokens where structured_output_manager.should_advance; 0.32:
+# structured_output_manager.validate_tokens: an accept per token, then a rollback) and stores it as
+# request.spec_token_ids, which the next step schedules. Request: prompt_token_ids, output_token_ids,
+# structured_output_request.grammar (XgrammarGrammar: `matcher`, `is_terminated()`).
 SCHEMA_DRAFTS_READ_ON = ("0.26.", "0.32.")
 SCHEMA_PROPOSER = "batchjson.engine.internals.SchemaProposer"
-_RUNNER: list = []  # the model runner whose step is being drafted (install_schema_drafts)
 
 
 def schema_drafts_unready() -> str:
     """Why the schema drafter cannot run on this vLLM ("" where it can)."""
+    import importlib.util
+    import inspect
+
     if why := unread_here(SCHEMA_DRAFTS_READ_ON):
         return why
-    import importlib.util
-
     if importlib.util.find_spec("vllm.v1.spec_decode.custom_class_proposer") is None:
         return "this vLLM has no custom_class proposer"
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    if list(inspect.signature(Scheduler.update_draft_token_ids).parameters) != ["self", "draft_token_ids"]:
+        return "Scheduler.update_draft_token_ids changed"
     return ""
 
 
-@installs_once
-def install_schema_drafts() -> str:
-    """Let SchemaProposer see the model runner whose step it drafts for (its requests' ids and settings): the runner
-    of each propose_draft_token_ids call is noted before vLLM's own runs. "ok" or why not."""
-    if why := schema_drafts_unready():
-        return why
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-
-    own = GPUModelRunner.propose_draft_token_ids
-
-    @functools.wraps(own)
-    def noting_runner(self, *args, **kwargs):
-        _RUNNER[:] = [self]
-        return own(self, *args, **kwargs)
-
-    GPUModelRunner.propose_draft_token_ids = noting_runner
-    return "ok"
-
-
 class SchemaProposer:
-    """vLLM's custom_class drafter for `[speculative] method = "schema"`: for each request, the tokens its JSON
-    Schema forces next, else a copy from its prompt (schema/drafts.py, Drafter), up to num_speculative_tokens.
-
-    It keeps its own matcher per request, compiled by vLLM's xgrammar backend from the request's own structured
-    output settings (so the same grammar the target decodes under) and advanced by the output's tokens as they
-    appear in the runner's batch: it reads no scheduler state, and a draft it gets wrong costs speed, never a
-    token (vLLM verifies every draft under the target's grammar). A request without a JSON grammar gets copies only.
-    """
+    """vLLM's custom_class drafter for `[speculative] method = "schema"`, in the model runner, where it proposes
+    nothing: the drafts are made in the scheduler (SchedulerDrafts), where each request's grammar has just taken
+    the step's tokens. A drafter here kept a matcher of its own per request and advanced it through every output
+    token again: a third of a drafted step's CPU (33 ms of 162 at 1,024 requests on the H200 host, BENCHMARKS.md)."""
 
     def __init__(self, vllm_config):
-        from vllm.tokenizers import cached_tokenizer_from_config
-        from vllm.v1.structured_output.backend_xgrammar import XgrammarBackend
-
-        install_schema_drafts()
-        tokenizer = cached_tokenizer_from_config(model_config=vllm_config.model_config)
-        self.drafter = Drafter(lambda text: tokenizer.encode(text, add_special_tokens=False),
-                               vllm_config.speculative_config.num_speculative_tokens)
-        self.backend = XgrammarBackend(vllm_config, tokenizer=tokenizer,
-                                       vocab_size=vllm_config.model_config.get_vocab_size())
-        self.compiled: dict[str, object] = {}  # schema text -> a grammar to make matchers from
-        self.requests: dict[str, _Request] = {}  # request id -> what the drafter keeps of it
+        pass
 
     def load_model(self, *args, **kwargs) -> None:  # no weights (the runner asks every drafter)
         pass
@@ -626,77 +610,112 @@ class SchemaProposer:
     def dummy_run(self, *args, **kwargs) -> None:  # no forward to warm up
         pass
 
-    def propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu, slot_mappings=None) -> list[list[int]]:
-        runner = _RUNNER[0] if _RUNNER else None
-        if runner is None:
-            return [[] for _ in sampled_token_ids]
-        batch = runner.input_batch
-        ids = batch.req_ids
-        drafts = []
-        for i, sampled in enumerate(sampled_token_ids):
-            if not sampled or i >= len(ids):
-                drafts.append([])
+    def propose(self, sampled_token_ids, *args, **kwargs) -> list[list[int]]:
+        return [[] for _ in sampled_token_ids]
+
+
+@installs_once
+def install_scheduler_drafts() -> str:
+    """Patch Scheduler.update_draft_token_ids (in this process) so that an engine whose drafter is SchemaProposer
+    gets its drafts from SchedulerDrafts; every other engine keeps vLLM's own. "ok" or why not (then the schema
+    method is refused at the engine's start: schema_drafts_unready)."""
+    if why := schema_drafts_unready():
+        return why
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    own = Scheduler.update_draft_token_ids
+
+    @functools.wraps(own)
+    def update_draft_token_ids(self, draft_token_ids):
+        drafts = self.__dict__.get("_batchjson_drafts")
+        if drafts is None:
+            drafts = self.__dict__["_batchjson_drafts"] = SchedulerDrafts.for_scheduler(self) or False
+        if not drafts:
+            return own(self, draft_token_ids)
+        unchecked = drafts.place(self, draft_token_ids.req_ids)
+        if unchecked.req_ids:
+            own(self, unchecked)  # vLLM keeps each draft's grammar-valid prefix
+            drafts.learn(self, unchecked)
+        return None
+
+    Scheduler.update_draft_token_ids = update_draft_token_ids
+    return "ok"
+
+
+class SchedulerDrafts:
+    """The schema drafter's drafts, made in the scheduler right after each step (schema/drafts.py, Drafter): what
+    a request's grammar forces next, read from vLLM's own matcher, which update_from_output has just advanced
+    through the step's tokens; else a copy from its prompt. Nothing is advanced twice.
+
+    vLLM checks a draft against the grammar before scheduling it (an accept per token and a rollback). A forced
+    string's tokens need no such check once they passed it: the grammar must produce those bytes from any state
+    where it forces them, so tokens that spell them pass wherever the same string is forced. So each forced string's
+    canonical tokens are checked the first time they are proposed and, if they pass whole, never again; copies and
+    strings whose tokens failed are checked every time. Requests that ask for no draft (NO_DRAFT) get none."""
+
+    def __init__(self, encode, k: int):
+        self.drafter = Drafter(encode, k)
+        self.prompts: dict[str, PromptIndex] = {}  # request id -> its prompt's index for copies
+        self.forced_ok: dict[str, bool] = {}  # forced string -> its tokens passed vLLM's check whole
+        self._pending: list[str] = []  # the forced strings of the drafts handed to vLLM's check, in its order
+
+    @classmethod
+    def for_scheduler(cls, scheduler) -> "SchedulerDrafts | None":
+        """For a scheduler whose engine drafts with SchemaProposer and fills masks from xgrammar without a reasoning
+        parser; None for every other."""
+        config = scheduler.vllm_config.speculative_config
+        if config is None or config.method != "custom_class":
+            return None
+        proposer = getattr(config, "model", None) or ""
+        manager = scheduler.structured_output_manager
+        if proposer != SCHEMA_PROPOSER or getattr(manager, "reasoner_cls", None) is not None:
+            return None
+        from vllm.tokenizers import cached_tokenizer_from_config
+
+        tokenizer = cached_tokenizer_from_config(model_config=scheduler.vllm_config.model_config)
+        return cls(lambda text: tokenizer.encode(text, add_special_tokens=False), config.num_speculative_tokens)
+
+    def place(self, scheduler, req_ids):
+        """Set request.spec_token_ids for the step's requests whose drafts need no check; the rest, as a
+        DraftTokenIds for vLLM's own update_draft_token_ids."""
+        from vllm.v1.outputs import DraftTokenIds
+        from vllm.v1.structured_output.backend_xgrammar import XgrammarGrammar
+
+        no_draft = scheduler.__dict__.get("_batchjson_no_draft") or ()
+        ids, lists, self._pending = [], [], []
+        for req_id in req_ids:
+            request = scheduler.requests.get(req_id)
+            if request is None or request.is_finished():
                 continue
-            try:
-                drafts.append(self._draft(runner, ids[i], token_ids_cpu[i], int(batch.num_prompt_tokens[i]),
-                                          int(num_tokens_no_spec[i])))
-            except Exception:  # noqa: BLE001 - a draft is an optimisation: never end the engine over one
-                self.requests[ids[i]] = _Request(None, PromptIndex([]))  # no drafts for it from now on
-                drafts.append([])
-        if len(self.requests) > 2 * len(ids) + 64:  # requests that finished since
-            live = set(ids)
-            self.requests = {r: q for r, q in self.requests.items() if r in live}
-        return drafts
-
-    def _draft(self, runner, req_id: str, row, start: int, end: int) -> list[int]:
-        """One request's draft from its batch row (`start` prompt tokens, then its output, `end` tokens in all):
-        its matcher and its tail taken through the output's new tokens first. Nothing once its grammar has ended
-        (the request is done); copies only without a grammar, or once its output strayed from it."""
-        request = self.requests.get(req_id)
-        if request is None or request.taken > end - start:  # new, or preempted and started again
-            request = self.requests[req_id] = _Request(self._new_matcher(runner, req_id),
-                                                       PromptIndex(row[:start].tolist()))
-        new = row[start + request.taken:end].tolist()
-        request.taken = end - start
-        request.tail = (request.tail + new)[-COPY_MAX:]
-        matcher = request.matcher
-        if matcher is not None:
-            for token in new:
-                if matcher.is_terminated() or not matcher.accept_token(token):
-                    matcher = request.matcher = None
-                    break
+            if request.is_prefill_chunk or req_id in no_draft or not request.output_token_ids:
+                if request.spec_token_ids:
+                    request.spec_token_ids = []
+                continue
+            grammar = request.structured_output_request.grammar if request.use_structured_output else None
+            if grammar is not None and grammar.is_terminated():
+                request.spec_token_ids = []
+                continue
+            matcher = grammar.matcher if isinstance(grammar, XgrammarGrammar) else None
+            prompt = self.prompts.get(req_id)
+            if prompt is None:
+                prompt = self.prompts[req_id] = PromptIndex(request.prompt_token_ids or [])
+            draft, forced = self.drafter.draft(matcher or _NO_GRAMMAR, prompt, request.output_token_ids[-COPY_MAX:])
+            if not draft or (forced and self.forced_ok.get(forced)):
+                request.spec_token_ids = draft
             else:
-                if matcher.is_terminated():
-                    return []
-        return self.drafter.propose(matcher or _NO_GRAMMAR, request.prompt, request.tail) if request.tail else []
+                ids.append(req_id)
+                lists.append(draft)
+                self._pending.append(forced)
+        if len(self.prompts) > 2 * len(scheduler.requests) + 64:  # requests that finished since
+            self.prompts = {r: p for r, p in self.prompts.items() if r in scheduler.requests}
+        return DraftTokenIds(ids, lists)
 
-    def _new_matcher(self, runner, req_id: str):
-        from vllm.v1.structured_output.backend_types import StructuredOutputOptions
-        from vllm.v1.structured_output.request import get_structured_output_key
-
-        state = runner.requests.get(req_id)
-        params = getattr(getattr(state, "sampling_params", None), "structured_outputs", None)
-        if params is None:
-            return None
-        kind, text = get_structured_output_key(params)
-        if kind != StructuredOutputOptions.JSON:
-            return None
-        grammar = self.compiled.get(text)
-        if grammar is None:
-            grammar = self.compiled[text] = self.backend.compile_grammar(kind, text)
-        import xgrammar as xgr
-
-        return xgr.GrammarMatcher(grammar.ctx)
-
-
-class _Request:
-    """What SchemaProposer keeps of a request: its matcher (None: no JSON grammar, or its output strayed from it),
-    its prompt's index for copies, the output tokens taken so far and their last COPY_MAX."""
-
-    __slots__ = ("matcher", "prompt", "taken", "tail")
-
-    def __init__(self, matcher, prompt):
-        self.matcher, self.prompt, self.taken, self.tail = matcher, prompt, 0, []
+    def learn(self, scheduler, checked) -> None:
+        """After vLLM's check of `checked`: which forced strings' tokens passed it whole."""
+        for req_id, draft, forced in zip(checked.req_ids, checked.draft_token_ids, self._pending):
+            request = scheduler.requests.get(req_id)
+            if forced and request is not None and forced not in self.forced_ok:
+                self.forced_ok[forced] = len(request.spec_token_ids) == len(draft)
 
 
 class _Unconstrained:
@@ -778,6 +797,7 @@ TIMED = (
     ("vllm.v1.structured_output", "StructuredOutputManager", "grammar_bitmask", "grammar_bitmask", False),
     ("batchjson.engine.internals", "BatchFills", "bitmask", "batch_fills", False),
     ("vllm.v1.core.sched.scheduler", "Scheduler", "get_grammar_bitmask", "get_grammar_bitmask", False),
+    ("vllm.v1.core.sched.scheduler", "Scheduler", "update_draft_token_ids", "drafts", False),
     ("vllm.v1.engine.core", "EngineCore", "step", "engine_step", False),
     ("vllm.v1.engine.core", "EngineCore", "step_with_batch_queue", "engine_step", False),
     (V1, "GPUModelRunner", "execute_model", "forward", True),

@@ -9,8 +9,8 @@ for certain, and the prompt holds the second. The bitmask alone forces a single 
 allowed, which is rare (a forced `"name": "` can be written in several tokenizations): so what is proposed is the
 canonical tokenization of the forced string, which is what a model trained on such text writes.
 
-`Drafter.propose` looks at one request: its grammar's matcher (advanced through the output so far), the prompt's
-token ids and the output's. It proposes nothing where nothing is known, so a request inside a free-text value that
+`Drafter.propose` looks at one request: its grammar's matcher (advanced through the output so far: the engine's own,
+in the scheduler), the prompt's token ids and the output's. It proposes nothing where nothing is known, so a request inside a free-text value that
 copies nothing costs its verification nothing. Pure xgrammar and a tokenizer's `encode`: no engine, no vLLM.
 """
 
@@ -42,13 +42,17 @@ class Drafter:
         """The draft for one request: the forced continuation's tokens, or else a copy from the prompt (its
         PromptIndex, made once per request, or its tokens) of what followed the output's last tokens there; at most
         `k`; [] when neither is known. Only the output's last COPY_MAX tokens are read."""
+        return self.draft(matcher, prompt, output)[0]
+
+    def draft(self, matcher, prompt: PromptIndex | Sequence[int], output: Sequence[int]) -> tuple[list[int], str]:
+        """propose's draft, with the forced string its tokens spell ("" for a copy or no draft)."""
         if self.forced:
             text = matcher.find_jump_forward_string()
             if text:
-                return self._tokens(text)[:self.k]
+                return self._tokens(text)[:self.k], text
         if not self.copies:
-            return []
-        return (prompt if isinstance(prompt, PromptIndex) else PromptIndex(prompt)).after(output, self.k)
+            return [], ""
+        return (prompt if isinstance(prompt, PromptIndex) else PromptIndex(prompt)).after(output, self.k), ""
 
     def _tokens(self, text: str) -> list[int]:
         tokens = self._cache.get(text)

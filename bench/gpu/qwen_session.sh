@@ -37,6 +37,7 @@
 # PLAN schemaprof: why batchjson's whole run with the schema drafter gained nothing where bare generate gained x1.33
 #   (run19): the step with the masks placed on the GPU (bench grammar, drafts and none), then whole runs of none and
 #   schema with the step profiler, after warm-ups of both.
+# PLAN schemaab: none and schema alternating, bare vLLM between them, after schemaprof's warm-ups (run20).
 # PLAN grammar15: what the JSON constraint costs the 1.5B's step (bench grammar): xgrammar alone on the host's cores,
 #   then bare vLLM at 1,024 in flight with vLLM's mask fills, batchjson's, and no grammar (py-spy on each).
 # PLAN fills15: the 1.5B's step with vLLM's fills, batchjson's and no grammar (bench grammar), whole runs of the
@@ -176,6 +177,8 @@ run_plan() {
                   --configs batch,batch-schema --timeout 200
                 need q15 && wr t15-C6000-schemaprof --task C --rows 6000 --model $q15 --timeout 200 \
                   --runs schema+warm,none+warm,none+prof,schema+prof,schema ;;
+    schemaab) need q15 && wr t15-C6000-ab --task C --rows 6000 --model $q15 --timeout 150 \
+                --runs none,schema,bare-none,none,schema ;;
     t30k) need q15 && wr t15-C30000 --task C --rows 30000 --model $q15 --timeout 300 --runs bare-none,auto ;;
   esac
 }
