@@ -44,7 +44,7 @@ from pathlib import Path
 from bench.common import ROOT, SPECULATIVE, dump, run_group, table
 
 PARTS = ("schedule", "update_from_output", "grammar_bitmask", "get_grammar_bitmask", "forward", "sample_tokens",
-         "engine_step")
+         "propose", "drafts", "engine_step")  # propose: a runner-side drafter; drafts: the scheduler's (schema)
 GRAMMAR_FRAMES = ("grammar_bitmask", "accept_tokens", "fill_next_token_bitmask", "batch_fill", "apply_grammar_bitmask",
                   "batch_accept", "validate_tokens", "rollback")  # py-spy frames counted as the grammar's work
 
@@ -380,7 +380,8 @@ def main(argv: list[str]) -> int:
                           ("ms_per_step", "ms/step"), ("schedule_ms", "schedule"), ("update_from_output_ms", "update"),
                           ("get_grammar_bitmask_ms", "masks"), ("scheduled_requests_per_step", "requests"),
                           ("drafted_tokens_per_step", "drafted"),
-                          ("forward_ms", "forward"), ("sample_tokens_ms", "sample"), ("gpu_busy", "GPU %"),
+                          ("forward_ms", "forward"), ("sample_tokens_ms", "sample"), ("propose_ms", "propose"),
+                          ("drafts_ms", "drafts"), ("gpu_busy", "GPU %"),
                           ("mean_tokens", "mean tok"), ("valid", "valid"), ("correct", "correct"),
                           ("differ", "differ"), ("error", "error")]))
     return 1 if any("error" in r for r in results) else 0
