@@ -1,8 +1,12 @@
 """`[speculative] method = "schema"` on the real CPU engine: batchjson's drafter (engine/internals.py SchemaProposer,
-vLLM's custom_class proposer) proposes what the grammar forces and what the prompt holds, and greedy outputs stay
-token for token those of an engine without speculation; on a vLLM it has not read, the method is refused clearly."""
+vLLM's custom_class proposer, its drafts made in the scheduler) proposes what the grammar forces and what the prompt
+holds, and greedy outputs stay token for token those of an engine without speculation; on a vLLM it has not read, the
+method is refused clearly."""
 
 from __future__ import annotations
+
+import json
+import types
 
 import pytest
 
@@ -46,3 +50,62 @@ def test_schema_drafts_name_batchjsons_proposer_and_are_refused_on_an_unread_vll
     monkeypatch.setattr(internals, "SCHEMA_DRAFTS_READ_ON", ("0.1.",))
     with pytest.raises(EngineError, match='method = "schema" cannot run here .*not a version'):
         speculative_config(SpeculativeSpec(method="schema"))
+
+
+class _Request:
+    """The part of vLLM's scheduler Request that SchedulerDrafts reads."""
+
+    def __init__(self, grammar, output, prefill=False):
+        self.prompt_token_ids, self.output_token_ids, self.spec_token_ids = [1, 2, 3], list(output), [9]
+        self.structured_output_request = types.SimpleNamespace(grammar=grammar)
+        self.use_structured_output, self.is_prefill_chunk = True, prefill
+
+    def is_finished(self) -> bool:
+        return False
+
+
+def test_scheduler_drafts_check_a_forced_string_once_and_never_draft_for_who_asked_none(tiny_model):
+    """SchedulerDrafts (engine/internals.py) drafts from the engine's own matcher; vLLM's check of a forced string's
+    tokens is skipped only once they passed it whole, and a string whose tokens failed it is checked every time."""
+    import xgrammar as xgr
+    from transformers import AutoTokenizer
+    from vllm.v1.structured_output.backend_xgrammar import XgrammarGrammar
+
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    info = xgr.TokenizerInfo.from_huggingface(tok)
+    compiled = xgr.GrammarCompiler(info).compile_json_schema(json.dumps(TINY_SCHEMA), any_whitespace=False)
+    opening = tok.encode("{", add_special_tokens=False)
+
+    def grammar():
+        g = XgrammarGrammar(vocab_size=info.vocab_size, matcher=xgr.GrammarMatcher(compiled), ctx=compiled)
+        assert g.accept_tokens("r", opening)
+        return g
+
+    encode = lambda text: tok.encode(text, add_special_tokens=False)  # noqa: E731
+    drafts = internals.SchedulerDrafts(encode, k=4)
+    scheduler = types.SimpleNamespace(requests={"a": _Request(grammar(), opening), "none": _Request(grammar(), opening),
+                                                "chunk": _Request(grammar(), opening, prefill=True)},
+                                      _batchjson_no_draft={"none"})
+
+    def step(*ids):
+        checked = drafts.place(scheduler, list(ids))
+        for req_id, draft in zip(checked.req_ids, checked.draft_token_ids):  # vLLM's own check
+            request = scheduler.requests[req_id]
+            request.spec_token_ids = request.structured_output_request.grammar.validate_tokens(draft)
+        drafts.learn(scheduler, checked)
+        return checked.req_ids
+
+    text = grammar().matcher.find_jump_forward_string()  # what the schema forces after "{": the first key
+    assert text.startswith('"name"')
+    forced = encode(text)[:4]
+    assert step("a", "none", "chunk") == ["a"]  # the first time, vLLM checks it
+    assert scheduler.requests["a"].spec_token_ids == forced
+    assert scheduler.requests["none"].spec_token_ids == [] and scheduler.requests["chunk"].spec_token_ids == []
+    scheduler.requests["b"] = _Request(grammar(), opening)
+    assert step("b") == [] and scheduler.requests["b"].spec_token_ids == forced  # passed once: no check again
+
+    wrong = internals.SchedulerDrafts(lambda text: encode("[" + text), k=4)  # tokens that do not spell the string
+    drafts = wrong
+    for req_id in ("c", "d"):
+        scheduler.requests[req_id] = _Request(grammar(), opening)
+        assert step(req_id) == [req_id] and scheduler.requests[req_id].spec_token_ids == []
