@@ -87,6 +87,14 @@ def wait(c: OpenAI, batch_id: str, until=("completed", "failed", "expired", "can
         time.sleep(0.1)
 
 
+def answering(c: OpenAI, batch_id: str, n: int, timeout: float = 120) -> None:
+    """Wait until the running batch has answered `n` requests."""
+    deadline = time.monotonic() + timeout
+    while (batch := c.batches.retrieve(batch_id)).request_counts.completed < n:
+        assert batch.status in ("validating", "in_progress") and time.monotonic() < deadline, batch
+        time.sleep(0.05)
+
+
 def lines(c: OpenAI, file_id: str | None) -> list[dict]:
     return [json.loads(x) for x in c.files.content(file_id).text.splitlines()] if file_id else []
 
@@ -206,8 +214,7 @@ def test_cancel_delivers_what_finished_and_the_rest_as_cancelled(tmp_path, tiny_
             queued = run_batch(c, [request(f"q{i}") for i in range(5)])
         finally:
             imports.ROWS_PER_GROUP = rows
-        while c.batches.retrieve(running.id).request_counts.completed < 20:
-            time.sleep(0.05)
+        answering(c, running.id, 20)
         assert c.batches.cancel(queued.id).status == "cancelled"  # waiting its turn: ends at once
         assert c.batches.cancel(running.id).status == "cancelling"
         done = wait(c, running.id)
@@ -227,6 +234,7 @@ def test_the_completion_window_expires_a_batch_with_its_finished_work(tmp_path, 
 
     with server(tmp_path / "state", FakeEngines(valid=1.0, delay=0.02), tiny_model) as base_url:
         c = client(base_url)
+        wait(c, run_batch(c, [request("warm-up")]).id)  # a first run's imports take seconds of a short window
         rows, imports.ROWS_PER_GROUP = imports.ROWS_PER_GROUP, 10
         try:
             batch = run_batch(c, [request(f"r{i}") for i in range(400)], window="2s")
@@ -269,8 +277,7 @@ def test_a_killed_server_resumes_its_batch_to_exactly_once(tmp_path, tiny_model)
     try:
         c = client(f"http://127.0.0.1:{port}/v1")
         batch = run_batch(c, [request(f"r{i}") for i in range(300)])
-        while c.batches.retrieve(batch.id).request_counts.completed < 30:
-            time.sleep(0.05)
+        answering(c, batch.id, 30)
         os.kill(first.pid, signal.SIGKILL)
         first.wait()
         second = start()
@@ -355,3 +362,31 @@ def test_an_engine_that_cannot_start_fails_the_batch_and_a_bug_is_a_500_without_
             c.files.list()
         assert broken.value.body == {"message": "The server had an error while processing your request (see its log).",
                                      "type": "server_error", "param": None, "code": None}
+
+
+def test_a_stopped_server_keeps_its_batch_running_and_the_next_one_ends_it_when_its_window_passed(tmp_path,
+                                                                                                   tiny_model):
+    """A clean stop (SIGTERM) leaves the running batch in_progress; a server started after its window ends it as
+    expired, with what the first one finished."""
+    import batchjson.openai_batch.requests as imports
+
+    state = tmp_path / "state"
+    with server(state, FakeEngines(valid=1.0, delay=0.01), tiny_model) as base_url:
+        c = client(base_url)
+        rows, imports.ROWS_PER_GROUP = imports.ROWS_PER_GROUP, 10
+        try:
+            batch = run_batch(c, [request(f"r{i}") for i in range(400)])
+        finally:
+            imports.ROWS_PER_GROUP = rows
+        answering(c, batch.id, 20)
+    saved = state / "batches" / f"{batch.id}.json"
+    stopped = json.loads(saved.read_text())
+    assert stopped["status"] == "in_progress"
+    saved.write_text(json.dumps(stopped | {"expires_at": int(time.time()) - 1}))  # the window passed meanwhile
+    with server(state, FakeEngines(valid=1.0), tiny_model) as base_url:
+        c = client(base_url)
+        done = wait(c, batch.id)
+        answers, errors = lines(c, done.output_file_id), lines(c, done.error_file_id)
+    assert done.status == "expired" and 20 <= len(answers) < 400
+    assert sorted(a["custom_id"] for a in answers + errors) == sorted(f"r{i}" for i in range(400))
+    assert {e["error"]["code"] for e in errors} == {"batch_expired"}
