@@ -2,7 +2,8 @@
 
     python tests/fake_runner.py JOB OUTPUT STEP N [SHARD [REPLICAS]]     (N = 0 never kills)
 STEP "p2:<step>" counts that step in pass 2 only.
-FAKE_LEASE_EXPIRY (seconds) shortens the leases on object storage; FAKE_VALID sets the share of valid answers (0.6).
+FAKE_LEASE_EXPIRY (seconds) shortens the leases on object storage; FAKE_VALID sets the share of valid answers (0.6);
+FAKE_RAY runs the replicas as Ray actors (--ray: "auto", or a cluster's address).
 Steps: begin, staged output|rejects|requeue, committed, published output|rejects|requeue (see storage/commits.py).
 """
 
@@ -30,7 +31,7 @@ def main():
                           start_marker=os.environ.get("FAKE_START_MARKER"),
                           valid=float(os.environ.get("FAKE_VALID", "0.6")))
     report = run_job(load_spec(job), output, shard=shard, engine_factory=engines, progress=False,
-                     replicas=replicas)
+                     replicas=replicas, ray=os.environ.get("FAKE_RAY") or None)
     print(report.summary())
     sys.exit(130 if report.interrupted else 3 if report.verify_failed else 0)
 

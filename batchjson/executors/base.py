@@ -37,6 +37,7 @@ from batchjson.records import WAIT, Stage
 # A replica that dies is replaced this many times per slot before the run gives up (its units are kept).
 RESPAWNS_PER_SLOT = 2
 TICK = 0.2  # seconds between the driver's looks at its replicas
+DRAIN = 0.01  # seconds the driver waits for a message already sent (Ray's queue answers a wait of 0 with none)
 IDLE_POLL = 0.05  # seconds a worker waits before asking again when nothing fits now
 
 Work = tuple[Stage, str]  # (stage, unit key)
@@ -257,11 +258,31 @@ class Pool:
         a dead worker's pairs (a new worker takes its place). Deaths are noted on the stage of the work they cost
         (`on_note(stage, code, text)`, code a report.NoteCode)."""
         reported: set[int] = set()
+
+        def take(message: tuple) -> None:
+            kind, slot, *payload = message
+            if kind == "error":
+                self.stop()
+                raise EngineError(f"replica {slot}: {payload[0]}")
+            if slot not in self.live:
+                return  # from a worker already replaced: its pairs were handed to others
+            if kind == "stats":
+                reported.add(slot)
+            self.answer(work, on_done, on_stats, slot, kind, *payload)
+
         while True:
             if stop.is_set():
                 self.stop()
                 return
-            for slot in self.dead():
+            dead = self.dead()
+            # A worker sends its last commits and its stats before it returns, but Ray may report the return before
+            # the driver has read them: what is queued is taken first (for at most a TICK, as idle workers keep
+            # asking), so that a worker that finished is not taken for one that died (noted "replica-died",
+            # replaced, its last commits handed out again).
+            until = time.monotonic() + TICK
+            while dead and time.monotonic() < until and (message := self.get(DRAIN)) is not None:
+                take(message)
+            for slot in dead:
                 self._go(self.turns.release(slot))
                 lost = work.lost(slot)
                 if slot in reported and not lost:
@@ -276,17 +297,8 @@ class Pool:
             if work.finished and set(self.live) <= reported:
                 return
             message = self.get(TICK)
-            if message is None:
-                continue
-            kind, slot, *payload = message
-            if kind == "error":
-                self.stop()
-                raise EngineError(f"replica {slot}: {payload[0]}")
-            if slot not in self.live:
-                continue  # from a worker already replaced: its pairs were handed to others
-            if kind == "stats":
-                reported.add(slot)
-            self.answer(work, on_done, on_stats, slot, kind, *payload)
+            if message is not None:
+                take(message)
 
     def answer(self, work: Queue, on_done: Callable, on_stats: Callable, slot: int, kind: str, *payload) -> None:
         """One message of a live worker (see the module's docstring): the one dispatch of every pool."""

@@ -1,5 +1,6 @@
-"""Replicas as Ray actors on a local Ray cluster (CPU, the tiny model, the real engine): one is killed mid-run,
-its open units are redone by another, and every input id ends up exactly once."""
+"""Replicas as Ray actors on a local Ray cluster: one is killed mid-run (CPU, the tiny model, the real engine), its
+open units are redone by another, and every input id ends up exactly once; a job of several files with generated
+ids on the fake engine ends with every row once and nothing reported dead."""
 
 from __future__ import annotations
 
@@ -11,9 +12,13 @@ import time
 from pathlib import Path
 
 import psutil
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
+from click.testing import CliRunner
 
-from helpers import ENV, assert_exactly_once, codes, write_job, write_rows
+from batchjson.cli import main
+from helpers import ENV, HERE, assert_exactly_once, codes, write_job, write_rows
 
 pytest.importorskip("ray", reason="Ray mode needs the ray extra: pip install 'batchjson[ray]'")
 
@@ -59,3 +64,27 @@ def test_ray_replica_killed_mid_run(tmp_path, tiny_model, engines):
     assert report["verified"]["ok"] and report["verified"]["complete"], report["verified"]
     assert "replica-died" in codes(report["passes"]["pass1"]), report["passes"]["pass1"]
     assert_exactly_once([f"r{i:05d}" for i in range(160)], out, out / "_rejects")
+
+
+def test_a_job_of_several_files_with_generated_ids_on_ray_actors(tmp_path, tiny_model):
+    """The scale-out path on the fake engine: three input files without an id column, two replicas as Ray actors
+    on a local Ray instance the run starts. Every row ends up once under the id its place gives it, the run's own
+    check and `batchjson verify` pass, and no replica is reported dead (one that finished is not one that died)."""
+    (tmp_path / "in").mkdir()
+    for k in range(3):
+        pq.write_table(pa.table({"text": [f"thing {k}-{i}" for i in range(40)], "source": ["s"] * 40}),
+                       tmp_path / "in" / f"part-{k}.parquet", row_group_size=16)
+    job = write_job(tmp_path, tiny_model, tmp_path / "in", batch_size=8)
+    job.write_text(job.read_text().replace("[input]\n", "[input]\ngenerate_ids = true\n", 1))
+    env = ENV | {"RAY_ADDRESS": "", "FAKE_RAY": "auto", "FAKE_DELAY": "0.01"}
+    runner = subprocess.run([sys.executable, str(HERE / "fake_runner.py"), str(job), str(tmp_path / "out"), "begin",
+                             "0", "", "2"], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=400)
+    assert runner.returncode == 0, runner.stderr[-4000:]
+    report = json.loads((tmp_path / "out" / "_report.json").read_text())
+    assert report["replicas"] == 2
+    assert report["verified"]["ok"] and report["verified"]["complete"], report["verified"]
+    assert not [c for p in report["passes"].values() for c in codes(p) if c == "replica-died"], report["passes"]
+    expected = [f"part-{k}.parquet:{i // 16}:{i % 16}" for k in range(3) for i in range(40)]
+    assert_exactly_once(expected, tmp_path / "out", tmp_path / "out" / "_rejects")
+    result = CliRunner().invoke(main, ["verify", str(job)])
+    assert result.exit_code == 0 and "exactly-once check ok" in result.output, result.output
