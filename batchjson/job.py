@@ -14,7 +14,7 @@ from collections import Counter
 from tqdm import tqdm
 
 from batchjson.errors import SpecError, StorageFault
-from batchjson.executors import Pool, Queue, local_layout, make_pool
+from batchjson.executors import Layout, Pool, Queue, local_layout, make_pool
 from batchjson.report import NoteCode, PassStats, RunReport, process_age
 from batchjson.engine.base import EngineFactory
 from batchjson.ends import run_ends
@@ -132,7 +132,7 @@ class JobRun:
                                      for k in todo[Stage.SECOND])
         return left
 
-    def _pool(self, todo: dict[Stage, list[str]], layout, resumed: bool) -> Pool:
+    def _pool(self, todo: dict[Stage, list[str]], layout: Layout | None, resumed: bool) -> Pool:
         """Where the passes run (executors.make_pool): in this process, local replicas or Ray actors, one body for
         all. A resumed run with replicas_per_gpu "auto" lays its replicas out by the rows it has left."""
         if layout is not None and resumed and self.replicas is None:

@@ -9,8 +9,8 @@ pass 1. An engine that does not decode a pass (a vLLM without the per-request dr
 backend; passes.decoded_by says) makes the worker ask only for the passes it decodes and park the rest;
 when nothing else is left it changes engines.
 
-Over 250 lines because the decode loop, engine deaths and the choice of work share one engine's state; Tracker,
-the value it moves, stays beside it.
+Over 250 lines because the decode loop, engine deaths and the choice of work share one engine's state; Units,
+the open units it moves, stays beside it.
 """
 
 from __future__ import annotations
@@ -79,8 +79,10 @@ def signals(stop: threading.Event):
             signal.signal(s, h)
 
 
-class Tracker:
-    """Tracks the rows of each open unit and commits a unit when its last row is finished."""
+class Units:
+    """The open units of one worker, each from its rows in to its commit: rows are counted as they finish, each
+    checked here (the worker's one row check), and a unit whose last row finished is ready; the worker commits the
+    ready units between the engine's rows (`commit_ready`), never inside the engine's refill (`feed`)."""
 
     def __init__(self, validator: Validator, stats: dict[Stage, PassStats],
                  commit: Callable[[Stage, str, list[Outcome]], None], stop: threading.Event, started: float):
@@ -88,41 +90,54 @@ class Tracker:
         self.started = started  # time.monotonic() at the run's start: first_request_s counts from it
         self.remaining: dict[Work, int] = {}
         self.outcomes: dict[Work, list[Outcome]] = {}
+        self.ready: deque[Work] = deque()  # units whose every row finished, in the order they did
+        self.paused = False  # the last feed ended to let ready units commit (see feed)
         self.deaths_seen: Counter = Counter()
 
     def feed(self, work: Iterable[Loaded]) -> Iterator[Prompt]:
-        """Prompts for the engine; rows that failed before reaching it are finished here directly."""
+        """Prompts for the engine; rows that failed before reaching it are finished here directly. When the queue has
+        nothing ready (WAIT), the engine holds no row and units are ready, the feed ends (`paused`): the engine gives
+        the worker its thread back only with a row, and those commits may be what the queue waits for."""
+        self.paused = False
         for unit in work:
             if self.stop.is_set():
                 return
             if unit is WAIT:
+                if self.ready and not any(self.remaining.values()):  # every row fed is finished: none in flight
+                    self.paused = True
+                    return
                 yield WAIT
                 continue
             stage, key, items = unit
             self.remaining[stage, key], self.outcomes[stage, key] = len(items), []
             if not items:
-                self._close((stage, key))
+                self.ready.append((stage, key))
             for item in items:
                 if isinstance(item, Generation):
-                    self.finish(item, self.validator.check(item))
+                    self.finish(item)
                 else:
                     if self.stats[stage].first_request_s is None:
                         self.stats[stage].first_request_s = time.monotonic() - self.started
                     yield item
 
-    def finish(self, gen: Generation, outcome: Outcome) -> None:
-        """Count a checked row; the last one of its unit commits the unit."""
+    def finish(self, gen: Generation) -> Outcome:
+        """Check and count a row; the last one of its unit makes the unit ready to commit."""
+        outcome = self.validator.check(gen)
         stage = gen.prompt.stage
         self.stats[stage].add(outcome.ok, outcome.reason, gen.prompt_tokens, gen.output_tokens)
         pair = (stage, gen.prompt.unit)
         self.outcomes[pair].append(outcome)
         self.remaining[pair] -= 1
         if self.remaining[pair] == 0:
-            self._close(pair)
+            self.ready.append(pair)
+        return outcome
 
-    def _close(self, pair: Work) -> None:
-        self.commit(*pair, self.outcomes.pop(pair))
-        del self.remaining[pair]
+    def commit_ready(self) -> None:
+        """Commit every unit whose rows have all finished."""
+        while self.ready:
+            pair = self.ready.popleft()
+            self.commit(*pair, self.outcomes.pop(pair))
+            del self.remaining[pair]
 
     def survivors(self, in_flight: list[Prompt]) -> list[Prompt]:
         """After an engine death: the in-flight prompts to feed again; a row at its second death fails instead."""
@@ -130,8 +145,8 @@ class Tracker:
         for prompt in in_flight:
             self.deaths_seen[prompt.row_id] += 1
             if self.deaths_seen[prompt.row_id] >= DEATHS_PER_ROW:
-                gen = Generation(prompt, error="engine_error", detail=f"in flight at {DEATHS_PER_ROW} engine deaths")
-                self.finish(gen, self.validator.check(gen))
+                self.finish(Generation(prompt, error="engine_error", detail=f"in flight at {DEATHS_PER_ROW} engine "
+                                       "deaths"))
             else:
                 again.append(prompt)
         return again
@@ -179,7 +194,7 @@ class Worker:
         self.channel = channel
         self.policies = [p for p in (Recipe.for_job(self.spec), self._plan_auto(),
                                      Audit.for_job(self.passes[0].speculative)) if p]
-        tracker = Tracker(self.validator, self.stats, self._commit, self.stop, self.started)
+        units = Units(self.validator, self.stats, self._commit, self.stop, self.started)
         try:
             while not self.stop.is_set():
                 pairs = self._fitting(channel.work(self._wanted, hold=lambda: bool(self.parked)))
@@ -189,9 +204,9 @@ class Worker:
                         break
                     self._close_engine()  # other stages have work this engine does not decode: the next one does
                     continue
-                self._decode(tracker, first[0], chain([first], pairs))
-            if tracker.remaining and not self.stop.is_set():
-                raise RuntimeError(f"[internal] units left open: {sorted(tracker.remaining)[:3]}")
+                self._decode(units, first[0], chain([first], pairs))
+            if units.remaining and not self.stop.is_set():
+                raise RuntimeError(f"[internal] units left open: {sorted(units.remaining)[:3]}")
         finally:
             self._close_engine()
         for policy in self.policies:
@@ -332,14 +347,15 @@ class Worker:
                 closer = next((s for s in reversed(self.decodes) if self.stats[s].rows), Stage.FIRST)
                 self.stats[closer].engine_close_s += time.monotonic() - t0
 
-    def _decode(self, tracker: Tracker, stage: Stage, pairs: Iterator[Work]) -> None:
+    def _decode(self, units: Units, stage: Stage, pairs: Iterator[Work]) -> None:
         """Decode, check and commit the units of `pairs` on an engine for `stage`, until the channel has no more
         for it; after each row, apply the policies' answers (adapt/).
 
         A stop never starts an engine: a signal that reached the engine processes too (Ctrl-C in a terminal) kills
         them, and that is not a death to recover from (see `_died`).
         """
-        feed, retry, deaths = tracker.feed(self._load(pairs)), [], 0
+        loaded = self._load(pairs)
+        feed, retry, deaths = units.feed(loaded), [], 0
         while not self.stop.is_set():
             try:
                 engine = self._engine_for(stage)
@@ -354,25 +370,33 @@ class Worker:
             again = iter(retry)
             try:
                 for gen in engine.stream(chain(again, feed), _Either(self.stop, ends)):
-                    outcome = self.validator.check(gen)
-                    tracker.finish(gen, outcome)
+                    outcome = units.finish(gen)
+                    units.commit_ready()
                     for policy in self.policies:
                         ending = self._apply(engine, policy.observe(engine, gen, outcome), ending)
                     if ending:
                         ends.set()
             except EngineDied as died:
                 self._close_engine()
+                units.commit_ready()  # units the feed finished before the death
                 if self.stop.is_set():
                     return
-                retry = tracker.survivors(died.in_flight) + list(again)
+                retry = units.survivors(died.in_flight) + list(again)
+                units.commit_ready()
                 deaths = self._died(stage, died, deaths + 1)
                 continue
             if self.speculative:
                 self.stats[stage].speculative = engine.stats()
             for policy in self.policies:
                 policy.stream_ended(engine)
-            if self.stop.is_set() or ending is None:
+            units.commit_ready()  # units the feed finished after the engine's last row
+            if self.stop.is_set():
                 return
+            if ending is None:
+                if not units.paused:
+                    return
+                feed, retry = units.feed(loaded), []  # it paused for those commits: on to the queue's next units
+                continue
             retry = [*engine.unfinished, *again]  # to the next engine (Switch) or this one again (Resample)
             if isinstance(ending, Switch):
                 self.speculative = ending.speculative

@@ -13,7 +13,7 @@ from batchjson.executors.inline import InlinePool
 from batchjson.executors.placement import Layout, local_layout
 from batchjson.spec import ModelSpec
 
-__all__ = ["Channel", "Pool", "Queue", "local_layout", "make_pool"]
+__all__ = ["Channel", "Layout", "Pool", "Queue", "local_layout", "make_pool"]
 
 
 def make_pool(layout: Layout | None, inline: Callable[[Channel], None], target: Callable, args: tuple,

@@ -14,12 +14,13 @@ import threading
 from collections.abc import Callable
 
 from batchjson.executors.base import Channel, Pool, Queue
+from batchjson.executors.placement import Layout
 
 
 class InlinePool(Pool):
     """`body` (a worker's serve) on this process's one engine, as slot 0 of a pool of one."""
 
-    def __init__(self, body: Callable[[Channel], None], layout):
+    def __init__(self, body: Callable[[Channel], None], layout: Layout):
         self.reply: tuple = ()
         super().__init__(body, (), layout)
 
