@@ -35,6 +35,7 @@ COMMANDS = {
     "validators": ("validators", "validation's cost per row: Validator.check against other validators"),
     "openai-batch": ("openai_batch", "import-openai and export-openai: peak memory and time per requests file size"),
     "serve": ("serve", "one requests file through `batchjson serve` against import-openai, run and export-openai"),
+    "scale-out": ("scale_out", "one job on a local Ray cluster of N CPU workers: the driver's peak memory by rows"),
     "whole-runs": ("whole_runs", "whole runs of a new user's minimal job next to bare vLLM, one call"),
     "start-trace": ("start_trace", "where a run's time goes before its engine decodes (sampled stacks)"),
     "smoke": ("smoke", "every subcommand above, tiny, on the fake engine (make bench-smoke)"),

@@ -9,18 +9,30 @@ canned outputs, a share of them failing (overhead.py), so both passes run.
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import functools
 import os
+import resource
 import sys
+from pathlib import Path
 
 from batchjson import cli
 from batchjson.engine.fake import Answer, FakeEngines
 from bench.common import FAKE
 from bench.overhead import FAILURES, VALID
 
+PEAK = "BATCHJSON_BENCH_PEAK"  # a file: the process's own peak RSS (KiB) is written there at its exit
+
+
+def write_peak(path: str) -> None:
+    """This process's own peak RSS in KiB (not its children's: Ray's daemons and actors, replicas), for scale_out.py."""
+    Path(path).write_text(str(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss))
+
 
 def main() -> None:
+    if os.environ.get(PEAK):  # registered first, so it runs last: after Ray has shut down
+        atexit.register(write_peak, os.environ[PEAK])
     model = os.environ[FAKE]
     engines = FakeEngines(valid=0.8, cycle=True, prompt_tokens=300, answers=[Answer(v, "stop", 90) for v in VALID],
                           failures=list(FAILURES.values()))

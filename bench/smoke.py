@@ -215,6 +215,7 @@ def plan(w: Path, model: Path) -> list[tuple]:
         ("guard-cost", ["--repeat", "1"]),
         ("openai-batch", ["--lines", "300", "--work", str(w / "openai-batch")]),
         ("serve", ["--lines", "300", "--work", str(w / "serve")]),
+        ("scale-out", ["--rows", "3000", "--workers", "2", "--verify", "--work", str(w / "scale-out")]),
         ("validators", []),
         ("schemas", ["--limit", "5", "--out", str(w / "schemas.json")]),
         ("extract-schemastore", [str(w / "schemastore"), "--out", str(w / "corpus.jsonl.gz")]),
