@@ -145,8 +145,8 @@ def test_a_batch_on_the_fake_engine_answers_each_request_once_with_failures_in_t
     assert [a["custom_id"] for a in answers + errors].count("r0") == 1
     assert sorted(a["custom_id"] for a in answers + errors) == sorted(f"r{i}" for i in range(30))
     assert {e["error"]["code"] for e in errors} <= {"json_parse", "schema", "truncated"}
-    out = fake.files.retrieve(batch.output_file_id)
-    assert out.purpose == "batch_output" and out.bytes > 0
+    out, err = fake.files.retrieve(batch.output_file_id), fake.files.retrieve(batch.error_file_id)
+    assert out.purpose == err.purpose == "batch_output" and out.bytes > 0  # the API's purpose of both
     assert fake.files.delete(batch.input_file_id).deleted
     with pytest.raises(openai.NotFoundError):
         fake.files.retrieve(batch.input_file_id)

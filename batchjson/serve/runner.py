@@ -264,7 +264,7 @@ class Runner:
         ids = {}
         for kind, count in (("output", exported.answers), ("error", exported.failed)):
             if count:
-                ids[kind] = self.store.add_file(staged[kind], f"{batch_id}_{kind}.jsonl", f"batch_{kind}",
+                ids[kind] = self.store.add_file(staged[kind], f"{batch_id}_{kind}.jsonl", "batch_output",
                                                 file_id=f"file-{key}-{kind}")["id"]
             else:
                 staged[kind].unlink(missing_ok=True)
