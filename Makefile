@@ -31,7 +31,7 @@ bench: install  # CPU: runner overhead, then batchjson vs bare vLLM on SmolLM2 (
 	$(PY) -m bench overhead --rows 10000,200000 --out bench-results
 	$(PY) -m bench compare --model default --rows 60 --max-in-flight 60 --repeat 2 --timeout 500 --tag cpu-smollm2- --out bench-results
 
-bench-smoke: install  # every `python -m bench` subcommand, tiny, on the fake engine (2-4 min); CI runs it after make test
+bench-smoke: install  # every `python -m bench` subcommand, tiny, on the fake engine (its time: README.md); CI runs it after make test
 	$(PY) -m bench smoke
 
 sample-data:

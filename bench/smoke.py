@@ -8,8 +8,8 @@ also those inside functions, and attribute chains on them such as `job.JobRun.ru
 only run beside a real engine are checked too. Then each subcommand runs in its own process: those that run
 batchjson do so on the fake engine (BATCHJSON_BENCH_FAKE: `batchjson run` is bench/fakerun.py), with a model folder
 that holds only a tokenizer; those that need a real vLLM engine (compare, sweep, scale, gpu, spec-profile) show
-their --help, and whole-runs runs only its batchjson side (two replicas sharing a pretended GPU among them). 2-4
-minutes on 2 cores (README.md).
+their --help, and whole-runs runs only its batchjson side (two replicas sharing a pretended GPU among them). Its
+time is in README.md.
 """
 
 from __future__ import annotations
