@@ -222,6 +222,22 @@ def _job_name(name: str, taken: set[str]) -> str:
     return out
 
 
+def read_requests(lines):
+    """Each non-blank line of a Batch requests file (bytes lines) as (its number, parse_request's answer), or (its
+    number, the Refused that names why not)."""
+    for number, raw in enumerate(lines, 1):
+        if not raw.strip():
+            continue
+        try:
+            try:
+                doc = orjson.loads(raw)
+            except orjson.JSONDecodeError as e:
+                raise Refused("", f"is not valid JSON ({e})") from None
+            yield number, parse_request(doc)
+        except Refused as e:
+            yield number, e
+
+
 def import_requests(requests: str | Path, folder: str | Path, model: str = "default") -> Imported:
     """Write the jobs of an OpenAI Batch requests file into `folder` (new or empty): per job `<name>/job.toml`,
     `<name>/schema.json` and `<name>/input/requests.parquet` (custom_id, line, messages), and `openai_batch.json`
@@ -241,16 +257,12 @@ def import_requests(requests: str | Path, folder: str | Path, model: str = "defa
     problems, total, keys = _Problems(), 0, array("Q")
     try:
         with source:
-            for number, raw in enumerate(source, 1):
-                if not raw.strip():
-                    continue
+            for number, parsed in read_requests(source):
                 total += 1
                 try:
-                    try:
-                        doc = orjson.loads(raw)
-                    except orjson.JSONDecodeError as e:
-                        raise Refused("", f"is not valid JSON ({e})") from None
-                    custom_id, messages, name, schema, sampling = parse_request(doc)
+                    if isinstance(parsed, Refused):
+                        raise parsed
+                    custom_id, messages, name, schema, sampling = parsed
                     job = _job_for(jobs, folder, name, schema, sampling)
                 except Refused as e:
                     problems.add(number, e.field, str(e))

@@ -33,24 +33,16 @@ def error(status: int, message: str, type_: str = "invalid_request_error", param
 def check_upload(path) -> None:
     """Refuse (BadRequest, naming lines and fields) a batch input whose lines are not Batch requests. Only each
     line alone is checked here; a batch's creation checks the file as a whole (schemas, duplicate custom_ids)."""
-    from batchjson.openai_batch.requests import Refused, parse_request
+    from batchjson.openai_batch.requests import Refused, read_requests
 
     problems, count, total = [], 0, 0
     with open(path, "rb") as f:
-        for number, raw in enumerate(f, 1):
-            if not raw.strip():
-                continue
+        for number, parsed in read_requests(f):
             total += 1
-            try:
-                try:
-                    doc = orjson.loads(raw)
-                except orjson.JSONDecodeError as e:
-                    raise Refused("", f"is not valid JSON ({e})") from None
-                parse_request(doc)
-            except Refused as e:
+            if isinstance(parsed, Refused):
                 count += 1
                 if len(problems) < SHOWN:
-                    problems.append(f"line {number}: {e.field + ': ' if e.field else ''}{e}")
+                    problems.append(f"line {number}: {parsed.field + ': ' if parsed.field else ''}{parsed}")
     if count:
         more = f"\n  ... and {count - len(problems)} more refused lines" if count > len(problems) else ""
         raise BadRequest(f"{count} line(s) of the file are not Batch requests batchjson answers, so it was not "
