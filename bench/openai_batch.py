@@ -76,20 +76,26 @@ def one(lines: int, work: Path, env: dict) -> dict:
             "errors": sum(1 for _ in errors.open())}
 
 
-def main(argv: list[str]) -> int:
+def fake_engine_env(work: Path | None, prefix: str) -> tuple[Path, dict]:
+    """The work folder (`work`, or a new temporary one) and the environment of batchjson commands on the fake
+    engine: its model (FAKE, or a tokenizer-only model made in the folder), no GPU, this tree first on the path."""
     from bench.smoke import tokenizer_model
 
+    work = work or Path(tempfile.mkdtemp(prefix=prefix))
+    work.mkdir(parents=True, exist_ok=True)
+    model = Path(os.environ[FAKE]) if os.environ.get(FAKE) else tokenizer_model(work / "model")
+    return work, os.environ | {FAKE: str(model), "CUDA_VISIBLE_DEVICES": "",
+                               "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+
+
+def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench openai-batch", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--lines", default="10000,100000", help="requests per file, comma-separated")
     ap.add_argument("--work", type=Path, help="where the files go (default: a temporary folder)")
     ap.add_argument("--out", type=Path, help="write the results as JSON here")
     args = ap.parse_args(argv)
-    work = args.work or Path(tempfile.mkdtemp(prefix="bench-openai-"))
-    work.mkdir(parents=True, exist_ok=True)
-    model = Path(os.environ[FAKE]) if os.environ.get(FAKE) else tokenizer_model(work / "model")
-    env = os.environ | {FAKE: str(model), "CUDA_VISIBLE_DEVICES": "",
-                        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    work, env = fake_engine_env(args.work, "bench-openai-")
     rows = []
     for lines in (int(n) for n in args.lines.split(",")):
         rows.append(one(lines, work, env))

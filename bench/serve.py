@@ -19,12 +19,11 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.request
 from pathlib import Path
 
-from bench.common import FAKE, ROOT, dump, table
+from bench.common import FAKE, dump, table
 
 
 def fake_engines():
@@ -90,8 +89,7 @@ def main(argv: list[str]) -> int:
     from openai import OpenAI
 
     from batchjson.serve import listen
-    from bench.openai_batch import one, write_requests
-    from bench.smoke import tokenizer_model
+    from bench.openai_batch import fake_engine_env, one, write_requests
 
     ap = argparse.ArgumentParser(prog="python -m bench serve", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -99,18 +97,14 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--work", type=Path, help="where the files go (default: a temporary folder)")
     ap.add_argument("--out", type=Path, help="write the results as JSON here")
     args = ap.parse_args(argv)
-    work = args.work or Path(tempfile.mkdtemp(prefix="bench-serve-"))
-    work.mkdir(parents=True, exist_ok=True)
-    model = Path(os.environ[FAKE]) if os.environ.get(FAKE) else tokenizer_model(work / "model")
-    env = os.environ | {FAKE: str(model), "CUDA_VISIBLE_DEVICES": "",
-                        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    work, env = fake_engine_env(args.work, "bench-serve-")
     commands = one(args.lines, work / "commands", env)
     commands_s = commands["import_s"] + commands["run_s"] + commands["export_s"]
     requests = work / "commands" / f"lines-{args.lines}" / "requests.jsonl"
     if not requests.exists():
         write_requests(requests, args.lines)
-    in_process(requests, work / "warm-up", str(model))  # the imports (xgrammar, torch) paid once, not timed
-    functions_s = in_process(requests, work / "functions", str(model))
+    in_process(requests, work / "warm-up", env[FAKE])  # the imports (xgrammar, torch) paid once, not timed
+    functions_s = in_process(requests, work / "functions", env[FAKE])
     sock = listen("127.0.0.1", 0)
     port = sock.getsockname()[1]
     sock.close()
