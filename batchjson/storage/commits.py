@@ -130,9 +130,9 @@ class Commits:
         """After an exactly-once check of the whole folder passed: its records, and its files as `trusted` listed
         them before the check read them, folded into the index for the next run."""
         listed = {i.base_name: stamp(i) for i in self.units.files()}
-        records = {name: (listed[name], digest(data), data) for name, data in self._read.items() if name in listed}
-        checked = {name: self._seen[name] for *_, data in records.values()
+        checked = {name: self._seen[name] for record, data in self._read.items() if record in listed
                    for name in json.loads(data)["files"].values() if name in self._seen}
+        records = ((name, listed[name], digest(data), data) for name, data in self._read.items() if name in listed)
         with writing(self.index_file):
             Index.write(self.index_file, records, checked)
 

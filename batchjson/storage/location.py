@@ -28,7 +28,7 @@ import posixpath
 import re
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TypeVar
@@ -331,14 +331,17 @@ class Location:
     def read_text(self) -> str:
         return self.read_bytes().decode()
 
-    def write_bytes(self, data: bytes) -> None:
+    def write_bytes(self, data: bytes | Iterable[bytes]) -> None:
+        """One file of `data`, or of its pieces in order (a file that is never held whole)."""
         with self._io(), self.fs.open_output_stream(self.path) as f:
-            f.write(data)
+            for piece in [data] if isinstance(data, bytes) else data:
+                f.write(piece)
 
     def write_json(self, data) -> None:
         """All or nothing: a PUT on object storage is; locally, a temporary file renamed over the target is. `data`
-        as bytes is JSON encoded already (the index, index.py)."""
-        text = data if isinstance(data, bytes) else json_bytes(data)
+        as an iterator of bytes is JSON encoded already, in pieces (the index, index.py): on object storage an upload
+        that fails midway may leave JSON cut short, which every reader here refuses as it refuses a damaged file."""
+        text = data if isinstance(data, (bytes, Iterator)) else json_bytes(data)
         if not self.local:
             self.write_bytes(text)
             return
