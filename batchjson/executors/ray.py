@@ -7,7 +7,7 @@ import math
 import os
 from collections.abc import Callable
 
-from batchjson.errors import SpecError
+from batchjson.errors import EngineError, SpecError
 from batchjson.executors.base import Pool
 from batchjson.executors.placement import (Layout, Placement, gpus_per_replica, memory_share, refuse_without_gpus,
                                            replica_count)
@@ -87,11 +87,25 @@ def ray_pool(target: Callable, args: tuple, address: str, requested: int | None,
     except ImportError:
         raise SpecError("--ray needs Ray: pip install 'batchjson[ray]'.") from None
     if not ray.is_initialized():
-        try:
-            ray.init(address=None if address == "auto" else address, log_to_driver=False,
-                     runtime_env={"env_vars": {k: v for k, v in os.environ.items()
-                                               if k.startswith(("BATCHJSON_", "VLLM_", "HF_", "AWS_"))}})
-        except (ConnectionError, ValueError, RuntimeError) as e:
-            raise SpecError(f"--ray {address}: cannot connect to a Ray cluster ({e}).") from None
+        _connect(ray, address)
     layout, gpus = ray_layout(int(ray.cluster_resources().get("GPU", 0)), model, requested)
     return RayPool(target, args, layout, gpus=gpus, cpus=1)
+
+
+def _connect(ray, address: str, attempts: int = 2) -> None:
+    """ray.init at `address` ("auto": RAY_ADDRESS or a new local instance). A local instance whose start timed out
+    (Ray waits 30 s for its node to register, which a loaded small machine can miss) is started once more."""
+    env = {k: v for k, v in os.environ.items() if k.startswith(("BATCHJSON_", "VLLM_", "HF_", "AWS_"))}
+    for attempt in range(1, attempts + 1):
+        try:
+            ray.init(address=None if address == "auto" else address, log_to_driver=False,
+                     runtime_env={"env_vars": env})
+            return
+        except (ConnectionError, ValueError, RuntimeError) as e:
+            raise SpecError(f"--ray {address}: cannot connect to a Ray cluster ({e}).") from None
+        except Exception as e:  # noqa: BLE001 - Ray's own start of a local instance raises a bare Exception
+            ray.shutdown()
+            if attempt == attempts or address != "auto" or os.environ.get("RAY_ADDRESS"):
+                raise EngineError(f"--ray: Ray could not start a local instance ({e}). On a busy machine run the job "
+                                  "again, or start Ray first (ray start --head) and set RAY_ADDRESS.") from None
+

@@ -1,6 +1,7 @@
 """Replicas as Ray actors on a local Ray cluster: one is killed mid-run (CPU, the tiny model, the real engine), its
 open units are redone by another, and every input id ends up exactly once; a job of several files with generated
-ids on the fake engine ends with every row once and nothing reported dead."""
+ids on the fake engine ends with every row once and nothing reported dead; a local Ray start that timed out is
+tried once more."""
 
 from __future__ import annotations
 
@@ -88,3 +89,30 @@ def test_a_job_of_several_files_with_generated_ids_on_ray_actors(tmp_path, tiny_
     assert_exactly_once(expected, tmp_path / "out", tmp_path / "out" / "_rejects")
     result = CliRunner().invoke(main, ["verify", str(job)])
     assert result.exit_code == 0 and "exactly-once check ok" in result.output, result.output
+
+
+class _Ray:
+    """ray.init failing `fails` times with Ray's own bare Exception, as a local start that timed out does."""
+
+    def __init__(self, fails: int):
+        self.fails, self.inits, self.shutdowns = fails, 0, 0
+
+    def init(self, **kwargs):
+        self.inits += 1
+        if self.inits <= self.fails:
+            raise Exception("The current node timed out during startup.")
+
+    def shutdown(self):
+        self.shutdowns += 1
+
+
+def test_a_local_ray_start_that_timed_out_is_tried_once_more_then_named(monkeypatch):
+    from batchjson.errors import EngineError
+    from batchjson.executors.ray import _connect
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    once = _Ray(fails=1)
+    _connect(once, "auto")
+    assert (once.inits, once.shutdowns) == (2, 1)
+    with pytest.raises(EngineError, match="Ray could not start a local instance .*timed out.*RAY_ADDRESS"):
+        _connect(_Ray(fails=2), "auto")
