@@ -155,12 +155,12 @@ def cost(task: str, rows: int, k: int, tokenizer: str) -> list[dict]:
             draft = drafter.propose(own[i], cases[i][0], output[-COPY_MAX:]) if not own[i].is_terminated() else []
             before.append(scheduler.requests[ids[i]].structured_output_request.grammar.validate_tokens(draft))
         t2 = time.perf_counter()
-        checked = here.place(scheduler, [ids[i] for i in live])
+        checked, forced = here.place(scheduler, [ids[i] for i in live])
         if checked.req_ids:
             for req_id, draft in zip(checked.req_ids, checked.draft_token_ids):  # vLLM's own check
                 request = scheduler.requests[req_id]
                 request.spec_token_ids = request.structured_output_request.grammar.validate_tokens(draft)
-            here.learn(scheduler, checked)
+            here.learn(scheduler, checked, forced)
         t3 = time.perf_counter()
         if steps:  # the first step's lazy imports and prompt indexes are not a step's cost
             seconds["vllm_advance"] += t1 - t0

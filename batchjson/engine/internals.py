@@ -632,10 +632,10 @@ def install_scheduler_drafts() -> str:
             drafts = self.__dict__["_batchjson_drafts"] = SchedulerDrafts.for_scheduler(self) or False
         if not drafts:
             return own(self, draft_token_ids)
-        unchecked = drafts.place(self, draft_token_ids.req_ids)
+        unchecked, forced = drafts.place(self, draft_token_ids.req_ids)
         if unchecked.req_ids:
             own(self, unchecked)  # vLLM keeps each draft's grammar-valid prefix
-            drafts.learn(self, unchecked)
+            drafts.learn(self, unchecked, forced)
         return None
 
     Scheduler.update_draft_token_ids = update_draft_token_ids
@@ -657,7 +657,6 @@ class SchedulerDrafts:
         self.drafter = Drafter(encode, k)
         self.prompts: dict[str, PromptIndex] = {}  # request id -> its prompt's index for copies
         self.forced_ok: dict[str, bool] = {}  # forced string -> its tokens passed vLLM's check whole
-        self._pending: list[str] = []  # the forced strings of the drafts handed to vLLM's check, in its order
 
     @classmethod
     def for_scheduler(cls, scheduler) -> "SchedulerDrafts | None":
@@ -677,12 +676,12 @@ class SchedulerDrafts:
 
     def place(self, scheduler, req_ids):
         """Set request.spec_token_ids for the step's requests whose drafts need no check; the rest, as a
-        DraftTokenIds for vLLM's own update_draft_token_ids."""
+        DraftTokenIds for vLLM's own update_draft_token_ids, with the forced string of each ("" for a copy)."""
         from vllm.v1.outputs import DraftTokenIds
         from vllm.v1.structured_output.backend_xgrammar import XgrammarGrammar
 
         no_draft = scheduler.__dict__.get("_batchjson_no_draft") or ()
-        ids, lists, self._pending = [], [], []
+        ids, lists, forced_texts = [], [], []
         for req_id in req_ids:
             request = scheduler.requests.get(req_id)
             if request is None or request.is_finished():
@@ -705,14 +704,14 @@ class SchedulerDrafts:
             else:
                 ids.append(req_id)
                 lists.append(draft)
-                self._pending.append(forced)
+                forced_texts.append(forced)
         if len(self.prompts) > 2 * len(scheduler.requests) + 64:  # requests that finished since
             self.prompts = {r: p for r, p in self.prompts.items() if r in scheduler.requests}
-        return DraftTokenIds(ids, lists)
+        return DraftTokenIds(ids, lists), forced_texts
 
-    def learn(self, scheduler, checked) -> None:
-        """After vLLM's check of `checked`: which forced strings' tokens passed it whole."""
-        for req_id, draft, forced in zip(checked.req_ids, checked.draft_token_ids, self._pending):
+    def learn(self, scheduler, checked, forced_texts: list[str]) -> None:
+        """After vLLM's check of `checked` (place's answer): which forced strings' tokens passed it whole."""
+        for req_id, draft, forced in zip(checked.req_ids, checked.draft_token_ids, forced_texts):
             request = scheduler.requests.get(req_id)
             if forced and request is not None and forced not in self.forced_ok:
                 self.forced_ok[forced] = len(request.spec_token_ids) == len(draft)

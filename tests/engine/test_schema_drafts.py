@@ -88,11 +88,11 @@ def test_scheduler_drafts_check_a_forced_string_once_and_never_draft_for_who_ask
                                       _batchjson_no_draft={"none"})
 
     def step(*ids):
-        checked = drafts.place(scheduler, list(ids))
+        checked, forced_texts = drafts.place(scheduler, list(ids))
         for req_id, draft in zip(checked.req_ids, checked.draft_token_ids):  # vLLM's own check
             request = scheduler.requests[req_id]
             request.spec_token_ids = request.structured_output_request.grammar.validate_tokens(draft)
-        drafts.learn(scheduler, checked)
+        drafts.learn(scheduler, checked, forced_texts)
         return checked.req_ids
 
     text = grammar().matcher.find_jump_forward_string()  # what the schema forces after "{": the first key
