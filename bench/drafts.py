@@ -61,6 +61,8 @@ def task_cases(task: str, rows: int, tokenizer: str):
     from batchjson.schema.drafts import PromptIndex
     from bench.tasks import TASKS, rows as task_rows, schema
 
+    if not json.loads(task_rows(task, 1)[0][2]):
+        raise SystemExit(f"task {task} has no ground-truth answers to replay (its answers are free text)")
     tok = AutoTokenizer.from_pretrained(tokenizer)
     info = xgr.TokenizerInfo.from_huggingface(tok)
     compiled = xgr.GrammarCompiler(info).compile_json_schema(json.dumps(schema(task)), any_whitespace=False)

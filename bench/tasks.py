@@ -1,4 +1,5 @@
-"""Three extraction tasks with ground truth, generated from a seed: input text, JSON Schema, expected answer.
+"""Three extraction tasks with ground truth, and a free-text one, generated from a seed: input text, JSON Schema,
+expected answer.
 
 The schemas below carry maxItems/maxLength bounds; the benchmark uses them without (`schema(name)`), as a new
 user's schema would be, unless asked for the bounded ones.
@@ -6,6 +7,9 @@ user's schema would be, unless asked for the bounded ones.
     A  invoice -> vendor, enums, total and a nested list of line-item objects (the sample task, 1-5 items)
     B  support ticket -> two enums, two lists of enums, a boolean
     C  sign-up note -> a flat object of five fields
+    D  support ticket -> one free-text field, a reply in the model's own words: the schema forces little and the
+       answer copies little from the prompt, so schema drafts have little to propose (no ground truth: an answer is
+       right when its reply is not empty)
 
 `write_task(name, rows, folder, seed)` writes the Parquet input (id, text, truth) and a job spec for it;
 `score(name, value, truth)` says whether an answer is exactly right and which share of its fields is.
@@ -61,6 +65,12 @@ CONTACT_SCHEMA = {
     "required": ["name", "age", "city", "email", "plan"],
     "additionalProperties": False,
 }
+REPLY_SCHEMA = {
+    "type": "object",
+    "properties": {"reply": {"type": "string", "minLength": 1, "maxLength": 600}},
+    "required": ["reply"],
+    "additionalProperties": False,
+}
 
 
 def unbounded(schema):
@@ -109,6 +119,10 @@ def contact_row(rng: random.Random) -> tuple[str, dict]:
     return text, {"name": f"{first} {last}", "age": age, "city": city, "email": email, "plan": plan}
 
 
+def reply_row(rng: random.Random) -> tuple[str, dict]:
+    return ticket_row(rng)[0], {}
+
+
 TASKS = {
     "A": {"shape": "nested list of objects (invoice line items)", "make": lambda rng: invoice_row(rng, 5),
           "schema": INVOICE_SCHEMA, "unordered": (),
@@ -125,6 +139,10 @@ TASKS = {
           "unordered": (),
           "system": "You extract contact records from text and answer with JSON only.",
           "template": "Extract the name, age, city, email and plan of this person.\n\n{text}"},
+    "D": {"shape": "one free-text field (a reply to a support ticket)", "make": reply_row, "schema": REPLY_SCHEMA,
+          "unordered": (),
+          "system": "You answer customers' support tickets and answer with JSON only.",
+          "template": "Write a short, polite reply to this customer in two or three sentences.\n\n{text}"},
 }
 
 
@@ -190,11 +208,15 @@ def _norm(value, unordered=()):
 
 
 def score(name: str, value: dict | None, truth: dict | str) -> tuple[bool, float]:
-    """(exactly right, share of top-level fields right); lists of enums in B compare as sets."""
+    """(exactly right, share of top-level fields right); lists of enums in B compare as sets; D, with no ground truth,
+    is right when every field is a non-empty string."""
     if isinstance(truth, str):
         truth = json.loads(truth)
     if not isinstance(value, dict):
         return False, 0.0
+    if not truth:
+        right = bool(value) and all(isinstance(v, str) and v.strip() for v in value.values())
+        return right, float(right)
     un = TASKS[name]["unordered"]
     got, want = _norm(value, un), _norm(truth, un)
     fields = [got.get(k) == v for k, v in want.items()]
