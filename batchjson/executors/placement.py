@@ -1,7 +1,7 @@
 """How engine replicas are laid over the GPUs: how many GPUs each replica takes, how many replicas share each GPU
-(model.replicas_per_gpu and the rule behind its "auto"), each one's share of the GPU's memory, and the local layout.
-The arithmetic every executor shares; no executor decides any of it on its own. The GPUs themselves are asked in
-engine/devices.py.
+(model.replicas_per_gpu and the rule behind its "auto"), each one's share of the GPU's memory, and the layouts on this
+host and on a Ray cluster. The arithmetic every executor shares; no executor decides any of it on its own. The GPUs
+themselves are asked in engine/devices.py.
 """
 
 from __future__ import annotations
@@ -168,3 +168,24 @@ def local_layout(requested: int | None, model: ModelSpec, rows: int | None = Non
     n, why = choose_per_gpu(model, len(gpus) // per, per, host_cores(), gpu_memory(), rows)
     return lay_out(gpus, model.engine, n, requested, "this host", "Ask for fewer (--replicas, model.replicas), let "
                    "more share each GPU (model.replicas_per_gpu), or run on a Ray cluster (--ray).", why)
+
+
+def ray_layout(gpus: int, model: ModelSpec, requested: int | None) -> tuple[Layout, float]:
+    """The replicas on a cluster of `gpus` GPUs, and the GPUs each actor asks Ray for. Ray places the actors, so a
+    GPU's replicas are known only by count: each gets 1/replicas_per_gpu of a GPU (Ray takes fractions below 1 only,
+    to 4 decimals, and packs that many actors on each GPU) and the memory share of that many. "auto" is one per GPU
+    here: the cluster's GPU memory is not known from the driver."""
+    if not gpus:
+        refuse_without_gpus(model, "the Ray cluster")
+        return Layout((Placement(),) * (requested or 1)), 0
+    per = gpus_per_replica(model.engine)
+    k = 1 if model.replicas_per_gpu == "auto" else int(model.replicas_per_gpu)
+    if k > 1 and per > 1:
+        raise SpecError(f"model.replicas_per_gpu = {k} with {per} GPUs per replica (tensor_parallel_size x "
+                        "pipeline_parallel_size): Ray gives an actor either whole GPUs or a fraction of one. Run such "
+                        "replicas on one host (without --ray), or one per GPU group.")
+    why = f"model.replicas_per_gpu = {k}" if model.replicas_per_gpu != "auto" else "auto: one per GPU on a Ray cluster"
+    n = replica_count(gpus, per, k, requested, "the Ray cluster", "Ask for fewer replicas, or let more share each "
+                      "GPU (model.replicas_per_gpu).")
+    layout = Layout((Placement(None, k, memory_share(model.engine, k)),) * n, k, why)
+    return layout, per if k == 1 else math.floor(10_000 / k) / 10_000

@@ -3,14 +3,12 @@ model.replicas_per_gpu shares each GPU)."""
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Callable
 
 from batchjson.errors import EngineError, SpecError
 from batchjson.executors.base import Pool
-from batchjson.executors.placement import (Layout, Placement, gpus_per_replica, memory_share, refuse_without_gpus,
-                                           replica_count)
+from batchjson.executors.placement import Layout, ray_layout
 from batchjson.spec import ModelSpec
 
 
@@ -57,27 +55,6 @@ class RayReplica:
 
     def serve(self, target: Callable, args: tuple) -> None:
         target(*args)
-
-
-def ray_layout(gpus: int, model: ModelSpec, requested: int | None) -> tuple[Layout, float]:
-    """The replicas on a cluster of `gpus` GPUs, and the GPUs each actor asks Ray for. Ray places the actors, so a
-    GPU's replicas are known only by count: each gets 1/replicas_per_gpu of a GPU (Ray takes fractions below 1 only,
-    to 4 decimals, and packs that many actors on each GPU) and the memory share of that many. "auto" is one per GPU
-    here: the cluster's GPU memory is not known from the driver."""
-    if not gpus:
-        refuse_without_gpus(model, "the Ray cluster")
-        return Layout((Placement(),) * (requested or 1)), 0
-    per = gpus_per_replica(model.engine)
-    k = 1 if model.replicas_per_gpu == "auto" else int(model.replicas_per_gpu)
-    if k > 1 and per > 1:
-        raise SpecError(f"model.replicas_per_gpu = {k} with {per} GPUs per replica (tensor_parallel_size x "
-                        "pipeline_parallel_size): Ray gives an actor either whole GPUs or a fraction of one. Run such "
-                        "replicas on one host (without --ray), or one per GPU group.")
-    why = f"model.replicas_per_gpu = {k}" if model.replicas_per_gpu != "auto" else "auto: one per GPU on a Ray cluster"
-    n = replica_count(gpus, per, k, requested, "the Ray cluster", "Ask for fewer replicas, or let more share each "
-                      "GPU (model.replicas_per_gpu).")
-    layout = Layout((Placement(None, k, memory_share(model.engine, k)),) * n, k, why)
-    return layout, per if k == 1 else math.floor(10_000 / k) / 10_000
 
 
 def ray_pool(target: Callable, args: tuple, address: str, requested: int | None, model: ModelSpec) -> RayPool:

@@ -13,11 +13,10 @@ from batchjson.cli import main
 from batchjson.engine.devices import memory_taken
 from batchjson.executors import placement
 from batchjson.executors.placement import (GIB, Layout, Placement, auto_per_gpu, choose_per_gpu, lay_out,
-                                           local_layout, memory_share)
+                                           local_layout, memory_share, ray_layout)
 from batchjson.errors import SpecError
 from batchjson.executors.base import Turns
 from batchjson.executors.local import threads_per_replica
-from batchjson.executors.ray import ray_layout
 from batchjson.report import RunReport
 from batchjson.spec import ModelSpec, load_spec
 from batchjson.job import run_job
