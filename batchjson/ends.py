@@ -18,11 +18,13 @@ def run_ends(spec: JobSpec, output: str | None = None, shard: tuple[int, int] = 
     return ParquetSource(spec.input, spec.prompt.columns), storage
 
 
-def output_folder(spec: JobSpec, output: str | None = None, shard: tuple[int, int] = (0, 1), *,
+def output_folder(spec: JobSpec | None, output: str | None = None, shard: tuple[int, int] = (0, 1), *,
                   required: bool = True) -> Storage | None:
     """The job's output folder (`output`, else output.path; rejects where output.rejects says), as `run_ends` gives
-    it, for those that need no input: the Airflow swap, the OpenAI Batch export."""
-    out = output or spec.output.path
+    it, for those that need no input: the Airflow swap, the OpenAI Batch export, status and cancel (which may be
+    given the folder `output` alone, no spec)."""
+    out = output or (spec.output.path if spec else None)
     if not out and required:
         raise SpecError("no output folder: set output.path in the spec or pass --output.")
-    return Storage(out, spec.output.rejects or None, shard) if out else None
+    rejects = spec.output.rejects or None if spec else None
+    return Storage(out, rejects, shard) if out else None

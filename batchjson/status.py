@@ -19,7 +19,8 @@ from datetime import datetime
 
 from pyarrow import fs
 
-from batchjson.errors import OutputError, SpecError
+from batchjson.ends import output_folder
+from batchjson.errors import OutputError
 from batchjson.records import Stage
 from batchjson.spec import JobSpec
 from batchjson.storage import STATE, Location, Storage
@@ -118,34 +119,32 @@ def _clock(at: float) -> str:
     return datetime.fromtimestamp(at).strftime("%H:%M")
 
 
-def folder_of(job: JobSpec | None, output: str | None) -> tuple[Location, dict[str, fs.FileInfo]]:
+def folder_of(job: JobSpec | None, output: str | None) -> tuple[Storage, dict[str, fs.FileInfo]]:
     """The output folder status and cancel look at (--output, else the job's output.path), a batchjson run's, and
     the files of its run state: one listing."""
-    where = output or (job.output.path if job else None)
-    if not where:
-        raise SpecError("no output folder: pass --output, or a job whose output.path is set.")
-    folder = Location.of(where)
+    storage = output_folder(job, output)
+    folder = storage.output
     try:
-        files = {i.base_name: i for i in (folder / STATE).files()}
+        files = {i.base_name: i for i in storage.state.files()}
         if not files and not folder.is_dir():
             raise OutputError(f"{folder} is not a folder: nothing has run there. Check --output (or output.path).")
     except OSError as e:
         raise OutputError(f"cannot read {folder}: {e.strerror or e}. Check the path and permissions.") from None
     if SPEC not in files:
         raise OutputError(f"{folder} holds no batchjson run (no {STATE}/{SPEC}). Check --output (or output.path).")
-    return folder, files
+    return storage, files
 
 
 def status_job(job: JobSpec | None = None, output: str | None = None) -> Status:
     """What the run in `output` (default: the job's output.path) is doing or how it ended, from its folder alone:
     takes no lock or lease, so it is safe beside a running run and from another machine. An OutputError when the
     folder cannot be read or holds no batchjson run."""
-    folder, listed = folder_of(job, output)
-    state = folder / STATE
+    storage, listed = folder_of(job, output)
+    state = storage.state
     files = progress_files(state, list(listed))
     if not files:
-        return _from_records(folder)
-    status, now = Status(str(folder), "ended"), time.time()
+        return _from_records(storage)
+    status, now = Status(str(storage.output), "ended"), time.time()
     leases = _leases(state, listed) if not state.local else None
     rates, outcomes, details = [], [], []
     for f in files:
@@ -172,7 +171,8 @@ def status_job(job: JobSpec | None = None, output: str | None = None) -> Status:
     elif status.state == "ended":
         status.outcome = "; ".join(dict.fromkeys(outcomes))
         status.detail = "; ".join(d for d in dict.fromkeys(details) if d)
-        status.report = _report(folder, int(status.runs[0]["shard"].split("/")[1]))
+        layout = int(status.runs[0]["shard"].split("/")[1])
+        status.report = _report(output_folder(job, output, (0, layout)))
     status.rows_per_s = round(sum(rates), 3) if any(rates) else None
     return status
 
@@ -208,9 +208,9 @@ def _leases(state: Location, listed: dict[str, fs.FileInfo]) -> list[dict]:
     return found
 
 
-def _report(folder: Location, layout: int = 1) -> dict:
+def _report(storage: Storage) -> dict:
     """What the ended run's report says of its rows and its exactly-once check (shard 0's, for shards)."""
-    path = Storage(folder, shard=(0, layout)).report_path()
+    path = storage.report_path()
     try:
         r = path.read_json()
     except (FileNotFoundError, ValueError):
@@ -220,15 +220,14 @@ def _report(folder: Location, layout: int = 1) -> dict:
             "verified": "ok" if ok else "not proven" if ok is False else "not run", "file": str(path)}
 
 
-def _from_records(folder: Location) -> Status:
+def _from_records(storage: Storage) -> Status:
     """A folder written before progress files: its commit records counted (a read of each), its input's rows."""
-    state = folder / STATE
-    status = Status(str(folder), "unknown", detail="no progress file (written by an earlier batchjson): counts "
-                    "are its commit records'")
-    for record in sorted((state / "units").glob("p[12]-*.json")):
+    status = Status(str(storage.output), "unknown", detail="no progress file (written by an earlier batchjson): "
+                    "counts are its commit records'")
+    for record in sorted(storage.units.glob("p[12]-*.json")):
         add_record(status.passes, record.read_json())
-    status.rows = sum(p.read_json().get("rows", 0) for p in (state / "inputs").glob("*.json"))
-    status.report = _report(folder)
+    status.rows = sum(p.read_json().get("rows", 0) for p in storage.inputs.glob("*.json"))
+    status.report = _report(storage)
     return status
 
 
@@ -241,7 +240,7 @@ def cancel_job(job: JobSpec | None = None, output: str | None = None) -> str:
     if not runs:
         raise OutputError(f"no batchjson run is writing to {status.output} ({status.state}"
                           f"{': ' + status.outcome if status.outcome else ''}): nothing to cancel.")
-    write_cancel(Location.of(status.output) / STATE, [r["id"] for r in runs], socket.gethostname(), os.getpid())
+    write_cancel(output_folder(job, output).state, [r["id"] for r in runs], socket.gethostname(), os.getpid())
     named = ", ".join(f"{r['id']} (pid {r['pid']} on {r['host']})" for r in runs)
     return (f"cancel requested for run {named}: it stops within a few seconds, at its next engine step; finished "
             "units stay committed, and running the job again resumes.")
