@@ -14,8 +14,8 @@ Configurations, run in the order given, for each --seqs (vLLM's max_num_seqs, it
                 drafter k 8, as whole-runs configures them).
   <cfg>+stats   the same with vLLM's stats on (disable_log_stats = False, as batchjson's engine has them).
 Each reports generate seconds, engine steps, ms per step, the profile's parts per step (the engine core's
-schedule, update_from_output, grammar_bitmask, forward launch, sampling launch; BATCHJSON_PROFILE_SYNC=0, so the
-GPU overlaps as in a plain run), GPU busy (nvidia-smi), valid and correct rows, and a digest of each row's tokens:
+schedule, update_from_output and the grammars' advance inside it, grammar_bitmask, forward launch, sampling launch;
+BATCHJSON_PROFILE_SYNC=0, so the GPU overlaps as in a plain run), GPU busy (nvidia-smi), valid and correct rows, and a digest of each row's tokens:
 `differ` counts the rows whose tokens differ from the first configuration of the same kind (schema or free),
 --seqs, drafts or not (exactness: schema drafts against none). --pyspy S samples the engine process's stacks for S seconds during generate (py-spy, where
 installed), and the table gives the share of samples in grammar work. Results: OUT/grammar-<task>-<rows>.json.
@@ -25,6 +25,10 @@ installed), and the table gives the share of samples in grammar work. Results: O
 masks the logits of a step with drafts, no engine (where vLLM decodes with its V1 model runner: 0.26 with any
 speculation): vLLM's apply_grammar_bitmask against batchjson's (engine/internals.py, mask_rows and apply_mask_rows),
 CPU ms per call and ms until the GPU is done, on this machine's GPU (its CPU without one), the masked logits compared.
+
+`--matchers TOKENIZER` (xgrammar alone, no engine) also times the grammar's advance as update_from_output makes it:
+vLLM's own call per request on vLLM's grammar objects (`advance_vllm`) against one batch call, at best and as a patch
+would install it (`advance_batch`, `advance_lean`, `advance_patched`; see `advance`).
 """
 
 from __future__ import annotations
@@ -43,8 +47,9 @@ from pathlib import Path
 
 from bench.common import ROOT, SPECULATIVE, dump, run_group, table
 
-PARTS = ("schedule", "update_from_output", "grammar_bitmask", "get_grammar_bitmask", "forward", "sample_tokens",
-         "propose", "drafts", "engine_step")  # propose: a runner-side drafter; drafts: the scheduler's (schema)
+PARTS = ("schedule", "update_from_output", "advance", "grammar_bitmask", "get_grammar_bitmask", "forward",
+         "sample_tokens", "propose", "drafts", "engine_step")  # propose: a runner-side drafter; drafts: the
+# scheduler's (schema); advance: the grammars' advance by vLLM's call per request (most of it in update_from_output)
 GRAMMAR_FRAMES = ("grammar_bitmask", "accept_tokens", "fill_next_token_bitmask", "batch_fill", "apply_grammar_bitmask",
                   "batch_accept", "validate_tokens", "rollback")  # py-spy frames counted as the grammar's work
 
@@ -183,20 +188,12 @@ def matchers(tokenizer: str, task: str, rows: int, in_flight: int, steps: int, t
     import xgrammar as xgr
     from transformers import AutoTokenizer
 
-    from bench.tasks import rows as task_rows, schema
+    from bench.tasks import schema
 
     tok = AutoTokenizer.from_pretrained(tokenizer)
     info = xgr.TokenizerInfo.from_huggingface(tok)
     compiled = xgr.GrammarCompiler(info).compile_json_schema(json.dumps(schema(task)), any_whitespace=False)
-    answers = []
-    for _, _, truth in task_rows(task, rows):
-        probe = xgr.GrammarMatcher(compiled)
-        for separators in ((",", ":"), (", ", ": ")):
-            ids = tok.encode(json.dumps(json.loads(truth), separators=separators), add_special_tokens=False)
-            if all(probe.accept_token(t) for t in ids):
-                answers.append(ids + [tok.eos_token_id])
-                break
-            probe.reset()
+    answers = _answers(tok, lambda: xgr.GrammarMatcher(compiled), task, rows)
     if not answers:
         return {"error": "no answer of the task is accepted by its grammar with this tokenizer"}
     live = []
@@ -244,7 +241,157 @@ def matchers(tokenizer: str, task: str, rows: int, in_flight: int, steps: int, t
                 r[2] = 0
     return {"in_flight": in_flight, "threads": threads, "answers": len(answers), "vocab": info.vocab_size,
             "mask_mb": round(mask.numel() * 4 / 2**20, 1),
-            **{f"{k}_ms": round(1000 * v / steps, 2) for k, v in sorted(clock.items())}}
+            **{f"{k}_ms": round(1000 * v / steps, 2) for k, v in sorted(clock.items())},
+            **advance(tok, task, rows, in_flight, steps)}
+
+
+def _answers(tok, matcher, task: str, rows: int) -> list[list[int]]:
+    """The task's ground-truth answers as token ids the grammar takes (compact or with spaces, as it allows), each
+    ended by the end token; `matcher()` makes a fresh matcher of the grammar."""
+    from bench.tasks import rows as task_rows
+
+    answers = []
+    for _, _, truth in task_rows(task, rows):
+        for separators in ((",", ":"), (", ", ": ")):
+            probe = matcher()
+            ids = tok.encode(json.dumps(json.loads(truth), separators=separators), add_special_tokens=False)
+            if all(probe.accept_token(t) for t in ids):
+                answers.append(ids + [tok.eos_token_id])
+                break
+    return answers
+
+
+def advance(tok, task: str, rows: int, in_flight: int, steps: int) -> dict:
+    """The grammar's advance of a step as update_from_output makes it, no engine: `in_flight` of vLLM's own
+    XgrammarGrammar objects (its XgrammarBackend compiles the task's schema as an engine with disable_any_whitespace
+    does), each at its own place in an answer, one token a step. Per step, CPU ms of this thread (time.thread_time:
+    other jobs on the same cores slow a wall clock, not this), the median of the steps:
+
+    advance_vllm    vLLM's call per request, the one its scheduler makes for a request's new token (0.32:
+                    StructuredOutputManager.accept_tokens; 0.26: should_advance, trim_reasoning_for_advance, then
+                    XgrammarGrammar.accept_tokens), through a manager without a reasoning parser;
+    advance_batch   the least a batch advance must do instead: gather each request's matcher and token past the same
+                    checks, one BatchGrammarMatcher.batch_accept_token, and vLLM's bookkeeping of each grammar
+                    (num_processed_tokens, the termination). It leaves out the call per request that
+                    update_from_output's loop still makes: the batch's best case, reached only by rewriting that loop;
+    advance_lean    advance_batch plus the least call per request that loop would still make (0.32 only: a patched
+                    StructuredOutputManager.accept_tokens that looks the request up and returns);
+    advance_patched the batch as a patch of XgrammarGrammar.accept_tokens would install it in both versions: the
+                    batch call, then vLLM's call per request, whose accept_tokens finds its token taken (and keeps
+                    vLLM's bookkeeping; another token would go vLLM's own way).
+    batch_saving, lean_saving, patched_saving: 1 - each / advance_vllm."""
+    from types import SimpleNamespace
+
+    import xgrammar as xgr
+    from vllm.v1.structured_output import StructuredOutputManager
+    from vllm.v1.structured_output.backend_types import StructuredOutputOptions
+    from vllm.v1.structured_output.backend_xgrammar import XgrammarBackend, XgrammarGrammar
+
+    from bench.tasks import schema
+
+    config = SimpleNamespace(structured_outputs_config=SimpleNamespace(disable_any_whitespace=True),
+                             speculative_config=None, model_config=None)
+    backend = XgrammarBackend(config, tok, len(tok))
+    spec = json.dumps(schema(task))
+    answers = _answers(tok, lambda: backend.compile_grammar(StructuredOutputOptions.JSON, spec).matcher, task, rows)
+    if not answers:
+        return {"advance_error": "no answer of the task is accepted by vLLM's grammar with this tokenizer"}
+    manager = SimpleNamespace(enable_in_reasoning=False, reasoner_cls=None, _get_reasoner=lambda request: None)
+    for name in ("_get_constraint_bounds", "should_advance", "trim_reasoning_for_advance"):
+        if hasattr(StructuredOutputManager, name):
+            setattr(manager, name, getattr(StructuredOutputManager, name).__get__(manager))
+    if hasattr(StructuredOutputManager, "accept_tokens"):  # 0.32
+        def vllm_advance(request, tokens):
+            return StructuredOutputManager.accept_tokens(manager, request, tokens)
+    else:  # 0.26: the scheduler's own lines
+        def vllm_advance(request, tokens):
+            if manager.should_advance(request):
+                tokens = manager.trim_reasoning_for_advance(request, tokens)
+                return request.structured_output_request.grammar.accept_tokens(request.request_id, tokens)
+            return True
+    live = []
+    for i in range(in_flight):  # staggered, as in `matchers`
+        answer, at = answers[i % len(answers)], i % len(answers[i % len(answers)])
+        grammar = backend.compile_grammar(StructuredOutputOptions.JSON, spec)
+        if at:
+            assert grammar.accept_tokens("r", answer[:at])
+        structured = SimpleNamespace(grammar=grammar, reasoning_ended=None, reasoning_end_token_index=None)
+        live.append([SimpleNamespace(request_id=str(i), use_structured_output=True,
+                                     structured_output_request=structured), answer, at])
+
+    def gathered(news):
+        grammars, tokens = [], []
+        for request, token in news:
+            grammar = request.structured_output_request.grammar
+            if request.use_structured_output and type(grammar) is XgrammarGrammar and not grammar.is_terminated():
+                grammars.append(grammar)
+                tokens.append(token)
+        return grammars, xgr.BatchGrammarMatcher.batch_accept_token([g.matcher for g in grammars], tokens), tokens
+
+    def batch(news):
+        for grammar, ok, _ in zip(*gathered(news)):
+            if ok:
+                grammar.num_processed_tokens += 1
+                grammar._is_terminated = grammar.matcher.is_terminated()
+
+    own, taken = XgrammarGrammar.accept_tokens, {}
+
+    def accept_taken(grammar, request_id, tokens):
+        token = taken.pop(id(grammar), None)
+        if token is not None and len(tokens) == 1 and tokens[0] == token:
+            grammar.num_processed_tokens += 1
+            grammar._is_terminated = grammar.matcher.is_terminated()
+            return True
+        return own(grammar, request_id, tokens)
+
+    def lean(news):
+        done = {}
+        for grammar, ok, _ in zip(*gathered(news)):
+            if ok:
+                grammar.num_processed_tokens += 1
+                grammar._is_terminated = grammar.matcher.is_terminated()
+                done[id(grammar)] = True
+
+        def accept_tokens(request, tokens):  # what a patched manager would still do per request
+            return done.pop(id(request.structured_output_request.grammar), None) or vllm_advance(request, tokens)
+
+        for request, token in news:
+            accept_tokens(request, [token])
+
+    def patched(news):
+        taken.update((id(g), t) for g, ok, t in zip(*gathered(news)) if ok)
+        XgrammarGrammar.accept_tokens = accept_taken
+        try:
+            for request, token in news:
+                vllm_advance(request, [token])
+        finally:
+            XgrammarGrammar.accept_tokens = own
+
+    clock = collections.defaultdict(list)  # way -> CPU seconds of each step
+    for _ in range(steps):
+        news = [(r[0], r[1][r[2]]) for r in live]
+        t = time.thread_time()
+        for request, token in news:
+            vllm_advance(request, [token])
+        clock["advance_vllm"].append(time.thread_time() - t)
+        for request, _ in news:
+            request.structured_output_request.grammar.rollback(1)
+        for name, way in (("advance_batch", batch), ("advance_lean", lean), ("advance_patched", patched)):
+            t = time.thread_time()
+            way(news)
+            clock[name].append(time.thread_time() - t)
+            if way is not patched:  # the last way's tokens stay taken: the answers move on
+                for request, _ in news:
+                    request.structured_output_request.grammar.rollback(1)
+        for r in live:
+            r[2] += 1
+            if r[2] == len(r[1]):
+                r[0].structured_output_request.grammar = backend.compile_grammar(StructuredOutputOptions.JSON, spec)
+                r[2] = 0
+    ms = {k: 1000 * sorted(v)[len(v) // 2] for k, v in clock.items()}
+    return {**{f"{k}_ms": round(v, 2) for k, v in ms.items()},
+            **{f"{k}_saving": round(1 - ms[f"advance_{k}"] / ms["advance_vllm"], 2)
+               for k in ("batch", "lean", "patched")}}
 
 
 def masks(in_flight: int, drafts: int, vocab: int, repeat: int) -> dict:
@@ -378,6 +525,7 @@ def main(argv: list[str]) -> int:
         r |= {f"{p}_ms": r.get("parts_ms_per_step", {}).get(p) for p in PARTS}
     print(table(results, [("seqs", "seqs"), ("name", "config"), ("generate_s", "generate s"), ("steps", "steps"),
                           ("ms_per_step", "ms/step"), ("schedule_ms", "schedule"), ("update_from_output_ms", "update"),
+                          ("advance_ms", "advance"),
                           ("get_grammar_bitmask_ms", "masks"), ("scheduled_requests_per_step", "requests"),
                           ("drafted_tokens_per_step", "drafted"),
                           ("forward_ms", "forward"), ("sample_tokens_ms", "sample"), ("propose_ms", "propose"),

@@ -33,7 +33,9 @@ of threads that take turns at the GIL between rows; serially with drafts). `inst
 StructuredOutputManager.grammar_bitmask with BatchFills: the same rows from one call to xgrammar's batch matcher (C++
 threads), into pinned buffers the GPU runner copies as they are (H200, the 1.5B at 1,024 in flight: 62.4-71.2 ms a
 step against vLLM's 81.4-98.8; BENCHMARKS.md, "What the JSON constraint costs a step"). Checked against
-FILLS_READ_ON; `[model] grammar_fills = "vllm"` (GRAMMAR_FILLS_ENV) keeps vLLM's fills.
+FILLS_READ_ON; `[model] grammar_fills = "vllm"` (GRAMMAR_FILLS_ENV) keeps vLLM's fills. The grammars' advance
+(update_from_output's accept_tokens, a call per request) stays vLLM's: xgrammar's batch accept runs the same C++
+per matcher, and a patch that keeps vLLM's loop saved nothing (measured, same section: `bench grammar --matchers`).
 
 **The schema drafts made where the grammar already is.** `[speculative] method = "schema"` drafts what each
 request's grammar forces next, else a copy from its prompt (schema/drafts.py). vLLM asks a custom drafter in the model
@@ -785,8 +787,12 @@ def install_fast_loop_guard() -> str:
 # (vllm/v1/worker/gpu/, VllmConfig.use_v2_model_runner: default for non-MoE models) and with ngram, suffix or
 # draft_model speculation on the V1 one (vllm/v1/worker/gpu_model_runner.py); 0.32 on CPU uses V1's subclass
 # CPUModelRunner. Parts nest: sample_tokens holds sample, rejection_sampler and propose; V2's sample holds the logits,
-# the grammar bitmask's application, and the (rejection) sampler. Scheduler.schedule returns a SchedulerOutput with
-# total_num_scheduled_tokens; EngineCore.shutdown(self) ends the engine core.
+# the grammar bitmask's application, and the (rejection) sampler. update_from_output holds the grammars' advance:
+# XgrammarGrammar.accept_tokens, one call per request with new tokens (0.26 calls it from the scheduler, 0.32 through
+# StructuredOutputManager.accept_tokens; vLLM's own fills with drafts call it too, batchjson's BatchFills do not), so
+# "advance" is timed call by call, under 1 us of the timer's own a call (< 1 ms a step at 1,024 requests, inside
+# "update_from_output"). Scheduler.schedule returns a SchedulerOutput with total_num_scheduled_tokens;
+# EngineCore.shutdown(self) ends the engine core.
 PROFILER_READ_ON = ("0.26.", "0.32.")
 V1 = "vllm.v1.worker.gpu_model_runner"
 V2 = "vllm.v1.worker.gpu.model_runner"
@@ -797,6 +803,7 @@ TIMED = (
     ("batchjson.engine.internals", "BatchFills", "bitmask", "batch_fills", False),
     ("vllm.v1.core.sched.scheduler", "Scheduler", "get_grammar_bitmask", "get_grammar_bitmask", False),
     ("vllm.v1.core.sched.scheduler", "Scheduler", "update_draft_token_ids", "drafts", False),
+    ("vllm.v1.structured_output.backend_xgrammar", "XgrammarGrammar", "accept_tokens", "advance", False),
     ("vllm.v1.engine.core", "EngineCore", "step", "engine_step", False),
     ("vllm.v1.engine.core", "EngineCore", "step_with_batch_queue", "engine_step", False),
     (V1, "GPUModelRunner", "execute_model", "forward", True),

@@ -38,6 +38,9 @@
 #   (run19): the step with the masks placed on the GPU (bench grammar, drafts and none), then whole runs of none and
 #   schema with the step profiler, after warm-ups of both.
 # PLAN schemaab: none and schema alternating, bare vLLM between them, after schemaprof's warm-ups (run20).
+# PLAN advance15 (issue 46): the grammars' advance in update_from_output on vLLM 0.26 and the host's cores: bench
+#   grammar --matchers (vLLM's call per request against one batch call, no engine: advance_* columns), then the step
+#   with vLLM's fills, batchjson's and no grammar, whose profile times that advance inside update_from_output.
 # PLAN grammar15: what the JSON constraint costs the 1.5B's step (bench grammar): xgrammar alone on the host's cores,
 #   then bare vLLM at 1,024 in flight with vLLM's mask fills, batchjson's, and no grammar (py-spy on each).
 # PLAN fills15: the 1.5B's step with vLLM's fills, batchjson's and no grammar (bench grammar), whole runs of the
@@ -179,6 +182,9 @@ run_plan() {
                   --runs schema+warm,none+warm,none+prof,schema+prof,schema ;;
     schemaab) need q15 && wr t15-C6000-ab --task C --rows 6000 --model $q15 --timeout 150 \
                 --runs none,schema,bare-none,none,schema ;;
+    advance15) need q15 && gb g15-advance --matchers $q15 --task C --seqs 256,1024 --threads 8
+               need q15 && gb g15-C6000-advance --task C --rows 6000 --model $q15 --seqs 1024 \
+                 --configs batch,free,vllm --timeout 200 ;;
     t30k) need q15 && wr t15-C30000 --task C --rows 30000 --model $q15 --timeout 300 --runs bare-none,auto ;;
   esac
 }

@@ -167,7 +167,8 @@ def test_an_unread_vllm_keeps_its_own_fills(monkeypatch):
 @pytest.mark.engine
 def test_batch_fills_decode_what_vllms_fills_decode(tiny_model, monkeypatch, tmp_path):
     """The same prompts on two engines, greedy in float32: batchjson's fills (which ran: the step profile timed them)
-    and vLLM's own give the same outputs, and the report's grammar line says which ran."""
+    and vLLM's own give the same outputs, and the report's grammar line says which ran. Both profiles time the
+    grammars' advance, vLLM's call per request (a part of update_from_output)."""
     from batchjson.engine import VllmEngine
 
     texts, profiles = {}, {}
@@ -185,3 +186,6 @@ def test_batch_fills_decode_what_vllms_fills_decode(tiny_model, monkeypatch, tmp
     assert len(texts["batch"]) == len(PROMPTS) and texts["batch"] == texts["vllm"]
     ran = {fills: read_profile(path)["parts"].get("batch_fills", {}).get("count", 0) for fills, path in profiles.items()}
     assert ran["batch"] > 0 and ran["vllm"] == 0
+    for path in profiles.values():
+        parts = read_profile(path)["parts"]
+        assert 0 < parts["advance"]["seconds"] < parts["update_from_output"]["seconds"]
