@@ -186,6 +186,10 @@ run_plan() {
                need q15 && gb g15-C6000-advance --task C --rows 6000 --model $q15 --seqs 1024 \
                  --configs batch,free,vllm --timeout 200 ;;
     t30k) need q15 && wr t15-C30000 --task C --rows 30000 --model $q15 --timeout 300 --runs bare-none,auto ;;
+    # where the schema drafts cannot help (one free-text field): forced on, against none (issue 40's no-regression)
+    freetext) need q15 && wr t15-D6000-schema --task D --rows 6000 --model $q15 --timeout 200 \
+                --runs schema+warm,none,schema,none ;;
+    t30kschema) need q15 && wr t15-C30000-schema --task C --rows 30000 --model $q15 --timeout 300 --runs schema,auto ;;
   esac
 }
 if [ "$plan" = all ]; then
