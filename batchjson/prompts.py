@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pyarrow as pa
 
@@ -16,18 +18,36 @@ from batchjson.spec import PromptSpec
 MARK = "\x00BATCHJSON_USER\x00"
 
 
+# The tokenizer class tokenizer_config.json names for a plain tokenizer.json (Transformers 5's name, and 4's).
+GENERIC_TOKENIZERS = ("TokenizersBackend", "PreTrainedTokenizerFast")
+
+
 def _tokenizer(model_dir: str, loaded=None):
     """The model's tokenizer: `loaded` where an engine has loaded it already (a Hugging Face one: its chat template
-    renders as the files' does, and a second load takes seconds before the first request), else from the files."""
-    from transformers import AutoTokenizer, PreTrainedTokenizerBase
+    renders as the files' does, and a second load takes seconds before the first request), else from the files.
+    Files whose config names the generic class are loaded as that class, the one AutoTokenizer would pick, without
+    importing AutoTokenizer's model registry and torch (4 s of CPU in each process that loads one: each fake-engine
+    replica, bench's and the tests' runs)."""
+    from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
     if isinstance(loaded, PreTrainedTokenizerBase):
         return loaded
     try:
+        if _tokenizer_class(model_dir) in GENERIC_TOKENIZERS:
+            return PreTrainedTokenizerFast.from_pretrained(model_dir)
+        from transformers import AutoTokenizer
+
         return AutoTokenizer.from_pretrained(model_dir)
     except (OSError, ValueError) as e:
         raise EngineError(f"model.path: cannot load the tokenizer of {model_dir} ({e}). Point model.path at a "
                           "Hugging Face model folder with its tokenizer files.") from None
+
+
+def _tokenizer_class(model_dir: str) -> str | None:
+    try:
+        return json.loads((Path(model_dir) / "tokenizer_config.json").read_text()).get("tokenizer_class")
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def chat_frame(model_dir: str, system: str, loaded=None) -> tuple[str, str]:
