@@ -193,7 +193,8 @@ def batchjson_run(name: str, args, rows: int, work: Path, t_launch: float, timeo
     import pyarrow.parquet as pq
 
     truth = dict(zip(*pq.read_table(data, columns=["id", "truth"]).to_pydict().values()))
-    got = ds.dataset(str(out), format="parquet").to_table(columns=["id", "json"]).to_pydict()
+    parts = ds.dataset(str(out), format="parquet")  # the output's parts (pyarrow skips _rejects, _batchjson)
+    got = parts.to_table(columns=["id", "json"]).to_pydict() if parts.files else {"id": [], "json": []}
     scores = [score(args.task, json.loads(j), json.loads(truth[i])) for i, j in zip(got["id"], got["json"])]
     correct, fields = sum(s[0] for s in scores), round(sum(s[1] for s in scores) / max(len(truth), 1), 4)
     auto, recipe = (p1.get("auto") or [{}])[0], (p1.get("recipe") or [{}])[0]
