@@ -27,7 +27,10 @@ PROMPTS = [f'<|im_start|>user\nAnswer like {{"name":"thing{i % 7}","n":{i % 10}}
 
 
 @pytest.mark.engine
-def test_step_profiler_times_each_part_of_a_speculative_step(tiny_model, monkeypatch, tmp_path):
+def test_pass_2_requests_take_no_draft_and_the_step_profiler_times_each_part_of_a_speculative_step(
+        tiny_model, monkeypatch, tmp_path):
+    """Both passes on one speculative engine: pass-2 requests (no draft) get no draft tokens, pass-1 ones do. The
+    step profiler, on in that engine's processes, times each part of its steps (one engine start for both)."""
     from batchjson.engine import VllmEngine
 
     profile = tmp_path / "profile.json"
@@ -35,30 +38,6 @@ def test_step_profiler_times_each_part_of_a_speculative_step(tiny_model, monkeyp
     model = ModelSpec(path=tiny_model, dtype="float32", max_model_len=512, max_in_flight=16)
     engine = VllmEngine(model, DecodingSpec(max_tokens=40), TINY_SCHEMA,
                         SpeculativeSpec(method="ngram", num_speculative_tokens=4, prompt_lookup_min=1, audit_rows=0))
-    try:
-        gens = list(engine.stream(Prompt(str(i), "u", text) for i, text in enumerate(PROMPTS)))
-        drafts = engine.stats()["draft_tokens"]
-    finally:
-        engine.close()
-    assert len(gens) == len(PROMPTS) and drafts > 0  # speculation ran
-    got = read_profile(profile)
-    assert got["steps"] > 0 and not got["errors"]
-    # the batch's size per step: every step schedules a request, drafted tokens are among the scheduled ones
-    assert got["steps"] <= got["scheduled_requests"] <= 16 * got["steps"]
-    assert 0 < got["drafted_tokens"] < got["scheduled_tokens"]
-    for part in ("schedule", "grammar_bitmask", "forward", "sample_tokens", "rejection_sampler", "propose",
-                 "update_from_output", "engine_step"):
-        assert got["parts"][part]["count"] > 0 and got["parts"][part]["seconds"] > 0, part
-
-
-@pytest.mark.engine
-def test_pass_2_requests_take_no_draft_on_a_speculative_engine(tiny_model):
-    """Both passes on one speculative engine: pass-2 requests (no draft) get no draft tokens, pass-1 ones do."""
-    from batchjson.engine import VllmEngine
-
-    model = ModelSpec(path=tiny_model, dtype="float32", max_model_len=512, max_in_flight=16)
-    engine = VllmEngine(model, DecodingSpec(max_tokens=40), TINY_SCHEMA,
-                        SpeculativeSpec(method="ngram", num_speculative_tokens=4, prompt_lookup_min=1))
     try:
         assert engine.no_draft and engine.accepts(DecodingSpec(max_tokens=30), None)
         assert engine.notice == ""  # a vLLM the patches were read on: nothing to report
@@ -73,7 +52,14 @@ def test_pass_2_requests_take_no_draft_on_a_speculative_engine(tiny_model):
     assert sum(g.output_tokens for g in second) > len(PROMPTS)  # they decoded, many steps each
     assert after_second == 0  # the target alone decoded pass 2
     assert after_first > 0  # the same engine drafts for pass 1
-
+    got = read_profile(profile)
+    assert got["steps"] > 0 and not got["errors"]
+    # the batch's size per step: every step schedules a request, drafted tokens are among the scheduled ones
+    assert got["steps"] <= got["scheduled_requests"] <= 16 * got["steps"]
+    assert 0 < got["drafted_tokens"] < got["scheduled_tokens"]
+    for part in ("schedule", "grammar_bitmask", "forward", "sample_tokens", "rejection_sampler", "propose",
+                 "update_from_output", "engine_step"):
+        assert got["parts"][part]["count"] > 0 and got["parts"][part]["seconds"] > 0, part
 
 
 @pytest.mark.engine
