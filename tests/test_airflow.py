@@ -61,6 +61,17 @@ def env(tmp_path_factory, tiny_model):
         os.environ.pop(var)
 
 
+@pytest.fixture
+def shared_engines(engines, monkeypatch):
+    """The operator's runs decode on the session's real engines (conftest.py): the runs of this module's job share
+    one engine start, where each run (each mapped shard too) would start its own, ~25 s apiece on two cores."""
+    from batchjson import job as runs
+
+    real = runs.run_job
+    monkeypatch.setattr(runs, "run_job", lambda spec, output=None, **kwargs: real(
+        spec, output, engine_factory=engines, **kwargs))
+
+
 def load_dags(path: Path):
     """The DAGs of one file, parsed as the DAG processor parses them."""
     from airflow.dag_processing.dagbag import DagBag
@@ -116,7 +127,7 @@ def test_a_problem_to_fix_fails_the_task_with_its_message(tmp_path, capfd):
 
 
 @pytest.mark.engine
-def test_nightly_dag_writes_each_row_once_and_reruns_idempotently(env, capfd):
+def test_nightly_dag_writes_each_row_once_and_reruns_idempotently(env, shared_engines, capfd):
     dag = load_dags(DAGS / EXAMPLE.name)["batchjson_nightly"]
     first = run(dag)["extract", -1]
     assert first.state == "success"
@@ -140,7 +151,7 @@ def test_nightly_dag_writes_each_row_once_and_reruns_idempotently(env, capfd):
 
 
 @pytest.mark.engine
-def test_replace_rebuilds_the_partition_and_swaps_it_in(env):
+def test_replace_rebuilds_the_partition_and_swaps_it_in(env, shared_engines):
     partition = env / "out" / "invoices" / "dt=2026-11-30"
     if not partition.exists():
         run(load_dags(DAGS / EXAMPLE.name)["batchjson_nightly"])
@@ -157,7 +168,7 @@ def test_replace_rebuilds_the_partition_and_swaps_it_in(env):
 
 
 @pytest.mark.engine
-def test_mapped_shards_write_exactly_the_rows_of_one_run(env):
+def test_mapped_shards_write_exactly_the_rows_of_one_run(env, shared_engines):
     tis = run(load_dags(DAGS / EXAMPLE.name)["batchjson_nightly_sharded"])
     assert {k: ti.state for k, ti in tis.items()} == {("extract", 0): "success", ("extract", 1): "success",
                                                       ("check", -1): "success"}
