@@ -11,6 +11,7 @@ from click.testing import CliRunner
 
 from batchjson.cli import main
 from batchjson.engine.devices import memory_taken
+from batchjson.engine.fake import FakeEngines
 from batchjson.executors import placement
 from batchjson.executors.placement import (GIB, Layout, Placement, auto_per_gpu, choose_per_gpu, lay_out,
                                            local_layout, memory_share, ray_layout)
@@ -216,7 +217,7 @@ def test_the_report_says_how_many_per_gpu_and_why():
     assert "replicas:" not in cpu.summary()
 
 
-def test_a_resumed_run_lays_out_its_replicas_by_the_rows_it_has_left(tmp_path, tiny_model, engines, monkeypatch):
+def test_a_resumed_run_lays_out_its_replicas_by_the_rows_it_has_left(tmp_path, tiny_model, monkeypatch):
     """auto's replicas per GPU count the rows a run has left to decode: a resumed run of 16 rows with 8 done lays out
     its replicas for 8 (the job's 16 only check that the layout is possible, before the output folder is claimed)."""
     import batchjson.job
@@ -233,11 +234,11 @@ def test_a_resumed_run_lays_out_its_replicas_by_the_rows_it_has_left(tmp_path, t
     monkeypatch.setattr(batchjson.job, "local_layout",
                         lambda requested, model, rows=None: asked.append(rows) or real(requested, model, rows))
     at_commit_step("committed", 2, stop, monkeypatch.setattr)  # the first run dies after its second unit
-    with pytest.raises(Stop):
-        run_job(spec, engine_factory=engines, progress=False)
+    with pytest.raises(Stop):  # every row valid: both commits are pass 1's
+        run_job(spec, engine_factory=FakeEngines(valid=1.0), progress=False)
     assert asked == [16]
     at_commit_step("committed", 0, stop, monkeypatch.setattr)
-    report = run_job(spec, engine_factory=engines, progress=False)
+    report = run_job(spec, engine_factory=FakeEngines(valid=1.0), progress=False)
     assert report.resumed and asked == [16, 16, 8]
     assert report.valid + report.rejected == 16
 
