@@ -27,6 +27,7 @@ PR_SET_PDEATHSIG = 1
 
 _FORK_HOOK = False
 _DONE = False  # this process (or the one it was forked from, after installing) has run the child part
+_PENDING = False  # a local replica tied to its runner, its patches left for its first vLLM engine (install_pending)
 
 
 def _after_fork_in_child() -> None:
@@ -34,8 +35,11 @@ def _after_fork_in_child() -> None:
         internals.let_forked_child_load_plugins()  # vLLM loads its plugins (this one) again in this process
 
 
-def register() -> None:
-    global _FORK_HOOK, _DONE
+def register(replica: bool = False) -> None:
+    """vLLM's call in each of its processes; `replica`: a local replica's own call (executors/local.py), which ties it
+    to the runner and leaves the patches until it starts a vLLM engine (install_pending): a fake engine's replica
+    never imports vLLM (seconds of CPU each)."""
+    global _FORK_HOOK, _DONE, _PENDING
     runner = os.environ.get("BATCHJSON_RUNNER_PID")
     if not runner:
         return
@@ -57,6 +61,21 @@ def register() -> None:
         os._exit(1)
     except (PermissionError, ValueError):
         pass
+    if replica:
+        _PENDING = True
+        return
+    _install()
+
+
+def install_pending() -> None:
+    """In a local replica, as it starts a vLLM engine (vllm_engine.py): the patches its register() left."""
+    global _PENDING
+    if _PENDING:
+        _PENDING = False
+        _install()
+
+
+def _install() -> None:
     from batchjson.engine import profiler, quiet
 
     quiet.quiet_floods()

@@ -18,7 +18,7 @@ import time
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-from batchjson.engine import devices, internals
+from batchjson.engine import devices, internals, plugin
 from batchjson.engine.base import Engine, EngineFactory
 from batchjson.engine.models import resolve_model
 from batchjson.errors import EngineDied, EngineError
@@ -169,6 +169,7 @@ class VllmEngine(Engine):
         self._sampling = vllm.SamplingParams
         self.params: dict[str, Any] = {}  # stage -> SamplingParams
         # Requests without a draft on a speculative engine (pass 2): through batchjson's scheduler patch.
+        plugin.install_pending()  # a local replica's (before its engine exists, as the engine may fork from it)
         internals.install_in_runner()  # the plugin installs them all in vLLM's processes
         self.no_draft = self.speculative is not None and internals.no_draft_ready()
         self.notice, self.notice_code = internals.notice(), internals.notice_code()

@@ -61,5 +61,5 @@ def _local(target: Callable, placement: Placement, args: tuple, slot: int, count
         os.environ.setdefault("OMP_NUM_THREADS", str(threads_per_replica(count, host_cores())))
     from batchjson.engine.plugin import register
 
-    register()  # BATCHJSON_RUNNER_PID is the runner's here (see engine/plugin.py)
+    register(replica=True)  # BATCHJSON_RUNNER_PID is the runner's here (see engine/plugin.py)
     target(*args, placement, slot, count, inbox, outbox)
