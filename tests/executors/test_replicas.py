@@ -24,7 +24,7 @@ from helpers import ENV, HERE, assert_exactly_once, codes, write_job, write_rows
 
 
 class HeldReplicaEngines(FakeEngines):
-    """Fake engines of which one replica's answers nothing until `until` pass-1 units are committed in `units` (or
+    """Fake engines of which one replica answers nothing until `until` pass-1 units are committed in `units` (or
     `wait_s` have passed): the local pool names each replica's process by its slot."""
 
     def __init__(self, held: int, units: Path, until: int, wait_s: float = 120, **kwargs):
@@ -49,10 +49,13 @@ def records(out: Path) -> list[dict]:
 
 
 def test_two_replicas_share_the_units(tmp_path, tiny_model):
+    """Replica 0 answers nothing until a unit is committed, so replica 1 commits one whichever process starts first;
+    then replica 0 finishes its own."""
     write_rows(tmp_path / "in.parquet", 120)
     job = write_job(tmp_path, tiny_model, tmp_path / "in.parquet", batch_size=4)
-    report = run_job(load_spec(job), replicas=2, progress=False,
-                     engine_factory=FakeEngines(valid=0.7, delay=0.01))
+    engines = HeldReplicaEngines(held=0, units=tmp_path / "out" / "_batchjson" / "units", until=1, valid=0.7,
+                                 delay=0.01)
+    report = run_job(load_spec(job), replicas=2, progress=False, engine_factory=engines)
     assert report.replicas == 2
     assert report.verified["ok"] and report.verified["complete"], report.verified
     assert_exactly_once([f"r{i:05d}" for i in range(120)], tmp_path / "out", tmp_path / "out" / "_rejects")
