@@ -6,6 +6,7 @@ The engine here is the fake one (batchjson/engine/fake.py): outcomes are random,
 from __future__ import annotations
 
 import collections
+import json
 import signal
 import subprocess
 import sys
@@ -482,3 +483,44 @@ def test_a_unit_staged_under_the_earlier_hidden_name_is_rolled_forward(tmp_path,
     assert victim.exists() and not list((tmp_path / "out").glob(".*"))
     assert (rows_read(tmp_path / "out"), rows_read(tmp_path / "out" / "_rejects")) == \
         (again.output_rows, again.reject_rows)
+
+
+def test_what_is_left_comes_from_the_listing_not_a_look_per_unit(tmp_path, tiny_model, monkeypatch):
+    """A run finds the units each pass has left in its one listing of the records: no look at an absent record per
+    unit (on object storage a HEAD and a LIST each, before the first prompt); a unit whose pass-2 record is gone is
+    redone in pass 2 alone, and the folder holds each row once."""
+    from batchjson.storage.location import Location
+
+    write_rows(tmp_path / "in.parquet", 40)
+    job = write_job(tmp_path, tiny_model, tmp_path / "in.parquet", batch_size=4)
+    absent = []
+    exists, read_bytes = Location.exists, Location.read_bytes
+
+    def record(name: str) -> bool:
+        return name.startswith(("p1-", "p2-")) and name.endswith(".json")
+
+    def looked(self):
+        found = exists(self)
+        if not found and record(self.name):
+            absent.append(self.name)
+        return found
+
+    def read(self):
+        try:
+            return read_bytes(self)
+        except FileNotFoundError:
+            if record(self.name):
+                absent.append(self.name)
+            raise
+
+    monkeypatch.setattr(Location, "exists", looked)
+    monkeypatch.setattr(Location, "read_bytes", read)
+    run(job, engine_factory=FakeEngines(valid=0.5, seed=3))
+    assert absent == []
+    record = sorted((tmp_path / "out" / "_batchjson" / "units").glob("p2-*.json"))[0]
+    requeued = json.loads(record.with_name("p1-" + record.name[3:]).read_text())["rows"]["requeue"]
+    record.unlink()
+    report = run(job, engine_factory=FakeEngines(valid=1.0))
+    assert "pass1" not in report.passes and report.passes["pass2"].rows == requeued
+    assert absent == []
+    assert_exactly_once([f"r{i:05d}" for i in range(40)], tmp_path / "out", tmp_path / "out" / "_rejects")

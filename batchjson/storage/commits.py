@@ -86,9 +86,9 @@ class Commits:
         if self._committed is None:
             listed = {i.base_name: stamp(i) for i in self.units.files() if fnmatchcase(i.base_name, "p[12]-*.json")}
             self._committed = {UnitName.parse(name).unit_id() for name in listed}
-            for name, (_, record) in self._index.records(listed).items():
+            for name, (_, data) in self._index.records(listed).items():
                 if name not in self._read:
-                    self._read[name] = json_bytes(record)  # the bytes the indexed digest is of (index.py)
+                    self._read[name] = data  # the bytes the indexed digest is of (index.py)
         return self._committed
 
     def forget(self) -> None:
@@ -120,9 +120,9 @@ class Commits:
         keys, changed = set(), set()
         for unit in map(UnitName.parse, self.committed()):
             keys.add(unit.key)
-            _, record = indexed.get(unit.file_name(), (None, None))
-            if record is None or not all(self._index.checked(name, self._seen.get(name))
-                                         for name in record["files"].values()):
+            _, data = indexed.get(unit.file_name(), (None, None))
+            if data is None or not all(self._index.checked(name, self._seen.get(name))
+                                       for name in json.loads(data)["files"].values()):
                 changed.add(unit.key)
         return frozenset(keys - changed)
 

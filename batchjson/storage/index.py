@@ -50,31 +50,84 @@ class Index:
 
     def __init__(self, data: dict | None = None):
         data = data if isinstance(data, dict) else {}
-        self._records = data.get("records") if isinstance(data.get("records"), dict) else {}
+        records = data.get("records") if isinstance(data.get("records"), dict) else {}
+        # record name -> (stamp, sha256, the record's bytes): kept as bytes, as Commits keeps the records it reads
+        self._records: dict[str, tuple[list, str, bytes]] = {}
+        for name, entry in records.items():
+            self._keep(name, entry)
         self._checked = data.get("checked") if isinstance(data.get("checked"), dict) else {}
         self.written = data.get("written") if isinstance(data.get("written"), str) else ""
         """When the check that wrote it passed (UTC), as the end check's summary names it."""
+
+    def _keep(self, name: str, entry, data: bytes | None = None) -> None:
+        """Keep one entry (`data`: its record's bytes as the file holds them; else the parsed record written out as
+        records are, `json_bytes`). One that is not an entry is left out: its record is read instead."""
+        if (isinstance(entry, dict) and isinstance(entry.get("record"), dict) and isinstance(entry.get("stamp"), list)
+                and isinstance(entry.get("sha256"), str)):
+            self._records[name] = entry["stamp"], entry["sha256"], json_bytes(entry["record"]) if data is None else data
 
     @classmethod
     def read(cls, file: Location) -> Index:
         """Read the index; an empty one if there is none (or it does not read as one). Deletes nothing: a run deletes
         it once it has decided to run (`Commits.drop_index`)."""
         try:
-            return cls(file.read_json())
+            text = file.read_bytes().decode()
         except FileNotFoundError:
             return cls()
+        except UnicodeDecodeError:
+            return cls(None)
+        try:
+            return cls.parse(text)
         except ValueError:
             return cls(None)
 
-    def records(self, listed: dict[str, Stamp]) -> dict[str, tuple[str, dict]]:
+    @classmethod
+    def parse(cls, text: str) -> Index:
+        """The index as `write` lays it out, one entry at a time, each record kept as its bytes in the file: parsed
+        whole, a folder's records took about 3 KB each, 1.29 GiB of driver RSS for a resume at 100 million rows
+        (BENCHMARKS.md, "A job of 100 million rows"). A file laid out otherwise (by hand, by an earlier version) is
+        parsed whole; ValueError if it is not JSON."""
+        decode = json.JSONDecoder().raw_decode
+        index = cls()
+
+        def expect(at: int, what: str) -> int:
+            if not text.startswith(what, at):
+                raise ValueError(f"expected {what!r} at {at}")
+            return at + len(what)
+
+        try:
+            written, i = decode(text, expect(0, '{"written": '))
+            index.written = written if isinstance(written, str) else ""
+            i = expect(i, ', "records": {')
+            first = True
+            while not text.startswith("}", i):
+                i = i if first else expect(i, ", ")
+                first = False
+                name, i = decode(text, i)
+                start = expect(i, ": ")
+                entry, i = decode(text, start)
+                record = text.find('"record": ', start, i)
+                if isinstance(name, str) and record >= 0 and text.startswith("}", i - 1):
+                    data = text[record + len('"record": '):i - 1].encode()
+                    sha256 = entry.get("sha256") if isinstance(entry, dict) else None
+                    # a copy laid out otherwise (rewritten by hand) is written out as records are, as when parsed whole
+                    index._keep(name, entry, data if digest(data) == sha256 else None)
+            checked, i = decode(text, expect(i + 1, ', "checked": '))
+            expect(i, "}")
+            if text[i + 1:].strip() or not isinstance(checked, dict):
+                raise ValueError("not the index's layout")
+            index._checked = checked
+            return index
+        except ValueError:
+            return cls(json.loads(text))
+
+    def records(self, listed: dict[str, Stamp]) -> dict[str, tuple[str, bytes]]:
         """The indexed records among those `listed` (record name -> stamp) whose stamp is still the indexed one and
-        whose copy is, byte for byte, the record file the digest was taken of: name -> (digest, record)."""
+        whose copy is, byte for byte, the record file the digest was taken of: name -> (digest, the record's bytes)."""
         found = {}
-        for name, entry in self._records.items():
-            if (name in listed and isinstance(entry, dict) and isinstance(entry.get("record"), dict)
-                    and list(listed[name]) == entry.get("stamp")
-                    and digest(json_bytes(entry["record"])) == entry.get("sha256")):
-                found[name] = entry["sha256"], entry["record"]
+        for name, (indexed, sha256, data) in self._records.items():
+            if name in listed and list(listed[name]) == indexed and digest(data) == sha256:
+                found[name] = sha256, data
         return found
 
     def checked(self, name: str, now: Stamp | None) -> bool:
