@@ -39,11 +39,13 @@ class SharedEngines(VllmEngines):
     """An engine factory for run_job that starts each distinct engine configuration once per test session.
 
     Tests close nothing: the session closes every engine at its end. At most MAX_IDLE engines stay open while no
-    run uses them (the least recently used is closed first): each holds an engine process with its KV cache, and
-    a session that kept every configuration open ran a small machine out of memory.
+    run uses them (the least recently used is closed first): each holds an engine process with its KV cache (about
+    2.5 GB on a CPU), and a session that kept every configuration open ran a small machine out of memory. Three: the
+    configurations that test modules take turns with (test_run's, test_shard's and test_status's) stay open, where
+    two restarted each once more, ~25 s a start.
     """
 
-    MAX_IDLE = 2
+    MAX_IDLE = 3
 
     def __init__(self):
         self.engines = {}  # key -> engine, least recently used first

@@ -80,21 +80,15 @@ def test_rerun_resumes_without_redoing_or_duplicating(tmp_path, tiny_model, engi
 
 
 @pytest.mark.parametrize("speculative", ["none", "ngram"])
-def test_pass_two_reuses_the_engine_when_its_settings_allow(tmp_path, tiny_model, speculative):
+def test_pass_two_reuses_the_engine_when_its_settings_allow(tmp_path, tiny_model, engines, speculative):
     """The fallback's sampling is per request, and on a speculative engine its requests skip the draft: one engine
-    start for both passes, with or without speculation in pass 1."""
-    from batchjson.engine import VllmEngines
+    start for both passes, with or without speculation in pass 1 (the run's starts counted, on the shared engines)."""
+    from batchjson.engine import WrappedEngines
 
     write_rows(tmp_path / "in.parquet", 12)
     spec = load_spec(write_job(tmp_path, tiny_model, tmp_path / "in.parquet", max_tokens=3, speculative=speculative))
     starts = []
-
-    class Counting(VllmEngines):
-        def start(self, spec_, decoding, speculative):
-            starts.append(decoding)
-            return super().start(spec_, decoding, speculative)
-
-    report = run_job(spec, engine_factory=Counting(), progress=False)
+    report = run_job(spec, engine_factory=WrappedEngines(engines, lambda e: starts.append(e) or e), progress=False)
     assert len(starts) == 1
     assert report.passes["pass2"].rows == 12 and "shared-engine" in codes(report.passes["pass2"])
     assert report.valid_by_pass.get("pass2", 0) > 0  # the fallback's own budget and sampling were used
