@@ -66,7 +66,7 @@ def test_prompts_are_framed_with_the_engines_tokenizer_not_a_second_load(tmp_pat
 def test_the_vllm_engines_tokenizer_frames_prompts_as_the_model_files_do(tmp_path, tiny_model, engines):
     write_rows(tmp_path / "in.parquet", 4)
     spec = load_spec(write_job(tmp_path, tiny_model, tmp_path / "in.parquet"))
-    engine = engines.start(spec, spec.sampling, None)
+    engine = engines.start(spec, spec.sampling, spec.speculative)  # the engine a run of this spec starts
     try:
         assert chat_frame(tiny_model, "Be brief.", engine.tokenizer) == chat_frame(tiny_model, "Be brief.")
         assert _tokenizer(tiny_model, engine.tokenizer) is engine.tokenizer  # taken, not loaded again
