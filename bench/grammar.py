@@ -328,19 +328,21 @@ def advance(tok, task: str, rows: int, in_flight: int, steps: int) -> dict:
                 tokens.append(token)
         return grammars, xgr.BatchGrammarMatcher.batch_accept_token([g.matcher for g in grammars], tokens), tokens
 
+    def took(grammar):  # vLLM's bookkeeping of a grammar whose matcher took the step's token
+        grammar.num_processed_tokens += 1
+        grammar._is_terminated = grammar.matcher.is_terminated()
+
     def batch(news):
         for grammar, ok, _ in zip(*gathered(news)):
             if ok:
-                grammar.num_processed_tokens += 1
-                grammar._is_terminated = grammar.matcher.is_terminated()
+                took(grammar)
 
     own, taken = XgrammarGrammar.accept_tokens, {}
 
     def accept_taken(grammar, request_id, tokens):
         token = taken.pop(id(grammar), None)
         if token is not None and len(tokens) == 1 and tokens[0] == token:
-            grammar.num_processed_tokens += 1
-            grammar._is_terminated = grammar.matcher.is_terminated()
+            took(grammar)
             return True
         return own(grammar, request_id, tokens)
 
@@ -348,8 +350,7 @@ def advance(tok, task: str, rows: int, in_flight: int, steps: int) -> dict:
         done = {}
         for grammar, ok, _ in zip(*gathered(news)):
             if ok:
-                grammar.num_processed_tokens += 1
-                grammar._is_terminated = grammar.matcher.is_terminated()
+                took(grammar)
                 done[id(grammar)] = True
 
         def accept_tokens(request, tokens):  # what a patched manager would still do per request
