@@ -27,6 +27,9 @@ from batchjson.records import Stage
 from batchjson.worker import Worker, serve_replica, signals
 
 
+FOLD_MIN, FOLD_PARTS = 1000, 50  # a part of the index every 1,000 records read, or 2% of the units if more
+
+
 class JobRun:
     """One invocation of a job on one output folder (one shard of it)."""
 
@@ -77,6 +80,8 @@ class JobRun:
                                           self.fresh, scan.fingerprints)
             if scan.kept:
                 storage.keep_scan(scan.kept)
+            if self.shard[1] == 1:  # the records fold into the index as the run goes (storage/index.py)
+                commits.fold_every = max(FOLD_MIN, len(self.refs) // FOLD_PARTS)
             with signals(self.stop):
                 for key, why in commits.damaged(list(self.refs), self.spec.input.id_column).items():
                     commits.drop(key)
@@ -103,6 +108,8 @@ class JobRun:
                     verdict.problems.append(f"[internal] {verdict.pending} units left undone by an uninterrupted run")
                 if verdict.ok and self.shard[1] == 1:
                     commits.write_index()
+                else:
+                    commits.fold(now=True)
                 report.verified = verdict.to_dict()
                 report.verified_summary = verdict.summary()
                 self.watch.end(report)
@@ -163,6 +170,7 @@ class JobRun:
 
         def on_done(stage: Stage, key: str, rows: int, requeued: int) -> None:
             self.watch.committed(stage, key)
+            self.storage.commits.fold()
             bar(stage).update(rows)
             if requeued and stage == Stage.FIRST and Stage.SECOND in stats:
                 bar(Stage.SECOND).total += requeued

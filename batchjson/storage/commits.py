@@ -20,15 +20,17 @@ finished one.
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Callable, Iterator
 from fnmatch import fnmatchcase
 
 import pyarrow as pa
 
 from batchjson.errors import OutputError, StorageFull, is_full
-from batchjson.storage.index import Index, Stamp, digest, stamp
+from batchjson.storage.index import INDEX, LEGACY, PART, Index, digest, part_names
 from batchjson.storage.location import Location, Unreadable, json_bytes, writing
 from batchjson.storage.names import STAGED, Kind, PartName, Stage, UnitName, staged
+from batchjson.storage.shelf import Shelf
 
 KINDS: dict[Stage, tuple[Kind, ...]] = {Stage.FIRST: ("output", "rejects", "requeue"),
                                         Stage.SECOND: ("output", "rejects")}  # only pass 1 requeues
@@ -50,23 +52,31 @@ def write_part(table: pa.Table, path: Location, undo: Callable[[], None] = lambd
 class Commits:
     """The committed units of one output folder (of every shard), and the steps that commit one more."""
 
-    def __init__(self, folders: dict[Kind, Location], units: Location, index: Location,
+    def __init__(self, folders: dict[Kind, Location], units: Location, state: Location,
                  guard: Callable[[], None] = lambda: None):
         self.folders = folders
         """Where each kind of part file goes: the output, rejects and requeue folders."""
         self.units = units
         """The commit records' folder."""
-        self.index_file = index
-        """The records folded into one, with what the last passing check read (index.py)."""
+        self.state = state
+        """The run state folder, where the index lives: the records folded into a few files, with what the last
+        passing check read (index.py)."""
         self._index = Index()  # as a run read it (`read_index`); verify never reads it, and reads everything
-        self._seen: dict[str, Stamp] = {}  # part file name -> its stamp, as `trusted` listed the folders
+        self._seen = Shelf(2)  # part file name -> its stamp, as the folders were last listed (`_list_parts`)
         self.guard = guard
         """Raises if this run no longer holds the folder (a lost lease), before a record is written."""
         self._committed: set[str] | None = None
-        # Commit records read or written so far, as their files' bytes (a record never changes, only goes: drop):
-        # about 1.1 KB a record with its name where the parsed dict took 3.2 KB (BENCHMARKS.md, "A job on a Ray
-        # cluster"). Parsed again at each look (a few µs), and digested when the index is written.
-        self._read: dict[str, bytes] = {}
+        # Commit records read or written so far, as their files' bytes (a record never changes, only goes: drop),
+        # on a Shelf (shelf.py): in a dict they took about 1.1 KB of driver a record. Parsed again at each look (a
+        # few µs), and digested when the index is written.
+        self._read = Shelf()
+        self.fold_every = 0
+        """Fold the records read or written since the last part of the index into a new one every this many
+        (`fold`); 0: never (verify, replicas). A run sets it."""
+        self._fresh: list[str] = []  # records read or written since the last part of the index
+        self._news = False  # whether the folder holds what the index this run read does not (`write_index`)
+        self._next_part = 1
+        self._folding = threading.Lock()
         self.after: Callable[[str, str], None] = lambda step, stage: None
         """Called after each step of the commit protocol, with the pass; tests use it to kill the process there."""
 
@@ -84,27 +94,52 @@ class Commits:
     def committed(self) -> set[str]:
         """Names ("p1-<unit>") of the committed units of every shard, listed once and kept up to date."""
         if self._committed is None:
-            listed = {i.base_name: stamp(i) for i in self.units.files() if fnmatchcase(i.base_name, "p[12]-*.json")}
-            self._committed = {UnitName.parse(name).unit_id() for name in listed}
-            for name, (_, data) in self._index.records(listed).items():
-                if name not in self._read:
-                    self._read[name] = data  # the bytes the indexed digest is of (index.py)
+            committed, indexed = set(), []
+            for name, size, mtime in self.units.listing():
+                if fnmatchcase(name, "p[12]-*.json"):
+                    committed.add(UnitName.parse(name).unit_id())
+                    found = self._index.record(name, (size, mtime)) if name not in self._read else None
+                    if found:
+                        indexed.append((name, found[1]))  # the bytes the indexed digest is of (index.py)
+                if len(indexed) >= 4096:
+                    self._read.update(indexed)
+                    indexed.clear()
+            self._read.update(indexed)
+            self._committed = committed
         return self._committed
 
     def forget(self) -> None:
         """Drop what was listed and read: the folder was cleared."""
         self._committed, self._index = None, Index()
         self._read.clear()
+        self._fresh.clear()
+        self._news = True
 
     def read_index(self) -> None:
         """Read the index (index.py) for this run: its records stand in for reading theirs. Before anything is
-        listed or read, and before the run decides whether to run: a refusal leaves the index where it is."""
-        self._index, self._committed = Index.read(self.index_file), None
+        listed or read, and before the run decides whether to run: a refusal leaves the index where it is. Nothing
+        of it is deleted before a passing check writes it afresh (`write_index`): an entry its unit's redoing made
+        stale no longer matches the record's stamp, and is not used."""
+        self._index, self._committed = Index.read(self.state), None
+        numbers = [int(name[len(PART):-len(".json.gz")]) for name in part_names(self.state)
+                   if name[len(PART):-len(".json.gz")].isdigit()]
+        self._next_part = max(numbers, default=0) + 1
 
-    def drop_index(self) -> None:
-        """Delete the index file, once the run has decided to run and before its first write: a run that dies
-        midway leaves no index that its own commits made stale. What it read stays in use."""
-        self.index_file.unlink(missing_ok=True)
+    def fold(self, now: bool = False) -> None:
+        """Write the records read or written since the last part of the index as a new part (index.py), once there
+        are `fold_every` of them (or any, `now`): a run killed midway leaves its records folded into a few files,
+        which its resume reads in place of every record (two requests each on object storage). Their stamps come
+        from one listing of the records' folder."""
+        with self._folding:
+            if not self.fold_every or not self._fresh or (len(self._fresh) < self.fold_every and not now):
+                return
+            fresh, part = set(self._fresh), self.state / f"{PART}{self._next_part:06d}.json.gz"
+            self._fresh.clear()
+            self._next_part += 1
+            records = ((name, (size, mtime), digest(data), data) for name, size, mtime in self.units.listing()
+                       if name in fresh and (data := self._read.get(name)) is not None)
+            with writing(part):
+                Index.write(part, records)
 
     @property
     def index_written(self) -> str:
@@ -115,26 +150,48 @@ class Commits:
         """The committed units whose records are as indexed and whose files are all listed as the last passing check
         read them (index.py): the end check counts them from their records. Lists the folders now; `write_index`
         keeps these stamps."""
-        self._seen = {i.base_name: stamp(i) for folder in set(self.folders.values()) for i in folder.files()}
-        indexed = self._index.records({i.base_name: stamp(i) for i in self.units.files()})
-        keys, changed = set(), set()
-        for unit in map(UnitName.parse, self.committed()):
-            keys.add(unit.key)
-            _, data = indexed.get(unit.file_name(), (None, None))
-            if data is None or not all(self._index.checked(name, self._seen.get(name))
-                                       for name in json.loads(data)["files"].values()):
-                changed.add(unit.key)
-        return frozenset(keys - changed)
+        self._list_parts()
+        if not self._index.written:  # no passing check's index: nothing to trust
+            return frozenset()
+        changed = set()
+        for name, size, mtime in self.units.listing():
+            if fnmatchcase(name, "p[12]-*.json"):
+                found = self._index.record(name, (size, mtime))
+                if found is None or not all(self._index.checked(part, self._seen.get((self.folders[kind] / part).path))
+                                            for kind, part in json.loads(found[1])["files"].items()):
+                    changed.add(UnitName.parse(name).key)
+        self._news = self._news or bool(changed)
+        return frozenset({UnitName.parse(unit).key for unit in self.committed()} - changed)
+
+    def _list_parts(self) -> None:
+        """List the part files of every folder into `_seen` (path -> stamp), one at a time."""
+        self._seen.clear()
+        self._seen.update(((folder / name).path, (size, mtime)) for folder in {f.path: f for f in self.folders.values()}.values()
+                          for name, size, mtime in folder.listing())
 
     def write_index(self) -> None:
         """After an exactly-once check of the whole folder passed: its records, and its files as `trusted` listed
-        them before the check read them, folded into the index for the next run."""
-        listed = {i.base_name: stamp(i) for i in self.units.files()}
-        checked = {name: self._seen[name] for record, data in self._read.items() if record in listed
-                   for name in json.loads(data)["files"].values() if name in self._seen}
-        records = ((name, listed[name], digest(data), data) for name, data in self._read.items() if name in listed)
-        with writing(self.index_file):
-            Index.write(self.index_file, records, checked)
+        them before the check read them, folded into the index for the next run; then the index's earlier files go
+        (written first, so a kill between leaves both, which read as one). Not when the index this run read holds
+        it all already (every record from it, every unit trusted: a rerun of a finished job writes nothing)."""
+        if not (self._news or not self._index.written or self._index.parts or (self.state / LEGACY).exists()):
+            return
+        checked = Shelf(2)
+
+        def records() -> Iterator[tuple]:
+            for name, size, mtime in self.units.listing():
+                data = self._read.get(name) if fnmatchcase(name, "p[12]-*.json") else None
+                if data is not None:
+                    checked.update((part, seen) for kind, part in json.loads(data)["files"].items()
+                                   if (seen := self._seen.get((self.folders[kind] / part).path)) is not None)
+                    yield name, (size, mtime), digest(data), data
+
+        stale = [LEGACY, *part_names(self.state)]
+        with writing(self.state / INDEX):
+            Index.write(self.state / INDEX, records(), checked.items())
+        for name in stale:
+            (self.state / name).unlink(missing_ok=True)
+        self._fresh.clear()
 
     def listed(self, stage: Stage, key: str) -> bool:
         """Whether the unit is among the committed ones as last listed (and committed since): no look at the folder."""
@@ -145,11 +202,15 @@ class Commits:
 
     def _load(self, path: Location) -> dict:
         self.committed()  # lists the records once, taking those the index stands in for
-        if path.name not in self._read:
+        data = self._read.get(path.name)
+        if data is None:
             data = path.read_bytes()
             json.loads(data)  # a record that does not parse fails here, before it is kept
             self._read[path.name] = data
-        return json.loads(self._read[path.name])
+            self._news = True
+            if self.fold_every:
+                self._fresh.append(path.name)
+        return json.loads(data)
 
     def record(self, stage: Stage, key: str) -> dict | None:
         try:
@@ -161,7 +222,8 @@ class Commits:
         """The commit records of one pass, or of both, one at a time (a folder's records parsed at once would be
         the driver's largest object)."""
         pattern = f"{stage}-*.json" if stage else "p[12]-*.json"
-        return (self._load(p) for p in sorted(self.units.glob(pattern)))
+        names = sorted(name for name, _, _ in self.units.listing() if fnmatchcase(name, pattern))
+        return (self._load(self.units / name) for name in names)
 
     def requeued(self, key: str) -> bool:
         record = self.record(Stage.FIRST, key)
@@ -218,6 +280,9 @@ class Commits:
         with writing(path, undo=lambda: self._unstage(stage, key)):
             path.write_json(record)
         self._read[path.name] = json_bytes(record)
+        self._news = True
+        if self.fold_every:
+            self._fresh.append(path.name)
         self.committed().add(UnitName(stage, key).unit_id())
         self.after("committed", stage)
 
@@ -261,15 +326,14 @@ class Commits:
         keep (`sizes`, written at commit); a file whose size differs is damaged. A file not under its final name
         (its publish is under way, or it is gone) and any file of a record older than `sizes` are read as verify
         reads them (the id column), so what verify finds unreadable a rerun redoes. `verify` reads every file."""
-        listed: dict[str, int] = {}
-        for folder in set(self.folders.values()):
-            listed |= {i.path: i.size for i in folder.files()}
+        self._list_parts()
         out = {}
         for key in keys:
             for stage in Stage:
                 record = self.record(stage, key) if self.listed(stage, key) else None
                 for kind in record["files"] if record else ():
-                    size, found = record.get("sizes", {}).get(kind), listed.get(self.part(stage, key, kind).path)
+                    seen = self._seen.get(self.part(stage, key, kind).path)
+                    size, found = record.get("sizes", {}).get(kind), seen and seen[0]
                     if size is not None and found is not None:
                         flaw = "" if found == size else (f"{record['files'][kind]} held {found} bytes, not the {size} "
                                                          "its commit record lists")
@@ -294,14 +358,26 @@ class Commits:
         for stage in reversed(Stage):
             self.record_path(stage, key).unlink(missing_ok=True)
             self._read.pop(self.record_path(stage, key).name, None)
+            self._news = True
             self.committed().discard(UnitName(stage, key).unit_id())
         for stage in reversed(Stage):
             self.begin(stage, key)
 
     def stray(self) -> list[Location]:
         """Files that readers of the output or rejects folder read (Location.dataset_files: in sub-folders too,
-        whatever their name) but no commit record lists. The folders are listed before the records are read: a
-        file is published only after its record is written, so none is taken for stray."""
-        found = set(self.folders["output"].dataset_files()) | set(self.folders["rejects"].dataset_files())
-        listed = {(self.part(r["stage"], r["key"], k)) for r in self.records() for k in r["files"]}
-        return sorted(found - listed)
+        whatever their name) but no commit record lists, one listed file at a time. A file is published only after
+        its record is written, so a file listed has its record there already: none is taken for stray."""
+        found = set()
+        for folder in {f.path: f for f in (self.folders["output"], self.folders["rejects"])}.values():
+            for below in folder.dataset_files():
+                path = folder / below
+                parent, _, name = path.path.rpartition("/")
+                try:
+                    part = PartName.parse(name)
+                except ValueError:
+                    part = None
+                record = (self.record(part.stage, part.key)
+                          if part and self.folders[part.kind].path.rstrip("/") == parent else None)
+                if record is None or record["files"].get(part.kind) != name:
+                    found.add(path)
+        return sorted(found)

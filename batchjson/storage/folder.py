@@ -15,7 +15,8 @@ OUT/_rejects unless output.rejects says otherwise):
     OUT/_batchjson/units/p1-<unit>.json, p2-<unit>.json   commit records: a unit's files, rows and reasons
     OUT/_batchjson/requeue/<unit>.parquet                 pass-1 failures waiting for pass 2
     OUT/_batchjson/scan.json                              the input's fingerprints and repeated ids, for a resume
-    OUT/_batchjson/index.json                             the records folded into one, for a cheap resume (index.py)
+    OUT/_batchjson/index.json.gz, index-part-<N>.json.gz  the records folded into a few files, for a cheap resume
+                                                          (index.py)
     OUT/_batchjson/progress-<I>of<N>.json, cancel.json    what `batchjson status` reads, `batchjson cancel` (progress.py)
     OUT/_batchjson/lock-of<N>, lock-<I>of<N>              locks (a local folder)
     OUT/_batchjson/lease-<I>of<N>-<owner>.json            leases (object storage)
@@ -80,7 +81,7 @@ class Storage:
         self._locks: list = []
         self._lease: Lease | None = None
         self.commits = Commits({"output": self.output, "rejects": self.rejects, "requeue": self.requeue_dir},
-                               self.units, self.state / "index.json", guard=self._check_claim)
+                               self.units, self.state, guard=self._check_claim)
 
     # ----- where things go -------------------------------------------------------------------------------------
     def check_paths(self, input_path: str | None = None) -> None:
@@ -153,7 +154,6 @@ class Storage:
                                      "Rerun with --fresh to discard it and start over, or choose another --output.")
         known = self._compare_inputs(inputs) if inputs is not None else {}
         # No refusal after this line: the run goes on, and only from here does it write or delete.
-        self.commits.drop_index()
         if not existing or spec_file.read_json()["hash"] != spec_hash:
             # Until a unit commits, the folder belongs to no spec: a corrected rerun after a failed start is welcome.
             with writing(spec_file):

@@ -1,23 +1,30 @@
-"""The folder's index: its commit records folded into one object, and the files a passing exactly-once check read.
+"""The folder's index: its commit records folded into a few files, and the files a passing exactly-once check read.
 
 A resume needs every commit record (which input files have committed units, each file's size, what pass 2 has
 left) and ends with the exactly-once check. On object storage, reading one record is a HEAD and a GET, and the
 check reads every part file: at 10,000 units, tens of thousands of requests before the first prompt and after the
-last. So a run that ends with a passing check, holding the whole folder (no --shard), writes OUT/_batchjson/index.json:
+last. So a run keeps the records it has read or written in the run state folder, gzip-compressed JSON:
 
-    {"written": "2026-11-30 06:12:09 UTC",
-     "records": {"p1-<unit>.json": {"stamp": [size, mtime_ns], "sha256": "...", "record": {...}}, ...},
-     "checked": {"p1-<unit>.parquet": [size, mtime_ns], ...}}
+    index.json.gz           written when a check of the whole folder (no --shard) passes, at the end of a run:
+        {"written": "2026-11-30 06:12:09 UTC",
+         "records": {"p1-<unit>.json": {"stamp": [size, mtime_ns], "sha256": "...", "record": {...}}, ...},
+         "checked": {"p1-<unit>.parquet": [size, mtime_ns], ...}}
+    index-part-000012.json.gz   the same without "checked", written while a run goes (every `Commits.SEGMENT`
+                            new records), so that a run killed midway leaves its records folded for the next one
 
 A stamp is what a listing says of a file (its size and modification time); `sha256` is the digest of the record
-file's bytes as the writing run read or wrote them. The next run reads the index before it decides to run, and
-deletes it once it has (so that a refused run touches nothing, and no run that dies midway leaves an index behind
-that its own commits made stale). It uses an entry instead of reading its record only when the record is listed
-with the indexed stamp and the entry's copy, written out as records are (`json_bytes`), has the indexed digest: an
-index cannot stand in for a record it does not match byte for byte, so a copy edited by hand is ignored and its
-record read. At its end check it trusts the units whose files are all listed with the stamps the last check saw,
-and says how many it took from the index (verify.py). Anything else (a record or a file rewritten since, a folder
-written before this index existed, a damaged index) is read as without the index.
+file's bytes as the writing run read or wrote them. The next run reads the index and its parts before it decides
+to run, and deletes nothing then (a refused run touches nothing); a passing check of the whole folder writes
+index.json.gz afresh and deletes the parts. It uses an entry instead of reading its record only when the record is
+listed with the indexed stamp and the entry's copy, written out as records are (`json_bytes`), has the indexed
+digest: an index cannot stand in for a record it does not match byte for byte, so a copy edited by hand is ignored
+and its record read; a stale entry (its unit redone since) no longer matches its record's stamp and is ignored
+too. At its end check a run trusts the units whose files are all listed with the stamps the last passing check
+saw, and says how many it took from the index (verify.py). Anything else (a record or a file rewritten since, a
+folder written before this index existed, a damaged file of the index) is read as without the index.
+
+Read and written a piece at a time, its entries kept on a `Shelf` (shelf.py): at 100 million rows the index
+is about 145 MB of JSON (20 MB compressed), which parsed whole took 1.29 GiB of driver.
 
 What the index cannot prove is that it was written by a run: one rewritten whole, digests included, is believed
 for the units it names. Hence the end check's count of units taken from it; `batchjson verify` never uses it.
@@ -25,16 +32,23 @@ for the units it names. Hence the end check's count of units taken from it; `bat
 
 from __future__ import annotations
 
+import codecs
 import hashlib
 import json
 import time
+import zlib
 from collections.abc import Iterable, Iterator
 
 from pyarrow import fs
 
 from batchjson.storage.location import Location, json_bytes
+from batchjson.storage.shelf import Shelf
 
 Stamp = tuple[int, int]
+INDEX = "index.json.gz"
+LEGACY = "index.json"  # written uncompressed by earlier versions: read, then replaced
+PART = "index-part-"
+CHUNK = 1 << 20
 
 
 def stamp(info: fs.FileInfo) -> Stamp:
@@ -45,101 +59,190 @@ def digest(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+def part_names(state: Location) -> list[str]:
+    """The index's part files in the run state folder, in the order they were written."""
+    return sorted(name for name in state.names() if name.startswith(PART) and name.endswith(".json.gz"))
+
+
+class _Text:
+    """A file's text a piece at a time (inflated when it is gzip), for JSONDecoder.raw_decode: `value` decodes the
+    next JSON value, `expect` consumes a literal, `peek` looks for one."""
+
+    def __init__(self, f):
+        self.f, self.buf, self.at, self.end = f, "", 0, False
+        self.utf8 = codecs.getincrementaldecoder("utf-8")()
+        first = f.read(CHUNK)
+        self.inflate = zlib.decompressobj(wbits=31) if first[:2] == b"\x1f\x8b" else None
+        self._add(first)
+
+    def _add(self, data: bytes) -> None:
+        if not data:
+            self.end = True
+            text = self.utf8.decode(self.inflate.flush() if self.inflate else b"", final=True)
+        else:
+            text = self.utf8.decode(self.inflate.decompress(data) if self.inflate else data)
+        self.buf, self.at = self.buf[self.at:] + text, 0
+
+    def _more(self) -> bool:
+        if self.end:
+            return False
+        self._add(self.f.read(CHUNK))
+        return True
+
+    def peek(self, literal: str) -> bool:
+        while len(self.buf) - self.at < len(literal) and self._more():
+            pass
+        return self.buf.startswith(literal, self.at)
+
+    def expect(self, literal: str) -> None:
+        if not self.peek(literal):
+            raise ValueError(f"expected {literal!r}")
+        self.at += len(literal)
+
+    def value(self, raw: bool = False):
+        """The next JSON value (and its text, `raw`). One that ends where the text read so far does may be cut
+        short (a number), so more is read and it is decoded again."""
+        decode = json.JSONDecoder().raw_decode
+        while True:
+            try:
+                found, end = decode(self.buf, self.at)
+            except ValueError:
+                if self._more():
+                    continue
+                raise
+            if end == len(self.buf) and self._more():
+                continue
+            text, self.at = (self.buf[self.at:end] if raw else None), end
+            return (found, text) if raw else found
+
+    def rest(self) -> str:
+        while self._more():
+            pass
+        return self.buf[self.at:]
+
+
 class Index:
-    """The index as a run read it: `records(listed)` and `checked(name, stamp)` answer from it."""
+    """The index as a run read it: `record(name, stamp)` and `checked(name, stamp)` answer from it."""
 
-    def __init__(self, data: dict | None = None):
-        data = data if isinstance(data, dict) else {}
-        records = data.get("records") if isinstance(data.get("records"), dict) else {}
-        # record name -> (stamp, sha256, the record's bytes): kept as bytes, as Commits keeps the records it reads
-        self._records: dict[str, tuple[list, str, bytes]] = {}
-        for name, entry in records.items():
-            self._keep(name, entry)
-        self._checked = data.get("checked") if isinstance(data.get("checked"), dict) else {}
-        self.written = data.get("written") if isinstance(data.get("written"), str) else ""
+    def __init__(self):
+        # record name -> (size, mtime_ns, sha256, the record's bytes): kept as bytes, as Commits keeps the records
+        self._records = Shelf(4)
+        self._checked = Shelf(2)  # part file name -> (size, mtime_ns) as the last passing check listed it
+        self.written = ""
         """When the check that wrote it passed (UTC), as the end check's summary names it."""
+        self.parts: list[str] = []
+        """The part files read, which a passing check's index replaces."""
 
-    def _keep(self, name: str, entry, data: bytes | None = None) -> None:
+    def _keep(self, name, entry, data: bytes | None = None) -> None:
         """Keep one entry (`data`: its record's bytes as the file holds them; else the parsed record written out as
         records are, `json_bytes`). One that is not an entry is left out: its record is read instead."""
-        if (isinstance(entry, dict) and isinstance(entry.get("record"), dict) and isinstance(entry.get("stamp"), list)
-                and isinstance(entry.get("sha256"), str)):
-            self._records[name] = entry["stamp"], entry["sha256"], json_bytes(entry["record"]) if data is None else data
+        if (isinstance(name, str) and isinstance(entry, dict) and isinstance(entry.get("record"), dict)
+                and isinstance(entry.get("sha256"), str) and _is_stamp(entry.get("stamp"))):
+            size, mtime = entry["stamp"]
+            self._records[name] = size, mtime, entry["sha256"], json_bytes(entry["record"]) if data is None else data
 
     @classmethod
-    def read(cls, file: Location) -> Index:
-        """Read the index; an empty one if there is none (or it does not read as one). Deletes nothing: a run deletes
-        it once it has decided to run (`Commits.drop_index`)."""
-        try:
-            text = file.read_bytes().decode()
-        except FileNotFoundError:
-            return cls()
-        except UnicodeDecodeError:
-            return cls(None)
-        try:
-            return cls.parse(text)
-        except ValueError:
-            return cls(None)
-
-    @classmethod
-    def parse(cls, text: str) -> Index:
-        """The index as `write` lays it out, one entry at a time, each record kept as its bytes in the file: parsed
-        whole, a folder's records took about 3 KB each, 1.29 GiB of driver RSS for a resume at 100 million rows
-        (BENCHMARKS.md, "A job of 100 million rows"). A file laid out otherwise (by hand, by an earlier version) is
-        parsed whole; ValueError if it is not JSON."""
-        decode = json.JSONDecoder().raw_decode
+    def read(cls, state: Location) -> Index:
+        """The index and its parts in the run state folder; empty if there are none. A file that does not read as
+        the index is left out (its records are read instead). Deletes nothing: `Commits.write_index` replaces them."""
         index = cls()
+        for name in (LEGACY, INDEX, *part_names(state)):
+            try:
+                (state / name).read_with(lambda f: index._parse(f, whole=not name.startswith(PART)))
+            except (FileNotFoundError, ValueError, UnicodeDecodeError, zlib.error):
+                continue
+            if name.startswith(PART):
+                index.parts.append(name)
+        return index
 
-        def expect(at: int, what: str) -> int:
-            if not text.startswith(what, at):
-                raise ValueError(f"expected {what!r} at {at}")
-            return at + len(what)
-
+    def _parse(self, f, whole: bool) -> None:
+        """One file of the index, as `write` lays it out, one entry at a time, each record kept as its bytes in the
+        file. A file laid out otherwise (by hand, by an earlier version) is parsed whole; ValueError if it is not
+        JSON. `whole`: a whole index, whose time and check are this index's (a part has neither)."""
+        text = _Text(f)
+        kept: list = []  # (name, entry, data), kept a few thousand at a time: each is checked before it is used
+        checked: list = []
         try:
-            written, i = decode(text, expect(0, '{"written": '))
-            index.written = written if isinstance(written, str) else ""
-            i = expect(i, ', "records": {')
+            text.expect('{"written": ')
+            written = text.value()
+            text.expect(', "records": {')
             first = True
-            while not text.startswith("}", i):
-                i = i if first else expect(i, ", ")
+            while not text.peek("}"):
+                if not first:
+                    text.expect(", ")
                 first = False
-                name, i = decode(text, i)
-                start = expect(i, ": ")
-                entry, i = decode(text, start)
-                record = text.find('"record": ', start, i)
-                if isinstance(name, str) and record >= 0 and text.startswith("}", i - 1):
-                    data = text[record + len('"record": '):i - 1].encode()
-                    sha256 = entry.get("sha256") if isinstance(entry, dict) else None
-                    # a copy laid out otherwise (rewritten by hand) is written out as records are, as when parsed whole
-                    index._keep(name, entry, data if digest(data) == sha256 else None)
-            checked, i = decode(text, expect(i + 1, ', "checked": '))
-            expect(i, "}")
-            if text[i + 1:].strip() or not isinstance(checked, dict):
+                name = text.value()
+                text.expect(': {"stamp": ')
+                entry = {"stamp": text.value()}
+                text.expect(', "sha256": ')
+                entry["sha256"] = text.value()
+                text.expect(', "record": ')
+                entry["record"], raw = text.value(raw=True)
+                text.expect("}")
+                data = raw.encode()
+                # a copy laid out otherwise (rewritten by hand) is written out as records are, as when parsed whole
+                kept.append((name, entry, data if digest(data) == entry["sha256"] else None))
+                if len(kept) >= 4096:
+                    self._flush(kept)
+            text.expect('}, "checked": {')
+            first = True
+            while not text.peek("}"):
+                if not first:
+                    text.expect(", ")
+                first = False
+                name = text.value()
+                text.expect(": ")
+                checked.append((name, text.value()))
+            text.expect("}}")
+            if text.rest().strip():
                 raise ValueError("not the index's layout")
-            index._checked = checked
-            return index
         except ValueError:
-            return cls(json.loads(text))
+            f.seek(0)
+            self._load(json.loads(_Text(f).rest()), whole)
+            return
+        self._flush(kept)
+        self._add(written, checked, whole)
 
-    def records(self, listed: dict[str, Stamp]) -> dict[str, tuple[str, bytes]]:
-        """The indexed records among those `listed` (record name -> stamp) whose stamp is still the indexed one and
-        whose copy is, byte for byte, the record file the digest was taken of: name -> (digest, the record's bytes)."""
-        found = {}
-        for name, (indexed, sha256, data) in self._records.items():
-            if name in listed and list(listed[name]) == indexed and digest(data) == sha256:
-                found[name] = sha256, data
-        return found
+    def _flush(self, kept: list) -> None:
+        for entry in kept:
+            self._keep(*entry)
+        kept.clear()
+
+    def _add(self, written, checked: Iterable, whole: bool) -> None:
+        if whole:
+            self.written = written if isinstance(written, str) else ""
+            self._checked.update((name, s) for name, s in checked if isinstance(name, str) and _is_stamp(s))
+
+    def _load(self, data, whole: bool) -> None:
+        """A file of the index parsed whole (laid out otherwise than `write` does)."""
+        if not isinstance(data, dict):
+            raise ValueError("not the index")
+        records = data.get("records") if isinstance(data.get("records"), dict) else {}
+        for name, entry in records.items():
+            self._keep(name, entry)
+        checked = data.get("checked") if isinstance(data.get("checked"), dict) else {}
+        self._add(data.get("written"), checked.items(), whole)
+
+    def record(self, name: str, listed: Stamp) -> tuple[str, bytes] | None:
+        """The indexed record `name`, listed now with stamp `listed`, if its stamp is still the indexed one and its
+        copy is, byte for byte, the record file the digest was taken of: (digest, the record's bytes)."""
+        found = self._records.get(name)
+        if found is None or tuple(found[:2]) != tuple(listed) or digest(found[3]) != found[2]:
+            return None
+        return found[2], found[3]
 
     def checked(self, name: str, now: Stamp | None) -> bool:
         """Whether the part file `name`, listed now with stamp `now`, is as the last passing check read it."""
-        return now is not None and self._checked.get(name) == list(now)
+        found = self._checked.get(name) if now is not None else None
+        return found is not None and tuple(found) == tuple(now)
 
     @staticmethod
-    def write(file: Location, records: Iterable[tuple[str, Stamp, str, bytes]], checked: dict[str, Stamp]) -> None:
-        """`records`: (record name, stamp, digest of its file's bytes, those bytes), one at a time. Each record goes
-        in as its file's bytes (JSON already), not parsed and encoded again, and the file is written in pieces as
-        they come: the index of a large folder is never held whole (json.dumps with an indent built twice its size
-        in small strings, 4x slower)."""
+    def write(file: Location, records: Iterable[tuple[str, Stamp, str, bytes]],
+              checked: Iterable[tuple[str, Stamp]] = ()) -> None:
+        """`records`: (record name, stamp, digest of its file's bytes, those bytes), one at a time; `checked`: (part
+        file name, stamp). Each record goes in as its file's bytes (JSON already), not parsed and encoded again, and
+        the file is written gzip-compressed in pieces as they come: the index of a large folder is never held
+        whole (json.dumps with an indent built twice its size in small strings, 4x slower)."""
         dumps = json.dumps
 
         def pieces() -> Iterator[bytes]:
@@ -148,6 +251,22 @@ class Index:
             for n, (name, s, d, data) in enumerate(records):
                 yield b"".join([b", " if n else b"", dumps(name).encode(), b': {"stamp": ', dumps(list(s)).encode(),
                                 b', "sha256": ', dumps(d).encode(), b', "record": ', data, b"}"])
-            yield b'}, "checked": ' + dumps({name: list(s) for name, s in checked.items()}).encode() + b"}"
+            yield b'}, "checked": {'
+            for n, (name, s) in enumerate(checked):
+                yield b"".join([b", " if n else b"", dumps(name).encode(), b": ", dumps(list(s)).encode()])
+            yield b"}}"
 
-        file.write_json(pieces())
+        def gzipped() -> Iterator[bytes]:
+            deflate, buffered = zlib.compressobj(6, wbits=31), []
+            for piece in pieces():
+                buffered.append(piece)
+                if len(buffered) >= 256:
+                    yield deflate.compress(b"".join(buffered))
+                    buffered.clear()
+            yield deflate.compress(b"".join(buffered)) + deflate.flush()
+
+        file.write_json(gzipped())
+
+
+def _is_stamp(s) -> bool:
+    return isinstance(s, (list, tuple)) and len(s) == 2 and all(isinstance(v, int) for v in s)

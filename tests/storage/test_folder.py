@@ -4,8 +4,12 @@ before resumes after."""
 from __future__ import annotations
 
 import functools
+import gzip
 import json
 import re
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -16,7 +20,7 @@ from batchjson.engine.fake import FakeEngines
 from batchjson.job import run_job
 from batchjson.spec import load_spec
 from batchjson.storage import PartName, UnitName
-from helpers import assert_exactly_once, write_job, write_rows
+from helpers import ENV, HERE, assert_exactly_once, write_job, write_rows
 
 
 @pytest.mark.parametrize("part, name", [
@@ -94,7 +98,7 @@ def test_a_resume_reads_a_record_rewritten_after_the_index_and_survives_a_damage
     def run():
         return run_job(load_spec(job), str(out), engine_factory=FakeEngines(valid=1.0), progress=False)
 
-    assert run().verified["complete"] and (out / "_batchjson" / "index.json").exists()
+    assert run().verified["complete"] and (out / "_batchjson" / "index.json.gz").exists()
     record = sorted((out / "_batchjson" / "units").glob("p1-*.json"))[0]
     data = json.loads(record.read_text())
     data["rows"]["output"] += 1000  # a record edited by hand (a new time in the listing): read, not the indexed one
@@ -102,10 +106,15 @@ def test_a_resume_reads_a_record_rewritten_after_the_index_and_survives_a_damage
     assert run().valid == 24 + 1000
     data["rows"]["output"] -= 1000
     record.write_text(json.dumps(data))
-    (out / "_batchjson" / "index.json").write_text("{not json")
+    (out / "_batchjson" / "index.json.gz").write_text("{not json")
     report = run()
     assert report.valid == 24 and report.verified["complete"], report.verified
-    assert json.loads((out / "_batchjson" / "index.json").read_text())["records"]
+    assert read_index(out / "_batchjson")["records"]
+
+
+def read_index(state: Path) -> dict:
+    """The index a passing check wrote (gzip-compressed JSON), parsed whole."""
+    return json.loads(gzip.decompress((state / "index.json.gz").read_bytes()))
 
 
 def cli_run(monkeypatch, job: Path, *args):
@@ -131,13 +140,13 @@ def test_an_index_entry_edited_by_hand_vouches_for_nothing(tmp_path, tiny_model,
     job = write_job(tmp_path, tiny_model, tmp_path / "in.parquet", batch_size=12)  # 4 units
     out = tmp_path / "out"
     assert cli_run(monkeypatch, job).exit_code == 0
-    index_file = out / "_batchjson" / "index.json"
-    index = json.loads(index_file.read_text())
+    index_file = out / "_batchjson" / "index.json.gz"
+    index = read_index(out / "_batchjson")
     record = next(entry["record"] for name, entry in sorted(index["records"].items())
                   if name.startswith("p1-") and entry["record"]["rows"].get("output", 0) >= 2)
     gone = out / record["files"].pop("output")
     del record["rows"]["output"], record["sizes"]["output"]
-    index_file.write_text(json.dumps(index))
+    index_file.write_bytes(gzip.compress(json.dumps(index).encode()))
     gone.unlink()
 
     result = cli_run(monkeypatch, job)
@@ -182,7 +191,7 @@ def test_a_refused_run_touches_nothing(tmp_path, tiny_model, monkeypatch, refusa
     job = write_job(tmp_path, tiny_model, src, batch_size=8)
     out = tmp_path / "out"
     assert cli_run(monkeypatch, job).exit_code == 0
-    assert (out / "_batchjson" / "index.json").exists()
+    assert (out / "_batchjson" / "index.json.gz").exists()
     before = files_below(out)
     if refusal == "input overwritten":
         write_rows(src, 24, start=100)
@@ -200,24 +209,84 @@ def test_a_refused_run_touches_nothing(tmp_path, tiny_model, monkeypatch, refusa
 
 
 def test_the_index_is_read_an_entry_at_a_time_as_the_records_bytes(tmp_path):
-    """Index.read keeps each record as the bytes its file holds (not parsed: 1.29 GiB of driver at 100M rows), and
-    answers as the whole file parsed does; a copy rewritten in another layout is written out as records are, and a
-    copy edited vouches for nothing."""
+    """Index.read keeps each record as the bytes its file holds (not parsed: 1.29 GiB of driver at 100M rows), from
+    the index, a legacy uncompressed one and its parts, and answers as the whole file parsed does; a copy rewritten
+    in another layout is written out as records are, a copy edited vouches for nothing, a stamp not the indexed one
+    neither, and a part file that does not read as one is left out."""
     from batchjson.storage.index import Index, digest
     from batchjson.storage.location import Location, json_bytes
 
     records = {f"p1-u{k}.json": json_bytes({"stage": "p1", "key": f"u{k}", "files": {"output": f"p1-u{k}.parquet"},
-                                            "rows": {"output": k}}) for k in range(3)}
+                                            "rows": {"output": k}}) for k in range(4)}
     stamps = {name: (100 + k, 7_000 + k) for k, name in enumerate(records)}
-    file = Location.of(tmp_path / "index.json")
-    Index.write(file, ((n, stamps[n], digest(d), d) for n, d in records.items()), {"p1-u0.parquet": (5, 6)})
-    index = Index.read(file)
-    assert index.records(stamps) == {n: (digest(d), d) for n, d in records.items()}
+    state = Location.of(tmp_path)
+    entries = [(n, stamps[n], digest(d), d) for n, d in records.items()]
+    Index.write(state / "index.json.gz", entries[:3], [("p1-u0.parquet", (5, 6))])
+    Index.write(state / "index-part-000001.json.gz", entries[3:])
+    (tmp_path / "index-part-000002.json.gz").write_bytes(b"\x1f\x8b not gzip")
+
+    def found(index: Index, listed: dict) -> dict:
+        return {n: index.record(n, s) for n, s in listed.items() if index.record(n, s)}
+
+    index = Index.read(state)
+    assert found(index, stamps) == {n: (digest(d), d) for n, d in records.items()}
     assert index.checked("p1-u0.parquet", (5, 6)) and not index.checked("p1-u0.parquet", (5, 7)) and index.written
-    whole = json.loads(file.read_bytes())
-    file.write_bytes(json.dumps(whole).encode())  # another layout: the records on one line each
-    assert Index.read(file).records(stamps) == index.records(stamps)
+    assert index.parts == ["index-part-000001.json.gz"]
+    assert found(index, {**stamps, "p1-u2.json": (1, 1)}).keys() == stamps.keys() - {"p1-u2.json"}
+    whole = json.loads(gzip.decompress((tmp_path / "index.json.gz").read_bytes()))
+    (tmp_path / "index.json.gz").unlink()
+    (tmp_path / "index.json").write_text(json.dumps(whole))  # an earlier version's, in another layout
+    assert found(Index.read(state), stamps) == found(index, stamps)
     whole["records"]["p1-u1.json"]["record"]["rows"]["output"] = 9
-    file.write_bytes(json.dumps(whole).encode())
-    assert set(Index.read(file).records(stamps)) == {"p1-u0.json", "p1-u2.json"}
-    assert Index.read(file).records({**stamps, "p1-u2.json": (1, 1)}).keys() == {"p1-u0.json"}
+    (tmp_path / "index.json").write_text(json.dumps(whole))
+    assert found(Index.read(state), stamps).keys() == {"p1-u0.json", "p1-u2.json", "p1-u3.json"}
+
+
+def test_a_killed_run_leaves_its_records_folded_for_its_resume(tmp_path, tiny_model, monkeypatch):
+    """A run folds the records it has read or written into parts of the index as it goes (every job.FOLD_MIN):
+    killed midway (SIGKILL), it leaves them, and its resume reads only the records written after the last part, not
+    each record (two requests each on object storage); the resume's passing check replaces the parts with one
+    index, and the folder holds each row once."""
+    from batchjson.storage.location import Location
+
+    write_rows(tmp_path / "in.parquet", 40)
+    job = write_job(tmp_path, tiny_model, tmp_path / "in.parquet", batch_size=2)  # 20 units
+    out, state = tmp_path / "out", tmp_path / "out" / "_batchjson"
+    killed = subprocess.run([sys.executable, str(HERE / "fake_runner.py"), str(job), str(out), "committed", "15"],
+                            env=ENV | {"FAKE_FOLD_MIN": "4"}, capture_output=True, text=True, timeout=300)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    records = list((state / "units").glob("p[12]-*.json"))
+    parts = sorted(state.glob("index-part-*.json.gz"))
+    assert len(records) == 15 and len(parts) == 3, (records, parts)
+    read, read_bytes = [], Location.read_bytes
+
+    def counted(self):
+        if self.name.startswith(("p1-", "p2-")) and self.name.endswith(".json"):
+            read.append(self.name)
+        return read_bytes(self)
+
+    monkeypatch.setattr(Location, "read_bytes", counted)
+    report = run_job(load_spec(job), str(out), engine_factory=FakeEngines(valid=0.6), progress=False)
+    assert report.resumed and report.verified["complete"], report.verified
+    assert len(read) <= 3, read  # the records written after the last part (12 of 15 folded)
+    assert (state / "index.json.gz").exists() and not list(state.glob("index-part-*"))
+    assert_exactly_once([f"r{i:05d}" for i in range(40)], out, out / "_rejects")
+
+
+def test_a_shelf_keeps_values_by_name_off_the_heap():
+    """The Shelf (storage/shelf.py) answers as a dict does, values of one column or several, pages included."""
+    from batchjson.storage import shelf
+
+    one, two = shelf.Shelf(), shelf.Shelf(2)
+    assert one.get("x") is None and "x" not in one and len(one) == 0 and list(one.items()) == []
+    names = [f"n{k:05d}" for k in range(shelf.PAGE * 2 + 3)]
+    one.update((n, n.encode()) for n in names)
+    one["n00001"] = b"again"
+    two["a"] = (1, 2 ** 62)
+    assert one["n00001"] == b"again" and one.get("n00002") == b"n00002" and len(one) == len(names)
+    assert [n for n, _ in one.items()] == names and two.get("a") == (1, 2 ** 62)
+    assert one.pop("n00003") == b"n00003" and "n00003" not in one and one.pop("n00003", 7) == 7
+    with pytest.raises(KeyError):
+        one["missing"]
+    one.clear()
+    assert len(one) == 0
