@@ -27,7 +27,7 @@ from batchjson.records import Stage
 from batchjson.worker import Worker, serve_replica, signals
 
 
-FOLD_MIN, FOLD_PARTS = 1000, 50  # a part of the index every 1,000 records read, or 2% of the units if more
+FOLD_MIN, FOLD_PARTS = 100, 50  # a part of the index every 100 records read, or 2% of the units if more
 
 
 class JobRun:

@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterator
 from fnmatch import fnmatchcase
 
 import pyarrow as pa
+from pyarrow import fs
 
 from batchjson.errors import OutputError, StorageFull, is_full
 from batchjson.storage.index import INDEX, LEGACY, PART, Index, digest, part_names
@@ -128,16 +129,19 @@ class Commits:
     def fold(self, now: bool = False) -> None:
         """Write the records read or written since the last part of the index as a new part (index.py), once there
         are `fold_every` of them (or any, `now`): a run killed midway leaves its records folded into a few files,
-        which its resume reads in place of every record (two requests each on object storage). Their stamps come
-        from one listing of the records' folder."""
+        which its resume reads in place of every record (two requests each on object storage)."""
         with self._folding:
             if not self.fold_every or not self._fresh or (len(self._fresh) < self.fold_every and not now):
                 return
             fresh, part = set(self._fresh), self.state / f"{PART}{self._next_part:06d}.json.gz"
             self._fresh.clear()
             self._next_part += 1
-            records = ((name, (size, mtime), digest(data), data) for name, size, mtime in self.units.listing()
-                       if name in fresh and (data := self._read.get(name)) is not None)
+            if self.units.local:  # a look per record is a stat here; on object storage, one listing is cheaper
+                listed = ((name, (info.size, info.mtime_ns)) for name in sorted(fresh)
+                          if (info := (self.units / name).info()).type == fs.FileType.File)
+            else:
+                listed = ((name, (size, mtime)) for name, size, mtime in self.units.listing() if name in fresh)
+            records = ((name, s, digest(data), data) for name, s in listed if (data := self._read.get(name)) is not None)
             with writing(part):
                 Index.write(part, records)
 
