@@ -20,6 +20,7 @@ finished one.
 from __future__ import annotations
 
 import json
+import posixpath
 import threading
 from collections.abc import Callable, Iterator
 from fnmatch import fnmatchcase
@@ -84,6 +85,10 @@ class Commits:
     def part(self, stage: Stage, key: str, kind: Kind) -> Location:
         return self.folders[kind] / PartName(stage, key, kind).file_name()
 
+    def _path(self, kind: Kind, name: str) -> str:
+        """A part file's path on its store, as `_seen` keeps it, without a Location made for it."""
+        return posixpath.join(self.folders[kind].path, name)
+
     def record_path(self, stage: Stage, key: str) -> Location:
         return self.units / UnitName(stage, key).file_name()
 
@@ -96,18 +101,22 @@ class Commits:
         """Names ("p1-<unit>") of the committed units of every shard, listed once and kept up to date."""
         if self._committed is None:
             committed, indexed = set(), []
-            for name, size, mtime in self.units.listing():
-                if fnmatchcase(name, "p[12]-*.json"):
-                    committed.add(UnitName.parse(name).unit_id())
-                    found = self._index.record(name, (size, mtime)) if name not in self._read else None
-                    if found:
-                        indexed.append((name, found[1]))  # the bytes the indexed digest is of (index.py)
+            for name, size, mtime in self._listed():
+                committed.add(UnitName.parse(name).unit_id())
+                found = self._index.record(name, (size, mtime)) if name not in self._read else None
+                if found:
+                    indexed.append((name, found[1]))  # the bytes the indexed digest is of (index.py)
                 if len(indexed) >= 4096:
                     self._read.update(indexed)
                     indexed.clear()
             self._read.update(indexed)
             self._committed = committed
         return self._committed
+
+    def _listed(self) -> list[tuple[str, int, int]]:
+        """The commit records as listed now, (name, size, mtime_ns), in their names' order: the shelves are read and
+        written in that order, a page of SQLite's for many records rather than a page for each."""
+        return sorted(i for i in self.units.listing() if fnmatchcase(i[0], "p[12]-*.json"))
 
     def forget(self) -> None:
         """Drop what was listed and read: the folder was cleared."""
@@ -158,19 +167,19 @@ class Commits:
         if not self._index.written:  # no passing check's index: nothing to trust
             return frozenset()
         changed = set()
-        for name, size, mtime in self.units.listing():
-            if fnmatchcase(name, "p[12]-*.json"):
-                found = self._index.record(name, (size, mtime))
-                if found is None or not all(self._index.checked(part, self._seen.get((self.folders[kind] / part).path))
-                                            for kind, part in json.loads(found[1])["files"].items()):
-                    changed.add(UnitName.parse(name).key)
+        for name, size, mtime in self._listed():
+            found = self._index.record(name, (size, mtime))
+            if found is None or not all(self._index.checked(part, self._seen.get(self._path(kind, part)))
+                                        for kind, part in json.loads(found[1])["files"].items()):
+                changed.add(UnitName.parse(name).key)
         self._news = self._news or bool(changed)
         return frozenset({UnitName.parse(unit).key for unit in self.committed()} - changed)
 
     def _list_parts(self) -> None:
         """List the part files of every folder into `_seen` (path -> stamp), one at a time."""
         self._seen.clear()
-        self._seen.update(((folder / name).path, (size, mtime)) for folder in {f.path: f for f in self.folders.values()}.values()
+        self._seen.update((posixpath.join(folder.path, name), (size, mtime))
+                          for folder in {f.path: f for f in self.folders.values()}.values()
                           for name, size, mtime in folder.listing())
 
     def write_index(self) -> None:
@@ -183,11 +192,11 @@ class Commits:
         checked = Shelf(2)
 
         def records() -> Iterator[tuple]:
-            for name, size, mtime in self.units.listing():
-                data = self._read.get(name) if fnmatchcase(name, "p[12]-*.json") else None
+            for name, size, mtime in self._listed():
+                data = self._read.get(name)
                 if data is not None:
                     checked.update((part, seen) for kind, part in json.loads(data)["files"].items()
-                                   if (seen := self._seen.get((self.folders[kind] / part).path)) is not None)
+                                   if (seen := self._seen.get(self._path(kind, part))) is not None)
                     yield name, (size, mtime), digest(data), data
 
         stale = [LEGACY, *part_names(self.state)]
@@ -204,21 +213,25 @@ class Commits:
     def done(self, stage: Stage, key: str) -> bool:
         return self.listed(stage, key) or self.record_path(stage, key).exists()
 
-    def _load(self, path: Location) -> dict:
+    def _bytes(self, name: str) -> bytes:
+        """A record's bytes by its file name: kept, or read (FileNotFoundError if there is none)."""
         self.committed()  # lists the records once, taking those the index stands in for
-        data = self._read.get(path.name)
+        data = self._read.get(name)
         if data is None:
-            data = path.read_bytes()
+            data = (self.units / name).read_bytes()
             json.loads(data)  # a record that does not parse fails here, before it is kept
-            self._read[path.name] = data
+            self._read[name] = data
             self._news = True
             if self.fold_every:
-                self._fresh.append(path.name)
-        return json.loads(data)
+                self._fresh.append(name)
+        return data
+
+    def _load(self, name: str) -> dict:
+        return json.loads(self._bytes(name))
 
     def record(self, stage: Stage, key: str) -> dict | None:
         try:
-            return self._load(self.record_path(stage, key))
+            return self._load(f"{stage}-{key}.json")
         except FileNotFoundError:
             return None
 
@@ -226,8 +239,8 @@ class Commits:
         """The commit records of one pass, or of both, one at a time (a folder's records parsed at once would be
         the driver's largest object)."""
         pattern = f"{stage}-*.json" if stage else "p[12]-*.json"
-        names = sorted(name for name, _, _ in self.units.listing() if fnmatchcase(name, pattern))
-        return (self._load(self.units / name) for name in names)
+        names = [name for name, _, _ in self._listed() if fnmatchcase(name, pattern)]
+        return (self._load(name) for name in names)
 
     def requeued(self, key: str) -> bool:
         record = self.record(Stage.FIRST, key)
@@ -336,7 +349,7 @@ class Commits:
             for stage in Stage:
                 record = self.record(stage, key) if self.listed(stage, key) else None
                 for kind in record["files"] if record else ():
-                    seen = self._seen.get(self.part(stage, key, kind).path)
+                    seen = self._seen.get(self._path(kind, PartName(stage, key, kind).file_name()))
                     size, found = record.get("sizes", {}).get(kind), seen and seen[0]
                     if size is not None and found is not None:
                         flaw = "" if found == size else (f"{record['files'][kind]} held {found} bytes, not the {size} "
@@ -367,6 +380,15 @@ class Commits:
         for stage in reversed(Stage):
             self.begin(stage, key)
 
+    def _lists(self, part: PartName, name: str) -> bool:
+        """Whether the record of the part's unit lists it as `name`: found in the record's bytes as json_bytes writes
+        it (a few µs), else parsed (a record written otherwise)."""
+        try:
+            data = self._bytes(part.unit.file_name())
+        except FileNotFoundError:
+            return False
+        return f'"{part.kind}": "{name}"'.encode() in data or json.loads(data)["files"].get(part.kind) == name
+
     def stray(self) -> list[Location]:
         """Files that readers of the output or rejects folder read (Location.dataset_files: in sub-folders too,
         whatever their name) but no commit record lists, one listed file at a time. A file is published only after
@@ -380,8 +402,6 @@ class Commits:
                     part = PartName.parse(name)
                 except ValueError:
                     part = None
-                record = (self.record(part.stage, part.key)
-                          if part and self.folders[part.kind].path.rstrip("/") == parent else None)
-                if record is None or record["files"].get(part.kind) != name:
+                if not (part and self.folders[part.kind].path.rstrip("/") == parent and self._lists(part, name)):
                     found.add(path)
         return sorted(found)

@@ -49,6 +49,7 @@ INDEX = "index.json.gz"
 LEGACY = "index.json"  # written uncompressed by earlier versions: read, then replaced
 PART = "index-part-"
 CHUNK = 1 << 20
+_decode = json.JSONDecoder().raw_decode
 
 
 def stamp(info: fs.FileInfo) -> Stamp:
@@ -102,10 +103,9 @@ class _Text:
     def value(self, raw: bool = False):
         """The next JSON value (and its text, `raw`). One that ends where the text read so far does may be cut
         short (a number), so more is read and it is decoded again."""
-        decode = json.JSONDecoder().raw_decode
         while True:
             try:
-                found, end = decode(self.buf, self.at)
+                found, end = _decode(self.buf, self.at)
             except ValueError:
                 if self._more():
                     continue
@@ -133,13 +133,15 @@ class Index:
         self.parts: list[str] = []
         """The part files read, which a passing check's index replaces."""
 
-    def _keep(self, name, entry, data: bytes | None = None) -> None:
-        """Keep one entry (`data`: its record's bytes as the file holds them; else the parsed record written out as
-        records are, `json_bytes`). One that is not an entry is left out: its record is read instead."""
-        if (isinstance(name, str) and isinstance(entry, dict) and isinstance(entry.get("record"), dict)
-                and isinstance(entry.get("sha256"), str) and _is_stamp(entry.get("stamp"))):
-            size, mtime = entry["stamp"]
-            self._records[name] = size, mtime, entry["sha256"], json_bytes(entry["record"]) if data is None else data
+    def _keep(self, entries: Iterable[tuple]) -> None:
+        """Keep entries (name, entry, data), `data` being the record's bytes as the file holds them, or None: the
+        parsed record written out as records are (`json_bytes`). One that is not an entry is left out: its record is
+        read instead."""
+        self._records.update(
+            (name, (*entry["stamp"], entry["sha256"], json_bytes(entry["record"]) if data is None else data))
+            for name, entry, data in entries
+            if (isinstance(name, str) and isinstance(entry, dict) and isinstance(entry.get("record"), dict)
+                and isinstance(entry.get("sha256"), str) and _is_stamp(entry.get("stamp"))))
 
     @classmethod
     def read(cls, state: Location) -> Index:
@@ -204,8 +206,7 @@ class Index:
         self._add(written, checked, whole)
 
     def _flush(self, kept: list) -> None:
-        for entry in kept:
-            self._keep(*entry)
+        self._keep(kept)
         kept.clear()
 
     def _add(self, written, checked: Iterable, whole: bool) -> None:
@@ -218,8 +219,7 @@ class Index:
         if not isinstance(data, dict):
             raise ValueError("not the index")
         records = data.get("records") if isinstance(data.get("records"), dict) else {}
-        for name, entry in records.items():
-            self._keep(name, entry)
+        self._keep((name, entry, None) for name, entry in records.items())
         checked = data.get("checked") if isinstance(data.get("checked"), dict) else {}
         self._add(data.get("written"), checked.items(), whole)
 

@@ -273,20 +273,47 @@ def test_a_killed_run_leaves_its_records_folded_for_its_resume(tmp_path, tiny_mo
     assert_exactly_once([f"r{i:05d}" for i in range(40)], out, out / "_rejects")
 
 
-def test_a_shelf_keeps_values_by_name_off_the_heap():
-    """The Shelf (storage/shelf.py) answers as a dict does, values of one column or several, pages included."""
+def test_a_run_whose_state_outgrows_memory_resumes_and_checks_as_one_that_fits(tmp_path, tiny_model, monkeypatch):
+    """With the shelves' bound forced down to 2 KB (a job of tens of millions of rows at the default), every shelf
+    of the run moves to SQLite: the run, a resume with a unit's part deleted by hand, a resume with nothing left
+    and `batchjson verify` answer as with everything in memory."""
     from batchjson.storage import shelf
 
-    one, two = shelf.Shelf(), shelf.Shelf(2)
+    monkeypatch.setattr(shelf, "LIMIT", 2_000)
+    ids = [f"r{i:05d}" for i in range(48)]
+    write_rows(tmp_path / "in.parquet", 48)
+    job = write_job(tmp_path, tiny_model, tmp_path / "in.parquet", batch_size=4)  # 12 units
+    out = tmp_path / "out"
+    first = cli_run(monkeypatch, job)
+    assert first.exit_code == 0 and claimed_rows(first.output) == 48, first.output
+    gone = sorted(out.glob("p1-*.parquet"))[3]
+    gone.unlink()
+    again = cli_run(monkeypatch, job)
+    assert again.exit_code == 0 and f"{gone.name} was missing; the unit was redone" in again.output, again.output
+    assert "12 units: 1 read, 11 taken from the index" in again.output, again.output
+    last = cli_run(monkeypatch, job)
+    assert last.exit_code == 0 and "12 units: 0 read, 12 taken from the index" in last.output, last.output
+    assert_exactly_once(ids, out, out / "_rejects")
+    assert CliRunner().invoke(cli.main, ["verify", str(job)]).exit_code == 0
+
+
+@pytest.mark.parametrize("limit", [1 << 20, 2_000])
+def test_a_shelf_keeps_values_by_name_off_the_heap(limit):
+    """The Shelf (storage/shelf.py) answers as a dict does, values of one column or several, pages included, in
+    memory and once it has moved to SQLite past its limit (2,000 bytes: midway through the first update)."""
+    from batchjson.storage import shelf
+
+    one, two = shelf.Shelf(limit=limit), shelf.Shelf(2, limit=limit)
     assert one.get("x") is None and "x" not in one and len(one) == 0 and list(one.items()) == []
     names = [f"n{k:05d}" for k in range(shelf.PAGE * 2 + 3)]
     one.update((n, n.encode()) for n in names)
+    assert one.spilled == (limit < 1 << 20)
     one["n00001"] = b"again"
     two["a"] = (1, 2 ** 62)
     assert one["n00001"] == b"again" and one.get("n00002") == b"n00002" and len(one) == len(names)
-    assert [n for n, _ in one.items()] == names and two.get("a") == (1, 2 ** 62)
+    assert [n for n, _ in one.items()] == names and two.get("a") == (1, 2 ** 62) and list(two.items()) == [("a", (1, 2 ** 62))]
     assert one.pop("n00003") == b"n00003" and "n00003" not in one and one.pop("n00003", 7) == 7
     with pytest.raises(KeyError):
         one["missing"]
     one.clear()
-    assert len(one) == 0
+    assert len(one) == 0 and not one.spilled
