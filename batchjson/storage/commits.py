@@ -239,7 +239,7 @@ class Commits:
         """The commit records of one pass, or of both, one at a time (a folder's records parsed at once would be
         the driver's largest object)."""
         pattern = f"{stage}-*.json" if stage else "p[12]-*.json"
-        names = [name for name, _, _ in self._listed() if fnmatchcase(name, pattern)]
+        names = sorted(name for name, _, _ in self.units.listing(stat=False) if fnmatchcase(name, pattern))
         return (self._load(name) for name in names)
 
     def requeued(self, key: str) -> bool:

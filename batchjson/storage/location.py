@@ -276,10 +276,11 @@ class Location:
             found = self.fs.get_file_info(fs.FileSelector(self.path, allow_not_found=True, recursive=recursive))
         return [i for i in found if i.type == fs.FileType.File]
 
-    def listing(self, recursive: bool = False) -> Iterator[tuple[str, int, int]]:
+    def listing(self, recursive: bool = False, stat: bool = True) -> Iterator[tuple[str, int, int]]:
         """The files below this folder as (path relative to it, size, modification time in ns), one at a time:
         locally from the directory as it is read (a folder of 390,000 part files listed whole as FileInfo objects
-        took 100 MB of driver); on object storage from the store's listing (pyarrow lists whole)."""
+        took 100 MB of driver); on object storage from the store's listing (pyarrow lists whole). `stat=False`:
+        locally, sizes and times are 0, and no file is looked at beyond its directory entry."""
         if not self.local:
             cut = len(self.path.rstrip("/")) + 1
             for i in self.files(recursive):
@@ -297,8 +298,8 @@ class Location:
                     name = f"{relative}/{entry.name}" if relative else entry.name
                     try:
                         if entry.is_file():
-                            info = entry.stat()
-                            yield name, info.st_size, info.st_mtime_ns
+                            info = entry.stat() if stat else None
+                            yield (name, info.st_size, info.st_mtime_ns) if info else (name, 0, 0)
                         elif recursive and entry.is_dir(follow_symlinks=False):
                             below.append(name)
                     except FileNotFoundError:
@@ -314,7 +315,7 @@ class Location:
         relative to it, one at a time: pyarrow.dataset reads every file below it except under a name starting with _
         or . (at any depth), and DuckDB's `read_parquet('<folder>/*.parquet')` every *.parquet file directly in it,
         _ and . names too."""
-        for below, _, _ in self.listing(recursive=True):
+        for below, _, _ in self.listing(recursive=True, stat=False):
             parts = below.split("/")
             if not any(p.startswith(("_", ".")) for p in parts) or (len(parts) == 1 and below.endswith(".parquet")):
                 yield below
@@ -325,7 +326,7 @@ class Location:
 
     def glob(self, pattern: str) -> list[Location]:
         """The files directly in this folder whose name matches `pattern` (fnmatch, as Path.glob on one level)."""
-        return [self / name for name, _, _ in self.listing() if fnmatch.fnmatchcase(name, pattern)]
+        return [self / name for name, _, _ in self.listing(stat=False) if fnmatch.fnmatchcase(name, pattern)]
 
     # ----- reading and writing ----------------------------------------------------------------------------------
     def open_input(self):
