@@ -19,7 +19,7 @@ finished one.
 
 from __future__ import annotations
 
-import json
+import orjson
 import posixpath
 import threading
 from collections.abc import Callable, Iterator
@@ -170,7 +170,7 @@ class Commits:
         for name, size, mtime in self._listed():
             found = self._index.record(name, (size, mtime))
             if found is None or not all(self._index.checked(part, self._seen.get(self._path(kind, part)))
-                                        for kind, part in json.loads(found[1])["files"].items()):
+                                        for kind, part in orjson.loads(found[1])["files"].items()):
                 changed.add(UnitName.parse(name).key)
         self._news = self._news or bool(changed)
         return frozenset({UnitName.parse(unit).key for unit in self.committed()} - changed)
@@ -195,7 +195,7 @@ class Commits:
             for name, size, mtime in self._listed():
                 data = self._read.get(name)
                 if data is not None:
-                    checked.update((part, seen) for kind, part in json.loads(data)["files"].items()
+                    checked.update((part, seen) for kind, part in orjson.loads(data)["files"].items()
                                    if (seen := self._seen.get(self._path(kind, part))) is not None)
                     yield name, (size, mtime), digest(data), data
 
@@ -219,7 +219,7 @@ class Commits:
         data = self._read.get(name)
         if data is None:
             data = (self.units / name).read_bytes()
-            json.loads(data)  # a record that does not parse fails here, before it is kept
+            orjson.loads(data)  # a record that does not parse fails here, before it is kept
             self._read[name] = data
             self._news = True
             if self.fold_every:
@@ -227,7 +227,7 @@ class Commits:
         return data
 
     def _load(self, name: str) -> dict:
-        return json.loads(self._bytes(name))
+        return orjson.loads(self._bytes(name))
 
     def record(self, stage: Stage, key: str) -> dict | None:
         try:
@@ -387,7 +387,7 @@ class Commits:
             data = self._bytes(part.unit.file_name())
         except FileNotFoundError:
             return False
-        return f'"{part.kind}": "{name}"'.encode() in data or json.loads(data)["files"].get(part.kind) == name
+        return f'"{part.kind}": "{name}"'.encode() in data or orjson.loads(data)["files"].get(part.kind) == name
 
     def stray(self) -> list[Location]:
         """Files that readers of the output or rejects folder read (Location.dataset_files: in sub-folders too,
