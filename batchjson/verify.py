@@ -17,7 +17,7 @@ from batchjson.ends import run_ends
 from batchjson.errors import OutputError
 from batchjson.records import Stage
 from batchjson.source import ParquetSource, UnitRef
-from batchjson.storage import Commits, Unreadable
+from batchjson.storage import Commits, DamagedRecord, Unreadable
 
 SHOWN = 5  # offending ids named per problem
 
@@ -111,17 +111,24 @@ def verify(commits: Commits, source: ParquetSource, refs: list[UnitRef], id_colu
             v.reject_rows += len(ids)
         return ids
 
+    def record_of(stage: Stage, key: str) -> dict | None:
+        try:
+            return commits.record(stage, key)
+        except DamagedRecord as e:
+            v.problems.append(f"unit {key}: {e}. Run the job again: it redoes the unit.")
+            return None
+
     planned = set()
     for ref in refs:
         planned.add(ref.key)
-        p1 = commits.record(Stage.FIRST, ref.key)
+        p1 = record_of(Stage.FIRST, ref.key)
         if p1 is None:
             v.pending += 1
             continue
         v.committed += 1
         if ref.key in trusted:
             v.trusted += 1
-            p2 = commits.record(Stage.SECOND, ref.key) if "requeue" in p1["files"] else None
+            p2 = record_of(Stage.SECOND, ref.key) if "requeue" in p1["files"] else None
             for record in filter(None, (p1, p2)):
                 v.output_rows += record["rows"].get("output", 0)
                 v.reject_rows += record["rows"].get("rejects", 0)
@@ -140,7 +147,7 @@ def verify(commits: Commits, source: ParquetSource, refs: list[UnitRef], id_colu
                               f"holds other rows than the input (missing {_few(expected - got) or 'none'}; extra "
                               f"{_few(got - expected) or 'none'})")
         if requeued is not None:
-            p2 = commits.record(Stage.SECOND, ref.key)
+            p2 = record_of(Stage.SECOND, ref.key)
             if p2 is None:
                 v.pending += 1
                 continue

@@ -209,6 +209,24 @@ def test_a_deleted_output_part_is_found_and_redone(tmp_path, tiny_model):
     assert_exactly_once([f"r{i:05d}" for i in range(12)], tmp_path / "out", tmp_path / "out" / "_rejects")
 
 
+@pytest.mark.parametrize("damage", ["truncated", "not a record"])
+def test_a_damaged_commit_record_is_named_and_its_unit_redone(tmp_path, tiny_model, damage):
+    """A commit record cut short (or rewritten as JSON that is no record): verify names it (exit 3, not a
+    traceback), and a run redoes its unit, saying why, with each row once in the end."""
+    write_rows(tmp_path / "in.parquet", 12)
+    job = write_job(tmp_path, tiny_model, tmp_path / "in.parquet", batch_size=4)
+    run(job, engine_factory=FakeEngines(valid=1.0))
+    record = sorted((tmp_path / "out" / "_batchjson" / "units").glob("p1-*.json"))[1]
+    record.write_bytes(record.read_bytes()[:30] if damage == "truncated" else b"[]")
+    result = verify_cli(job)
+    assert result.exit_code == 3 and f"its commit record {record.name}" in result.output, result.output
+    report = run(job, engine_factory=FakeEngines(valid=1.0))
+    assert codes(report) == ["unit-redone"] and record.name in report.events[0]["text"], report.events
+    assert report.passes["pass1"].rows == 4 and report.verified["complete"]
+    assert verify_cli(job).exit_code == 0
+    assert_exactly_once([f"r{i:05d}" for i in range(12)], tmp_path / "out", tmp_path / "out" / "_rejects")
+
+
 def test_a_stray_part_file_fails_verify(tmp_path, tiny_model):
     write_rows(tmp_path / "in.parquet", 4)
     job = write_job(tmp_path, tiny_model, tmp_path / "in.parquet")

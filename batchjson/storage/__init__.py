@@ -5,11 +5,11 @@ begin, stage, write_record, publish; recover, damaged, drop) · locks.py (flock,
 object-storage URI) · progress.py (the progress file `status` reads, the cancel marker).
 """
 
-from batchjson.storage.commits import Commits
+from batchjson.storage.commits import Commits, DamagedRecord
 from batchjson.storage.folder import STATE, Storage, hidden_below
 from batchjson.storage.location import Location, Unreadable, glob_match, is_uri
 from batchjson.storage.locks import Lease
 from batchjson.storage.names import STAGED, Kind, PartName, Stage, UnitName
 
-__all__ = ["STAGED", "STATE", "Commits", "Kind", "Lease", "Location", "PartName", "Stage", "Storage", "UnitName",
+__all__ = ["STAGED", "STATE", "Commits", "DamagedRecord", "Kind", "Lease", "Location", "PartName", "Stage", "Storage", "UnitName",
            "Unreadable", "glob_match", "hidden_below", "is_uri"]

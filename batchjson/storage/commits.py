@@ -51,6 +51,21 @@ def write_part(table: pa.Table, path: Location, undo: Callable[[], None] = lambd
                           "again: finished units are kept and the run resumes.") from None
 
 
+class DamagedRecord(OutputError):
+    """A commit record that does not read as one (truncated, emptied, edited by hand): what its unit committed is
+    not known. A run redoes the unit (`damaged`); verify names it."""
+
+
+def _parsed(name: str, data: bytes) -> dict:
+    try:
+        record = orjson.loads(data)
+    except orjson.JSONDecodeError as e:
+        raise DamagedRecord(f"its commit record {name} does not parse as JSON ({e})") from None
+    if not (isinstance(record, dict) and isinstance(record.get("files"), dict) and isinstance(record.get("rows"), dict)):
+        raise DamagedRecord(f"its commit record {name} is not one (no files and rows)")
+    return record
+
+
 class Commits:
     """The committed units of one output folder (of every shard), and the steps that commit one more."""
 
@@ -214,12 +229,13 @@ class Commits:
         return self.listed(stage, key) or self.record_path(stage, key).exists()
 
     def _bytes(self, name: str) -> bytes:
-        """A record's bytes by its file name: kept, or read (FileNotFoundError if there is none)."""
+        """A record's bytes by its file name: kept, or read (FileNotFoundError if there is none, DamagedRecord if
+        it does not read as one)."""
         self.committed()  # lists the records once, taking those the index stands in for
         data = self._read.get(name)
         if data is None:
             data = (self.units / name).read_bytes()
-            orjson.loads(data)  # a record that does not parse fails here, before it is kept
+            _parsed(name, data)  # a record that does not read as one fails here, before it is kept
             self._read[name] = data
             self._news = True
             if self.fold_every:
@@ -227,7 +243,7 @@ class Commits:
         return data
 
     def _load(self, name: str) -> dict:
-        return orjson.loads(self._bytes(name))
+        return _parsed(name, self._bytes(name))
 
     def record(self, stage: Stage, key: str) -> dict | None:
         try:
@@ -237,10 +253,14 @@ class Commits:
 
     def records(self, stage: Stage | None = None) -> Iterator[dict]:
         """The commit records of one pass, or of both, one at a time (a folder's records parsed at once would be
-        the driver's largest object)."""
+        the driver's largest object). A damaged one is left out: `damaged` and verify name it, unit by unit."""
         pattern = f"{stage}-*.json" if stage else "p[12]-*.json"
         names = sorted(name for name, _, _ in self.units.listing(stat=False) if fnmatchcase(name, pattern))
-        return (self._load(name) for name in names)
+        for name in names:
+            try:
+                yield self._load(name)
+            except (FileNotFoundError, DamagedRecord):
+                continue
 
     def requeued(self, key: str) -> bool:
         record = self.record(Stage.FIRST, key)
@@ -347,7 +367,11 @@ class Commits:
         out = {}
         for key in keys:
             for stage in Stage:
-                record = self.record(stage, key) if self.listed(stage, key) else None
+                try:
+                    record = self.record(stage, key) if self.listed(stage, key) else None
+                except DamagedRecord as e:
+                    out.setdefault(key, str(e))
+                    continue
                 for kind in record["files"] if record else ():
                     seen = self._seen.get(self._path(kind, PartName(stage, key, kind).file_name()))
                     size, found = record.get("sizes", {}).get(kind), seen and seen[0]
@@ -387,6 +411,8 @@ class Commits:
             data = self._bytes(part.unit.file_name())
         except FileNotFoundError:
             return False
+        except DamagedRecord:
+            return True  # its unit is named for that already
         return f'"{part.kind}": "{name}"'.encode() in data or orjson.loads(data)["files"].get(part.kind) == name
 
     def stray(self) -> list[Location]:
