@@ -115,6 +115,20 @@ class _Text:
             text, self.at = (self.buf[self.at:end] if raw else None), end
             return (found, text) if raw else found
 
+    def members(self) -> Iterator:
+        """The names of the members of the object that starts here, one at a time, each left at its value (which the
+        caller reads); the object's braces and separators consumed."""
+        self.expect("{")
+        first = True
+        while not self.peek("}"):
+            if not first:
+                self.expect(", ")
+            first = False
+            name = self.value()
+            self.expect(": ")
+            yield name
+        self.expect("}")
+
     def rest(self) -> str:
         while self._more():
             pass
@@ -167,14 +181,9 @@ class Index:
         try:
             text.expect('{"written": ')
             written = text.value()
-            text.expect(', "records": {')
-            first = True
-            while not text.peek("}"):
-                if not first:
-                    text.expect(", ")
-                first = False
-                name = text.value()
-                text.expect(': {"stamp": ')
+            text.expect(', "records": ')
+            for name in text.members():
+                text.expect('{"stamp": ')
                 entry = {"stamp": text.value()}
                 text.expect(', "sha256": ')
                 entry["sha256"] = text.value()
@@ -186,16 +195,13 @@ class Index:
                 kept.append((name, entry, data if digest(data) == entry["sha256"] else None))
                 if len(kept) >= 4096:
                     self._flush(kept)
-            text.expect('}, "checked": {')
-            first = True
-            while not text.peek("}"):
-                if not first:
-                    text.expect(", ")
-                first = False
-                name = text.value()
-                text.expect(": ")
+            text.expect(', "checked": ')
+            for name in text.members():
                 checked.append((name, text.value()))
-            text.expect("}}")
+                if len(checked) >= 4096:
+                    self._add(written, checked, whole)
+                    checked.clear()
+            text.expect("}")
             if text.rest().strip():
                 raise ValueError("not the index's layout")
         except ValueError:
