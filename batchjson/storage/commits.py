@@ -29,7 +29,7 @@ import pyarrow as pa
 from pyarrow import fs
 
 from batchjson.errors import OutputError, StorageFull, is_full
-from batchjson.storage.index import INDEX, LEGACY, PART, Index, digest, part_names
+from batchjson.storage.index import INDEX, LEGACY, Index, digest, part_name, part_names
 from batchjson.storage.location import Location, Unreadable, json_bytes, writing
 from batchjson.storage.names import STAGED, Kind, PartName, Stage, UnitName, staged
 from batchjson.storage.shelf import Shelf
@@ -92,7 +92,6 @@ class Commits:
         (`fold`); 0: never (verify, replicas). A run sets it."""
         self._fresh: list[str] = []  # records read or written since the last part of the index
         self._news = False  # whether the folder holds what the index this run read does not (`write_index`)
-        self._next_part = 1
         self._folding = threading.Lock()
         self.after: Callable[[str, str], None] = lambda step, stage: None
         """Called after each step of the commit protocol, with the pass; tests use it to kill the process there."""
@@ -146,9 +145,6 @@ class Commits:
         of it is deleted before a passing check writes it afresh (`write_index`): an entry its unit's redoing made
         stale no longer matches the record's stamp, and is not used."""
         self._index, self._committed = Index.read(self.state), None
-        numbers = [int(name[len(PART):-len(".json.gz")]) for name in part_names(self.state)
-                   if name[len(PART):-len(".json.gz")].isdigit()]
-        self._next_part = max(numbers, default=0) + 1
 
     def fold(self, now: bool = False) -> None:
         """Write the records read or written since the last part of the index as a new part (index.py), once there
@@ -157,9 +153,9 @@ class Commits:
         with self._folding:
             if not self.fold_every or not self._fresh or (len(self._fresh) < self.fold_every and not now):
                 return
-            fresh, part = set(self._fresh), self.state / f"{PART}{self._next_part:06d}.json.gz"
+            fresh, part = set(self._fresh), self.state / part_name(self._index.next_part)
             self._fresh.clear()
-            self._next_part += 1
+            self._index.next_part += 1
             if self.units.local:  # a look per record is a stat here; on object storage, one listing is cheaper
                 listed = ((name, (info.size, info.mtime_ns)) for name in sorted(fresh)
                           if (info := (self.units / name).info()).type == fs.FileType.File)
@@ -202,7 +198,7 @@ class Commits:
         them before the check read them, folded into the index for the next run; then the index's earlier files go
         (written first, so a kill between leaves both, which read as one). Not when the index this run read holds
         it all already (every record from it, every unit trusted: a rerun of a finished job writes nothing)."""
-        if not (self._news or not self._index.written or self._index.parts or (self.state / LEGACY).exists()):
+        if not (self._news or not self._index.written or self._index.replaced):
             return
         checked = Shelf(2)
 
@@ -228,22 +224,24 @@ class Commits:
     def done(self, stage: Stage, key: str) -> bool:
         return self.listed(stage, key) or self.record_path(stage, key).exists()
 
-    def _bytes(self, name: str) -> bytes:
-        """A record's bytes by its file name: kept, or read (FileNotFoundError if there is none, DamagedRecord if
-        it does not read as one)."""
+    def _fetch(self, name: str) -> tuple[bytes, dict | None]:
+        """A record's bytes by its file name, kept or read, and the record when it was read (and so parsed) now.
+        FileNotFoundError if there is none, DamagedRecord if it does not read as one."""
         self.committed()  # lists the records once, taking those the index stands in for
         data = self._read.get(name)
-        if data is None:
-            data = (self.units / name).read_bytes()
-            _parsed(name, data)  # a record that does not read as one fails here, before it is kept
-            self._read[name] = data
-            self._news = True
-            if self.fold_every:
-                self._fresh.append(name)
-        return data
+        if data is not None:
+            return data, None
+        data = (self.units / name).read_bytes()
+        record = _parsed(name, data)  # a record that does not read as one fails here, before it is kept
+        self._read[name] = data
+        self._news = True
+        if self.fold_every:
+            self._fresh.append(name)
+        return data, record
 
     def _load(self, name: str) -> dict:
-        return _parsed(name, self._bytes(name))
+        data, record = self._fetch(name)
+        return _parsed(name, data) if record is None else record
 
     def record(self, stage: Stage, key: str) -> dict | None:
         try:
@@ -374,7 +372,7 @@ class Commits:
                     continue
                 for kind in record["files"] if record else ():
                     seen = self._seen.get(self._path(kind, PartName(stage, key, kind).file_name()))
-                    size, found = record.get("sizes", {}).get(kind), seen and seen[0]
+                    size, found = record.get("sizes", {}).get(kind), seen[0] if seen else None
                     if size is not None and found is not None:
                         flaw = "" if found == size else (f"{record['files'][kind]} held {found} bytes, not the {size} "
                                                          "its commit record lists")
@@ -408,7 +406,7 @@ class Commits:
         """Whether the record of the part's unit lists it as `name`: found in the record's bytes as json_bytes writes
         it (a few µs), else parsed (a record written otherwise)."""
         try:
-            data = self._bytes(part.unit.file_name())
+            data, _ = self._fetch(part.unit.file_name())
         except FileNotFoundError:
             return False
         except DamagedRecord:

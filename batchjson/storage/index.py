@@ -39,8 +39,6 @@ import time
 import zlib
 from collections.abc import Iterable, Iterator
 
-from pyarrow import fs
-
 from batchjson.storage.location import Location, json_bytes
 from batchjson.storage.shelf import Shelf
 
@@ -52,10 +50,6 @@ CHUNK = 1 << 20
 _decode = json.JSONDecoder().raw_decode
 
 
-def stamp(info: fs.FileInfo) -> Stamp:
-    return info.size, info.mtime_ns
-
-
 def digest(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
@@ -63,6 +57,11 @@ def digest(data: bytes) -> str:
 def part_names(state: Location) -> list[str]:
     """The index's part files in the run state folder, in the order they were written."""
     return sorted(name for name in state.names() if name.startswith(PART) and name.endswith(".json.gz"))
+
+
+def part_name(number: int) -> str:
+    """The name of the index's part file `number` (`part_names` sorts them in that order)."""
+    return f"{PART}{number:06d}.json.gz"
 
 
 class _Text:
@@ -144,8 +143,10 @@ class Index:
         self._checked = Shelf(2)  # part file name -> (size, mtime_ns) as the last passing check listed it
         self.written = ""
         """When the check that wrote it passed (UTC), as the end check's summary names it."""
-        self.parts: list[str] = []
-        """The part files read, which a passing check's index replaces."""
+        self.replaced: list[str] = []
+        """The files read that a passing check's index replaces: its parts, and an earlier version's index."""
+        self.next_part = 1
+        """The number of the next part to write, after every part there is."""
 
     def _keep(self, entries: Iterable[tuple]) -> None:
         """Keep entries (name, entry, data), `data` being the record's bytes as the file holds them, or None: the
@@ -161,14 +162,16 @@ class Index:
     def read(cls, state: Location) -> Index:
         """The index and its parts in the run state folder; empty if there are none. A file that does not read as
         the index is left out (its records are read instead). Deletes nothing: `Commits.write_index` replaces them."""
-        index = cls()
-        for name in (LEGACY, INDEX, *part_names(state)):
+        index, parts = cls(), part_names(state)
+        numbers = [int(name[len(PART):-len(".json.gz")]) for name in parts if name[len(PART):-len(".json.gz")].isdigit()]
+        index.next_part = max(numbers, default=0) + 1
+        for name in (LEGACY, INDEX, *parts):
             try:
                 (state / name).read_with(lambda f: index._parse(f, whole=not name.startswith(PART)))
             except (FileNotFoundError, ValueError, UnicodeDecodeError, zlib.error):
                 continue
-            if name.startswith(PART):
-                index.parts.append(name)
+            if name != INDEX:
+                index.replaced.append(name)
         return index
 
     def _parse(self, f, whole: bool) -> None:
@@ -194,7 +197,8 @@ class Index:
                 # a copy laid out otherwise (rewritten by hand) is written out as records are, as when parsed whole
                 kept.append((name, entry, data if digest(data) == entry["sha256"] else None))
                 if len(kept) >= 4096:
-                    self._flush(kept)
+                    self._keep(kept)
+                    kept.clear()
             text.expect(', "checked": ')
             for name in text.members():
                 checked.append((name, text.value()))
@@ -208,12 +212,8 @@ class Index:
             f.seek(0)
             self._load(json.loads(_Text(f).rest()), whole)
             return
-        self._flush(kept)
-        self._add(written, checked, whole)
-
-    def _flush(self, kept: list) -> None:
         self._keep(kept)
-        kept.clear()
+        self._add(written, checked, whole)
 
     def _add(self, written, checked: Iterable, whole: bool) -> None:
         if whole:

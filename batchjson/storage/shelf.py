@@ -4,12 +4,13 @@ A run keeps, for its whole length, one thing per unit or per file of its folder:
 the end check and the index do not read them again), the stamps of the part files it listed, the index's entries.
 In dicts these grew the driver by about 6 KB a unit: 779 MiB at 100 million rows against 256 at one million
 (BENCHMARKS.md, "A job of 100 million rows"). A `Shelf` is a dict until what it holds passes `limit` bytes (about
-14,000 records by default: a job of 7 million rows in 1,024-row units), then moves it all to SQLite's private temporary database (the
-empty file name; sqlite3 is in the standard library), whose pages stay in memory up to its cache and go to a file
-in TMPDIR (or SQLITE_TMPDIR) past it, deleted when it is closed. So a small job looks its state up at a dict's
-speed, and a large one holds `limit` plus the cache whatever its size, at 10-20 µs a look. Values are rows of
-`width` columns of what SQLite stores (bytes, str, int); one column is handed as itself. Safe to use from the
-threads of one process (one lock); a process that forks makes its own.
+14,000 records by default: a job of 7 million rows in 1,024-row units), then moves it all to SQLite's private
+temporary database (the empty file name; sqlite3 is in the standard library), whose pages stay in memory up to its
+cache and go to a file in TMPDIR (or SQLITE_TMPDIR) past it, deleted when it is closed. So a small job looks its
+state up at a dict's speed, and a large one holds `limit` plus the cache whatever its size, at about 5 µs a look
+(BENCHMARKS.md, "The run's state off the driver's heap": 4.7 µs under cProfile at 100 million rows). Values are
+rows of `width` columns of what SQLite stores (bytes, str, int); one column is handed as itself. Safe to use from
+the threads of one process (one lock); a process that forks makes its own.
 """
 
 from __future__ import annotations

@@ -231,7 +231,7 @@ def test_the_index_is_read_an_entry_at_a_time_as_the_records_bytes(tmp_path):
     index = Index.read(state)
     assert found(index, stamps) == {n: (digest(d), d) for n, d in records.items()}
     assert index.checked("p1-u0.parquet", (5, 6)) and not index.checked("p1-u0.parquet", (5, 7)) and index.written
-    assert index.parts == ["index-part-000001.json.gz"]
+    assert index.replaced == ["index-part-000001.json.gz"] and index.next_part == 3
     assert found(index, {**stamps, "p1-u2.json": (1, 1)}).keys() == stamps.keys() - {"p1-u2.json"}
     whole = json.loads(gzip.decompress((tmp_path / "index.json.gz").read_bytes()))
     (tmp_path / "index.json.gz").unlink()
