@@ -296,7 +296,8 @@ class Worker:
 
         weights = weight_bytes(resolve_model(self.spec.model.path))
         auto = Auto(first.speculative, self.spec.model.max_in_flight, self.platform, rows,
-                    weights / 1e9 if weights else None)
+                    weights / 1e9 if weights else None,
+                    schema_drafts=self.spec.schema_doc is not None and self.engines.schema_drafts)
         self.speculative = auto.current()
         return auto
 

@@ -7,7 +7,11 @@ the job's own outputs (acceptance), the in-flight size and the platform. So `aut
 1. starts with the choice that was faster at this in-flight size, for the measured model nearest in size, in our
    measurements (MEASURED_SPEEDUP; on a GPU: on SmolLM2-135M suffix decoding from 1 to 512 requests in flight, ngram
    only near 32; on the 1.5B suffix only with few in flight (16), no method at 64 or more, a draft model nowhere
-   (16 to 1024); none at a full engine batch (the default max_in_flight) and on a CPU);
+   (16 to 1024), batchjson's schema drafts at a full batch about as fast as none (x0.93-1.13 of its
+   pass-1 decode in whole runs of two tasks);
+   none at a full engine batch (the default max_in_flight) and on a CPU). The other choice is the faster
+   speculative method measured at that size: at a full batch on a GPU the schema drafts, where the job has a
+   JSON Schema and the engine can make them;
 2. measures that choice on the job's first rows: output tokens per second of decoding, ms per step, tokens per step
    and, with speculation, the acceptance;
 3. when the rest of the pass is long enough (TRIAL_PAYS engine starts), decodes the next rows with the other
@@ -46,10 +50,11 @@ MEASURED_SPEEDUP = {
                    "suffix": {1: 1.34, 8: 1.65, 32: 2.29, 128: 1.57, 512: 1.38, 1024: 0.88}},
             3.1: {"ngram": {16: 0.90},
                   "suffix": {16: 1.48, 64: 0.85, 1024: 0.57},
-                  "draft_model": {16: 0.57, 64: 0.71, 1024: 0.72}}},
+                  "draft_model": {16: 0.57, 64: 0.71, 1024: 0.72},
+                  "schema": {1024: 1.0}}},
     "cpu": {0.27: {"ngram": {1: 1.0}, "suffix": {1: 1.0}}},
 }
-DRAFT_TOKENS = {"ngram": 4, "suffix": 8}  # k as measured above
+DRAFT_TOKENS = {"ngram": 4, "suffix": 8, "schema": 8}  # k as measured above
 TRIAL_PAYS = 40.0  # try the other choice only if the rest of the pass takes this many engine starts or more
 FULL_BATCH = 1024  # vLLM's largest default batch (max_num_seqs on an H100/H200): an unset max_in_flight fills it
 BETTER_BY = 1.05  # a choice must be this much faster to be taken (runs differ by a few % on one engine)
@@ -111,6 +116,8 @@ class Auto(Policy):
     total_rows: int
     weights_gb: float | None = None
     """The target's weight gigabytes (engine/models.py, weight_bytes): the measurements of the nearest model size count."""
+    schema_drafts: bool = False
+    """Whether the schema drafter can run on this job and engine (a JSON Schema; engine/internals.py read this vLLM)."""
     trials: list[Trial] = field(default_factory=list)
     decided: str = ""
     """Why the current choice is final; empty while measuring."""
@@ -121,11 +128,16 @@ class Auto(Policy):
     """Whether an engine for pass 1 started: a worker that never decoded pass 1 has nothing to report."""
 
     def __post_init__(self):
-        # A configured draft model is the candidate (judged like the others); else the lookup method installed here.
-        method = "draft_model" if self.spec.draft_model else draft_method()
+        # A configured draft model is the candidate (judged like the others); else the lookup method installed here
+        # or, where the engine can make them, the schema drafts, whichever was measured faster at this size.
+        size = self.in_flight or FULL_BATCH
+        if self.spec.draft_model:
+            method = "draft_model"
+        else:
+            methods = [draft_method()] + (["schema"] if self.schema_drafts else [])
+            method = max(methods, key=lambda m: predicted_speedup(self.platform, m, size, self.weights_gb))
         k = self.spec.num_speculative_tokens if method == "draft_model" else DRAFT_TOKENS[method]
         self.candidate = dataclasses.replace(self.spec, method=method, num_speculative_tokens=k)
-        size = self.in_flight or FULL_BATCH
         self.prior = predicted_speedup(self.platform, method, size, self.weights_gb)
         self.sample = max(2 * size, 64)  # rows measured per choice
         self.trials.append(Trial(method if self.prior >= BETTER_BY else "none"))

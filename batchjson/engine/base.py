@@ -85,6 +85,11 @@ class EngineFactory(ABC):
         """Whether its speculative engines can decode a request without a draft. When they can, pass 2 decodes
         beside pass 1 on a speculative engine; when not, pass 2 would need an engine start of its own."""
 
+    @property
+    def schema_drafts(self) -> bool:
+        """Whether its engines can run `[speculative] method = "schema"` (auto then considers it)."""
+        return False
+
 
 class EngineWrapper(Engine):
     """An engine around another one, for tests and benchmarks that watch or break it (a subclass overrides what
@@ -136,3 +141,7 @@ class WrappedEngines(EngineFactory):
     @property
     def drafts_optional(self) -> bool:
         return self.inner.drafts_optional
+
+    @property
+    def schema_drafts(self) -> bool:
+        return self.inner.schema_drafts

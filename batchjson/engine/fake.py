@@ -137,12 +137,13 @@ class FakeEngines(EngineFactory):
 
     `start_delay`: seconds an engine start takes (signals arrive meanwhile); `start_marker`: a file created when a
     start begins, so a test can signal the runner inside it. `spec_delay`: the delay of a speculative engine
-    (faster or slower than without).
+    (faster or slower than without). `schema_drafts`: whether its engines say they can run the schema drafter.
     """
 
     def __init__(self, start_delay: float = 0.0, start_marker: str | None = None, spec_delay: float | None = None,
-                 **kwargs):
+                 schema_drafts: bool = False, **kwargs):
         self.start_delay, self.start_marker, self.spec_delay = start_delay, start_marker, spec_delay
+        self._schema_drafts = schema_drafts
         self.kwargs = kwargs
         self.started: list[tuple[DecodingSpec, SpeculativeSpec | None]] = []
         self.engines: list[FakeEngine] = []  # in this process (a replica's are in its own)
@@ -150,6 +151,10 @@ class FakeEngines(EngineFactory):
     @property
     def drafts_optional(self) -> bool:
         return self.kwargs.get("no_draft", True)
+
+    @property
+    def schema_drafts(self) -> bool:
+        return self._schema_drafts
 
     def start(self, spec, decoding: DecodingSpec, speculative: SpeculativeSpec | None) -> FakeEngine:
         if self.start_marker:

@@ -397,3 +397,7 @@ class VllmEngines(EngineFactory):
     @property
     def drafts_optional(self) -> bool:
         return internals.no_draft_ready()
+
+    @property
+    def schema_drafts(self) -> bool:
+        return not internals.schema_drafts_unready()

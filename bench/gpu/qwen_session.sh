@@ -13,7 +13,7 @@
 # PLAN inflight: the 1.5B at 16 requests in flight: none / suffix / ngram, bare vLLM then batchjson (which finds the
 #   compile cache bare filled for the same configuration); inflightdraft: none and the 0.5B draft model.
 # PLAN pass2: what the 0.5B drafter costs pass 2's requests (no drafts) on the 1.5B: every row goes to pass 2.
-# PLAN t30k: the 1.5B, 30,000 rows of task C, the default against bare vLLM.
+# PLAN t30k: the 1.5B, 30,000 rows of task C, the default against bare vLLM, and the schema drafter.
 # PLAN replicas: 2 then 1 engine replicas on one GPU (model.replicas_per_gpu), SmolLM2, 30,000 rows (2 first: the
 #   first batchjson start after a bare warm-up is the slowest, so that penalty falls on the shared GPU); replicasmore:
 #   3 then 2 after a warm-up; smolmore: bare vLLM's one engine (500 s: run14's 300 s were too few) and 3 (the
@@ -169,7 +169,7 @@ run_plan() {
              --runs auto+warm,bare-none,auto,auto+stats,auto+spy,bare-none+spy
            need q15 && gb g15-C6000-stats --task C --rows 6000 --model $q15 --seqs 1024 --configs batch,batch+stats \
              --timeout 200
-           need q15 && wr t15-C30000 --task C --rows 30000 --model $q15 --timeout 300 --runs bare-none,auto ;;
+           need q15 && wr t15-C30000 --task C --rows 30000 --model $q15 --timeout 300 --runs bare-none,auto,schema ;;
     schema15) need q15 && gb g15-C6000-schema --task C --rows 6000 --model $q15 --seqs 1024 \
                 --configs batch,free,batch-schema,batch-ngram --timeout 200
               need q15 && wr t15-C6000-schema --task C --rows 6000 --model $q15 --timeout 200 \
@@ -185,7 +185,7 @@ run_plan() {
     advance15) need q15 && gb g15-advance --matchers $q15 --task C --seqs 256,1024 --threads 8
                need q15 && gb g15-C6000-advance --task C --rows 6000 --model $q15 --seqs 1024 \
                  --configs batch,free,vllm --timeout 200 ;;
-    t30k) need q15 && wr t15-C30000 --task C --rows 30000 --model $q15 --timeout 300 --runs bare-none,auto ;;
+    t30k) need q15 && wr t15-C30000 --task C --rows 30000 --model $q15 --timeout 300 --runs bare-none,auto,schema ;;
     # where the schema drafts cannot help (one free-text field): forced on, against none (issue 40's no-regression)
     freetext) need q15 && wr t15-D6000-schema --task D --rows 6000 --model $q15 --timeout 200 \
                 --runs schema+warm,none,schema,none ;;
