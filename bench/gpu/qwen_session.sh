@@ -37,6 +37,8 @@
 # PLAN schemaprof: why batchjson's whole run with the schema drafter gained nothing where bare generate gained x1.33
 #   (run19): the step with the masks placed on the GPU (bench grammar, drafts and none), then whole runs of none and
 #   schema with the step profiler, after warm-ups of both.
+# PLAN schemaspy: where batchjson's 6,000-row decode window goes outside the engine's steps with the schema drafts
+#   (run21: 6.1 s against 3.7 without): both runs with the front end's and the engine's stacks sampled.
 # PLAN schemaab: none and schema alternating, bare vLLM between them, after schemaprof's warm-ups (run20).
 # PLAN advance15 (issue 46): the grammars' advance in update_from_output on vLLM 0.26 and the host's cores: bench
 #   grammar --matchers (vLLM's call per request against one batch call, no engine: advance_* columns), then the step
@@ -180,6 +182,8 @@ run_plan() {
                   --configs batch,batch-schema --timeout 200
                 need q15 && wr t15-C6000-schemaprof --task C --rows 6000 --model $q15 --timeout 200 \
                   --runs schema+warm,none+warm,none+prof,schema+prof,schema ;;
+    schemaspy) need q15 && wr t15-C6000-spy --task C --rows 6000 --model $q15 --timeout 200 \
+                 --runs schema+warm,none+warm,none+spy,schema+spy ;;
     schemaab) need q15 && wr t15-C6000-ab --task C --rows 6000 --model $q15 --timeout 150 \
                 --runs none,schema,bare-none,none,schema ;;
     advance15) need q15 && gb g15-advance --matchers $q15 --task C --seqs 256,1024 --threads 8
