@@ -4,10 +4,11 @@ nothing is forced, nothing where nothing is known; each checked against what a d
 from __future__ import annotations
 
 import json
+import random
 
 import pytest
 
-from batchjson.schema.drafts import Drafter, copy_after
+from batchjson.schema.drafts import COPY_MAX, Drafter, copy_after
 
 xgr = pytest.importorskip("xgrammar")
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "plan": {"enum": ["free", "pro"]}},
@@ -79,3 +80,29 @@ def test_copy_after_takes_the_longest_tail_at_its_last_occurrence():
     assert copy_after([2, 3], prompt, 3, shortest=2) == [4, 6]
     assert copy_after([1, 2, 3], prompt, 0) == []
     assert copy_after([3, 4, 6], prompt, 2) == []  # found only where nothing follows
+    # Token ids whose bytes line up across two ids elsewhere: 256 0 0 is not in the prompt, though its bytes are
+    assert copy_after([256, 0, 0], [0, 1, 0, 0, 5], 2) == []
+    assert copy_after([0, 1, 0], [0, 1, 0, 0, 5], 2) == [0, 5]
+    assert copy_after([0, 0, 0], [0, 0, 0, 256, 65536, 256, 1], 3) == [256, 65536, 256]  # the last is misaligned
+
+
+def test_copy_after_is_the_last_occurrence_of_the_longest_tail_on_any_tokens():
+    """Against its definition, written out, on random prompts over small and large vocabularies."""
+    def by_definition(output, prompt, n, shortest):
+        for size in range(min(COPY_MAX, len(output)), shortest - 1, -1):
+            tail = list(output[len(output) - size:])
+            found = [at for at in range(len(prompt) - size) if prompt[at:at + size] == tail]
+            if found:
+                return prompt[found[-1] + size:found[-1] + size + n]
+        return []
+
+    rng = random.Random(7)
+    for _ in range(3000):
+        ids = rng.choice([range(3), range(151_936), range(2**31 - 1), (0, 1, 256, 65536)])  # the last: bytes that align
+        prompt = [rng.choice(ids) for _ in range(rng.randrange(12))]
+        output = [rng.choice(ids) for _ in range(rng.randrange(4))]
+        if prompt and rng.random() < 0.5:
+            at = rng.randrange(len(prompt))
+            output += prompt[max(0, at - rng.randrange(1, 5)):at]
+        n, shortest = rng.randrange(9), rng.choice([2, 3])
+        assert copy_after(output, prompt, n, shortest) == by_definition(output, prompt, n, shortest), (output, prompt)
