@@ -193,6 +193,9 @@ run_plan() {
     # where the schema drafts cannot help (one free-text field): forced on, against none (issue 40's no-regression)
     freetext) need q15 && wr t15-D6000-schema --task D --rows 6000 --model $q15 --timeout 200 \
                 --runs schema+warm,none,schema,none ;;
+    # both orders in one call: run21's default ran first after bare vLLM, where batchjson's start was slowest before
+    t30kab) need q15 && wr t15-C30000-ab --task C --rows 30000 --model $q15 --timeout 300 \
+              --runs schema,auto,bare-none,auto,schema ;;
     t30kschema) need q15 && wr t15-C30000-schema --task C --rows 30000 --model $q15 --timeout 300 --runs schema,auto ;;
   esac
 }
