@@ -131,6 +131,9 @@ def check_job(job: JobSpec, output: str | None = None, *, input_path: str | None
         if storage.spec_file.exists():
             new = storage.check_inputs(scan.fingerprints, write=False)
             lines.append(f"resumes {storage.output}: {len(new)} new input file(s)")
+    from batchjson.engine.models import check_model
+
+    lines.append(check_model(spec.model.path))
     if spec.speculative.draft_model:
         from batchjson.engine import check_draft
 

@@ -203,6 +203,8 @@ class SpeculativeSpec:
     pass 1 is greedy; one whose two answers differ turns speculation off for the rest of the run. 0: no audit."""
 
     def __post_init__(self):
+        _require(bool(self.method.strip()), "speculative.method is empty: use auto (the default), none, ngram, "
+                 "suffix, draft_model, schema, or another of vLLM's speculative methods.")
         _require(self.num_speculative_tokens > 0, "speculative.num_speculative_tokens must be > 0.")
         _require(self.method != "draft_model" or self.draft_model,
                  'speculative.method = "draft_model" needs speculative.draft_model = "<model folder>".')

