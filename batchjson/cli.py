@@ -93,7 +93,7 @@ def run(job, output, input_path, fresh, shard, replicas, ray_address, deadline, 
 @click.option("--output", "-o", type=click.Path(), help="Output folder (overrides output.path).")
 @click.option("--input", "input_path", type=click.Path(), help="Input file, folder or glob (overrides input.path).")
 def check(job, output, input_path):
-    """Check JOB's spec, schema, input and output folders without starting an engine."""
+    """Check JOB's spec, model folder, schema, input and output folders without starting an engine."""
     try:
         result = check_job(load_job(job), output, input_path=input_path)
     except BatchjsonError as e:
