@@ -18,9 +18,10 @@ from batchjson.executors import Layout, Pool, Queue, local_layout, make_pool
 from batchjson.report import NoteCode, PassStats, RunReport, process_age
 from batchjson.engine.base import EngineFactory
 from batchjson.ends import run_ends
+from batchjson.source import ParquetSource
 from batchjson.spec import JobSpec
 from batchjson.storage import location
-from batchjson.verify import verify
+from batchjson.verify import UnitChecks, verify
 from batchjson.watch import RunWatch, resolve_deadline
 from batchjson.passes import plan_passes
 from batchjson.records import Stage
@@ -51,6 +52,8 @@ class JobRun:
         self.stop = threading.Event()
         self.watch = RunWatch(self.storage, self.stop, resolve_deadline(deadline, spec.output.deadline))
         self.owners: dict[str, tuple[str, int]] = {}
+        self.second: dict[str, int] = {}  # unit -> its rows waiting for pass 2 at the start (Commits.survey)
+        self.checks: UnitChecks | None = None  # each unit checked as it is finished (verify.py)
         self.passes = plan_passes(spec)
 
     def run(self) -> RunReport:
@@ -83,23 +86,34 @@ class JobRun:
             if self.shard[1] == 1:  # the records fold into the index as the run goes (storage/index.py)
                 commits.fold_every = max(FOLD_MIN, len(self.refs) // FOLD_PARTS)
             with signals(self.stop):
-                for key, why in commits.damaged(list(self.refs), self.spec.input.id_column).items():
+                survey = commits.survey(list(self.refs), self.spec.input.id_column)
+                for key, why in survey.damaged.items():
                     commits.drop(key)
                     report.note("unit-redone", f"unit {key}: {why}; the unit was redone")
+                self.second = survey.second
                 # A repeated id is processed where it was committed already, else at its first occurrence.
                 self.owners = {row_id: next((p for p in places if commits.done(Stage.FIRST, p[0])), places[0])
                                for row_id, places in scan.repeated.items()}
                 report.timeline["checked"] = mark()
-                with self.watch.running(self.refs):  # the progress file says "running", or "failed" and why
-                    todo = self._todo()
-                    if any(todo.values()):
-                        with self._pool(todo, layout, report.resumed) as pool:
-                            self._run_passes(report, todo, pool)
+                # A unit holding a repeated id is read by the end check, as its rows' other occurrences are in other
+                # units; every other unit is checked as it is finished, beside the run (verify.py).
+                repeats = {key for places in scan.repeated.values() for key, _ in places}
+                self.checks = UnitChecks(commits, ParquetSource(self.spec.input, self.spec.prompt.columns),
+                                         self.refs, self.spec.input.id_column, repeats)  # a source of its own: a thread
+                try:
+                    with self.watch.running(self.refs):  # the progress file says "running", or "failed" and why
+                        todo = self._todo()
+                        if any(todo.values()):
+                            with self._pool(todo, layout, report.resumed) as pool:
+                                self._run_passes(report, todo, pool)
+                except BaseException:
+                    self.checks.close(wait=False)  # a failing store would keep the failed run (and its lease) here
+                    raise
+                self.checks.close(wait=not self.stop.is_set())
                 report.timeline["passes"] = mark()
                 report.tally(commits.records())
-                # Units an earlier passing check read, unchanged since, are counted from their records (verify.py);
-                # a unit holding a repeated id is read, as its rows' other occurrences are in other units.
-                repeats = {key for places in scan.repeated.values() for key, _ in places}
+                # Units a check read (an earlier passing check, or as they were finished), unchanged since, are
+                # counted from their records (verify.py).
                 verdict = verify(commits, self.source, everything, self.spec.input.id_column, scan.repeated,
                                  commits.trusted() - repeats)
                 report.timeline["verified"] = mark()
@@ -130,17 +144,15 @@ class JobRun:
         LIST per unit before the first prompt (3,118 requests for a first run of 1,000 units, BENCHMARKS.md)."""
         commits = self.storage.commits
         todo = {Stage.FIRST: [k for k in self.refs if not commits.listed(Stage.FIRST, k)]}
-        if len(self.passes) > 1:
-            todo[Stage.SECOND] = [k for k in self.refs if commits.listed(Stage.FIRST, k) and commits.requeued(k)
-                                  and not commits.listed(Stage.SECOND, k)]
+        if len(self.passes) > 1:  # the start's survey found them (Commits.survey): no record is looked up again
+            todo[Stage.SECOND] = [k for k in self.refs if k in self.second]
         return todo
 
     def _left(self, todo: dict[Stage, list[str]]) -> dict[Stage, int]:
         """The rows each pass has left to decode."""
         left = {Stage.FIRST: sum(self.refs[k].rows for k in todo[Stage.FIRST])}
         if todo.get(Stage.SECOND):
-            left[Stage.SECOND] = sum(self.storage.commits.record(Stage.FIRST, k)["rows"]["requeue"]
-                                     for k in todo[Stage.SECOND])
+            left[Stage.SECOND] = sum(self.second[k] for k in todo[Stage.SECOND])
         return left
 
     def _pool(self, todo: dict[Stage, list[str]], layout: Layout | None, resumed: bool) -> Pool:
@@ -170,6 +182,8 @@ class JobRun:
 
         def on_done(stage: Stage, key: str, rows: int, requeued: int) -> None:
             self.watch.committed(stage, key)
+            if stage == Stage.SECOND or not requeued or Stage.SECOND not in stats:  # the unit is finished
+                self.checks.add(key)
             self.storage.commits.fold()
             bar(stage).update(rows)
             if requeued and stage == Stage.FIRST and Stage.SECOND in stats:

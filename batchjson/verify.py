@@ -2,19 +2,24 @@
 and every file a reader of the output or rejects folder reads against the commit records.
 
 Reads only id (and reject reason) columns, the run state and a listing of both folders, so it is cheap enough to
-end every run; a resume reads only the units an earlier check did not (see `verify`'s `trusted`), and its summary
-says how many units it read and how many it took from the index on trust. Memory: one unit's ids, and across units
+end every run. A run checks each unit as it finishes it (`UnitChecks`), so that its end check, or its resume's
+after a kill, reads only the units no check read before (see `verify`'s `trusted`); the summary says how many
+units it read and how many it took on trust. Memory: one unit's ids, and across units
 only the ids the input repeats (see `verify`'s `repeated`).
 """
 
 from __future__ import annotations
 
+import queue
+import threading
 from collections import Counter
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
+import pyarrow as pa
+
 from batchjson.ends import run_ends
-from batchjson.errors import OutputError
+from batchjson.errors import BatchjsonError, OutputError
 from batchjson.records import Stage
 from batchjson.source import ParquetSource, UnitRef
 from batchjson.storage import Commits, DamagedRecord, Unreadable
@@ -55,8 +60,9 @@ class Verdict:
         if not self.ok:
             return "exactly-once check FAILED:\n  " + "\n  ".join(self.problems)
         rows = f"{self.output_rows} output + {self.reject_rows} rejected rows, each input row once"
-        basis = (f": {self.committed - self.trusted} read, {self.trusted} taken from the index written by the check "
-                 f"of {self.index_written or '?'}" if self.trusted else ", all read")
+        source = (f"taken from the index written by the check of {self.index_written}" if self.index_written else
+                  "checked as they committed")
+        basis = f": {self.committed - self.trusted} read, {self.trusted} {source}" if self.trusted else ", all read"
         if self.pending:
             return (f"exactly-once check ok so far: {rows}; {self.pending} of {self.units} units still to do "
                     f"({self.committed} committed{basis})")
@@ -134,29 +140,10 @@ def verify(commits: Commits, source: ParquetSource, refs: list[UnitRef], id_colu
                 v.reject_rows += record["rows"].get("rejects", 0)
             v.pending += "requeue" in p1["files"] and p2 is None
             continue
-        expected = Counter(source.ids(ref).to_pylist())
-        got: Counter = Counter()
-        requeued = None
-        for kind in p1["files"]:
-            ids = read(Stage.FIRST, ref.key, kind, p1)
-            got.update(ids or ())
-            if kind == "requeue":
-                requeued = Counter(ids or ())
-        if got != expected:
-            v.problems.append(f"unit {ref.key} ({ref.file}, rows {ref.offset}-{ref.offset + ref.rows - 1}): pass 1 "
-                              f"holds other rows than the input (missing {_few(expected - got) or 'none'}; extra "
-                              f"{_few(got - expected) or 'none'})")
-        if requeued is not None:
-            p2 = record_of(Stage.SECOND, ref.key)
-            if p2 is None:
-                v.pending += 1
-                continue
-            again: Counter = Counter()
-            for kind in p2["files"]:
-                again.update(read(Stage.SECOND, ref.key, kind, p2) or ())
-            if again != requeued:
-                v.problems.append(f"unit {ref.key}: pass 2 holds other rows than pass 1 re-queued (missing "
-                                  f"{_few(requeued - again) or 'none'}; extra {_few(again - requeued) or 'none'})")
+        problems, pending = _check_unit(ref, Counter(source.ids(ref).to_pylist()), p1,
+                                        lambda: record_of(Stage.SECOND, ref.key), read)
+        v.problems += problems
+        v.pending += pending
     for record in commits.records():
         if record["key"] not in planned:
             v.problems.append(f"unit {record['key']} ({record.get('path', '?')}) is committed but no longer in the "
@@ -172,6 +159,87 @@ def verify(commits: Commits, source: ParquetSource, refs: list[UnitRef], id_colu
         v.problems.append(f"{path} is read by readers of the folder, but no commit lists it (a copy, or a file of "
                           "another tool): its rows would be read besides the committed ones. Remove it.")
     return v
+
+
+def _check_unit(ref: UnitRef, expected: Counter, p1: dict, second: Callable[[], dict | None],
+                read: Callable[[Stage, str, str, dict], list[str] | None]) -> tuple[list[str], bool]:
+    """One unit read: pass 1's files against its input rows' ids (`expected`), pass 2's against the rows pass 1
+    re-queued (`second()`: pass 2's record, None while it is not committed); `read` gives a file's ids, or None when
+    it cannot be read (and says why). Returns the problems found, and whether pass 2 is pending."""
+    got: Counter = Counter()
+    requeued, problems = None, []
+    for kind in p1["files"]:
+        ids = read(Stage.FIRST, ref.key, kind, p1)
+        got.update(ids or ())
+        if kind == "requeue":
+            requeued = Counter(ids or ())
+    if got != expected:
+        problems.append(f"unit {ref.key} ({ref.file}, rows {ref.offset}-{ref.offset + ref.rows - 1}): pass 1 holds "
+                        f"other rows than the input (missing {_few(expected - got) or 'none'}; extra "
+                        f"{_few(got - expected) or 'none'})")
+    if requeued is None:
+        return problems, False
+    p2 = second()
+    if p2 is None:
+        return problems, True
+    again: Counter = Counter()
+    for kind in p2["files"]:
+        again.update(read(Stage.SECOND, ref.key, kind, p2) or ())
+    if again != requeued:
+        problems.append(f"unit {ref.key}: pass 2 holds other rows than pass 1 re-queued (missing "
+                        f"{_few(requeued - again) or 'none'}; extra {_few(again - requeued) or 'none'})")
+    return problems, False
+
+
+class UnitChecks:
+    """Each unit checked as a run finishes it (its last pass committed), in a thread beside the run, as the end check
+    reads a unit: what passes is vouched for by its records' and files' stamps (`Commits.vouch`), so the end check,
+    this run's or, through the index, a resume's after a kill, counts it from its records instead of reading it
+    again. At 100 million rows the end check of a resume read every unit the killed run had committed: 294 of its
+    334 s (BENCHMARKS.md). A unit holding a repeated id is left to the end check, which counts such ids across
+    units; one that fails, or cannot be read, is read by the end check, which says what is wrong."""
+
+    def __init__(self, commits: Commits, source: ParquetSource, refs: dict[str, UnitRef], id_column: str,
+                 skip: Collection[str] = ()):
+        self.commits, self.source, self.refs, self.id_column, self.skip = commits, source, refs, id_column, skip
+        self.queue: queue.SimpleQueue[str | None] = queue.SimpleQueue()
+        self.stop = False
+        self.thread = threading.Thread(target=self._serve, name="batchjson-unit-checks", daemon=True)
+        self.thread.start()
+
+    def add(self, key: str) -> None:
+        if key not in self.skip:
+            self.queue.put(key)
+
+    def close(self, wait: bool = True) -> None:
+        """Wait for the units handed so far to be checked, or (not `wait`: an interrupted or failed run) check no
+        more: the end check reads those."""
+        self.stop = not wait
+        self.queue.put(None)
+        if wait:
+            self.thread.join()
+
+    def _serve(self) -> None:
+        while (key := self.queue.get()) is not None and not self.stop:
+            try:
+                self._check(key)
+            except (OSError, Unreadable, DamagedRecord, BatchjsonError, pa.ArrowException):
+                continue  # the end check reads the unit, and says what is wrong
+
+    def _check(self, key: str) -> None:
+        commits, ref = self.commits, self.refs[key]
+        stamps = commits.stamps(key)  # before the files are read: a file changed since is not vouched for
+        p1 = commits.record(Stage.FIRST, key)
+        if stamps is None or p1 is None:
+            return
+
+        def read(stage: Stage, key: str, kind: str, record: dict) -> list[str]:
+            return commits.read_ids(stage, key, kind, [self.id_column]).column(0).to_pylist()
+
+        problems, pending = _check_unit(ref, Counter(self.source.ids(ref).to_pylist()), p1,
+                                        lambda: commits.record(Stage.SECOND, key), read)
+        if not (problems or pending):
+            commits.vouch(stamps)
 
 
 def verify_job(spec, output: str | None = None) -> Verdict:

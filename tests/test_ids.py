@@ -172,5 +172,6 @@ def test_a_resume_reads_only_the_input_it_has_left(tmp_path, tiny_model):
     with pytest.raises(OSError):
         pq.ParquetFile(path).read_row_group(0)  # the spoiling works
     report = run(job)
-    assert report.passes["pass1"].rows == 8 and report.verified["ok"] and report.verified["read"] == 1
+    # The redone unit was checked as it committed: the end check reads no unit again
+    assert report.passes["pass1"].rows == 8 and report.verified["ok"] and report.verified["read"] == 0
     assert_exactly_once([f"r{i:05d}" for i in range(40)], tmp_path / "out", tmp_path / "out" / "_rejects")

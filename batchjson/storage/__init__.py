@@ -1,7 +1,7 @@
 """Where a run's files live, how they are committed and how the folder is locked.
 
 names.py (part and record names) · folder.py (layout, claim, swap, fingerprints) · commits.py (the unit commits:
-begin, stage, write_record, publish; recover, damaged, drop) · locks.py (flock, leases) · location.py (local path or
+begin, stage, write_record, publish; recover, survey, drop) · locks.py (flock, leases) · location.py (local path or
 object-storage URI) · progress.py (the progress file `status` reads, the cancel marker).
 """
 

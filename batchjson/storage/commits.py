@@ -8,7 +8,7 @@ only hidden files, which the next attempt deletes; a kill after it is rolled for
 So a unit's rows are either all in the output and rejects, once, or not there at all, whatever its outcome. No
 reader reads a hidden file: pyarrow.dataset skips names starting with . or _, and DuckDB's
 read_parquet('OUT/*.parquet'), which does not, reads only names ending in .parquet. `drop` uncommits a unit that
-`damaged` found broken, so that it is redone.
+`survey` found broken, so that it is redone.
 
 On object storage (see location.py) there is no rename: `publish` is a copy and a delete, so a kill between them
 leaves the file under both names, with the same content; `recover` copies again and deletes the hidden one, as it
@@ -23,6 +23,7 @@ import orjson
 import posixpath
 import threading
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 
 import pyarrow as pa
@@ -53,7 +54,7 @@ def write_part(table: pa.Table, path: Location, undo: Callable[[], None] = lambd
 
 class DamagedRecord(OutputError):
     """A commit record that does not read as one (truncated, emptied, edited by hand): what its unit committed is
-    not known. A run redoes the unit (`damaged`); verify names it."""
+    not known. A run redoes the unit (`survey`); verify names it."""
 
 
 def _parsed(name: str, data: bytes) -> dict:
@@ -64,6 +65,16 @@ def _parsed(name: str, data: bytes) -> dict:
     if not (isinstance(record, dict) and isinstance(record.get("files"), dict) and isinstance(record.get("rows"), dict)):
         raise DamagedRecord(f"its commit record {name} is not one (no files and rows)")
     return record
+
+
+@dataclass
+class Survey:
+    """What a run's start finds of its units (`Commits.survey`)."""
+
+    damaged: dict[str, str] = field(default_factory=dict)
+    """Unit -> what is wrong with it: the run redoes it."""
+    second: dict[str, int] = field(default_factory=dict)
+    """Unit -> the rows it has waiting for pass 2, whose pass 2 is not committed."""
 
 
 class Commits:
@@ -91,6 +102,7 @@ class Commits:
         """Fold the records read or written since the last part of the index into a new one every this many
         (`fold`); 0: never (verify, replicas). A run sets it."""
         self._fresh: list[str] = []  # records read or written since the last part of the index
+        self._checks: list[tuple[str, tuple[int, int]]] = []  # stamps vouched for since the last part (`vouch`)
         self._news = False  # whether the folder holds what the index this run read does not (`write_index`)
         self._folding = threading.Lock()
         self.after: Callable[[str, str], None] = lambda step, stage: None
@@ -114,18 +126,18 @@ class Commits:
     def committed(self) -> set[str]:
         """Names ("p1-<unit>") of the committed units of every shard, listed once and kept up to date."""
         if self._committed is None:
-            committed, indexed = set(), []
+            committed = set()
             for name, size, mtime in self._listed():
                 committed.add(UnitName.parse(name).unit_id())
-                found = self._index.record(name, (size, mtime)) if name not in self._read else None
-                if found:
-                    indexed.append((name, found[1]))  # the bytes the indexed digest is of (index.py)
-                if len(indexed) >= 4096:
-                    self._read.update(indexed)
-                    indexed.clear()
-            self._read.update(indexed)
+                self._index.drop_stale(name, (size, mtime))  # an entry its record no longer matches goes
             self._committed = committed
         return self._committed
+
+    def _bytes(self, name: str) -> bytes | None:
+        """A committed record's bytes as this run read or wrote them, or as the index holds them (whose entries for
+        records listed with another stamp `committed` dropped); None if neither has them."""
+        data = self._read.get(name)
+        return self._index.copy(name) if data is None else data
 
     def _listed(self) -> list[tuple[str, int, int]]:
         """The commit records as listed now, (name, size, mtime_ns), in their names' order: the shelves are read and
@@ -137,6 +149,7 @@ class Commits:
         self._committed, self._index = None, Index()
         self._read.clear()
         self._fresh.clear()
+        self._checks.clear()
         self._news = True
 
     def read_index(self) -> None:
@@ -151,19 +164,48 @@ class Commits:
         are `fold_every` of them (or any, `now`): a run killed midway leaves its records folded into a few files,
         which its resume reads in place of every record (two requests each on object storage)."""
         with self._folding:
-            if not self.fold_every or not self._fresh or (len(self._fresh) < self.fold_every and not now):
+            if not self.fold_every or not (self._fresh or self._checks) or (len(self._fresh) < self.fold_every
+                                                                            and not now):
                 return
-            fresh, part = set(self._fresh), self.state / part_name(self._index.next_part)
-            self._fresh.clear()
+            fresh, checks, part = set(self._fresh), self._checks, self.state / part_name(self._index.next_part)
+            self._fresh, self._checks = [], []
             self._index.next_part += 1
             if self.units.local:  # a look per record is a stat here; on object storage, one listing is cheaper
                 listed = ((name, (info.size, info.mtime_ns)) for name in sorted(fresh)
                           if (info := (self.units / name).info()).type == fs.FileType.File)
             else:
                 listed = ((name, (size, mtime)) for name, size, mtime in self.units.listing() if name in fresh)
-            records = ((name, s, digest(data), data) for name, s in listed if (data := self._read.get(name)) is not None)
+            records = ((name, s, digest(data), data) for name, s in listed if (data := self._bytes(name)) is not None)
             with writing(part):
-                Index.write(part, records)
+                Index.write(part, records, checks)
+
+    def stamps(self, key: str) -> list[tuple[str, tuple[int, int]]] | None:
+        """The stamps of a committed unit's records and files, (file name, stamp), before a check reads them
+        (`vouch`); None if one of them is not there (a publish under way: the end check reads the unit). Asks for
+        the records, not the listing: a replica's commits are not in this process's."""
+        first = self.record(Stage.FIRST, key)
+        if first is None:
+            return None
+        found = []
+        for stage, record in ((Stage.FIRST, first),
+                              (Stage.SECOND, self.record(Stage.SECOND, key) if "requeue" in first["files"] else None)):
+            paths = [self.record_path(stage, key), *(self.part(stage, key, kind) for kind in record["files"])] \
+                if record else []
+            for path in paths:
+                info = path.info()
+                if info.type != fs.FileType.File:
+                    return None
+                found.append((path.name, (info.size, info.mtime_ns)))
+        return found
+
+    def vouch(self, stamps: list[tuple[str, tuple[int, int]]]) -> None:
+        """A unit's records and files, with these stamps (`stamps`, taken before they were read), hold its rows, as a
+        check of the unit read them (verify.py's `UnitChecks`): this run's end check trusts them while they keep
+        these stamps (`trusted`), and the next part of the index keeps them for the next run's (`fold`)."""
+        with self._folding:
+            self._index.vouch_files(stamps)
+            if self.fold_every:
+                self._checks.extend(stamps)
 
     @property
     def index_written(self) -> str:
@@ -171,20 +213,20 @@ class Commits:
         return self._index.written
 
     def trusted(self) -> frozenset[str]:
-        """The committed units whose records are as indexed and whose files are all listed as the last passing check
-        read them (index.py): the end check counts them from their records. Lists the folders now; `write_index`
-        keeps these stamps."""
+        """The committed units whose records and files are all listed as a check read them: the last passing check
+        of the folder (its records as indexed) or, as each unit committed, a run's check of it (`vouch`; index.py).
+        The end check counts them from their records. Lists the folders now; `write_index` keeps these stamps."""
         self._list_parts()
-        if not self._index.written:  # no passing check's index: nothing to trust
-            return frozenset()
-        changed = set()
-        for name, size, mtime in self._listed():
+        units, changed = set(), set()
+        for name, size, mtime in self._listed():  # listed now: a replica's commits are in no set of this process
+            units.add(UnitName.parse(name).key)
             found = self._index.record(name, (size, mtime))
-            if found is None or not all(self._index.checked(part, self._seen.get(self._path(kind, part)))
-                                        for kind, part in orjson.loads(found[1])["files"].items()):
+            data = found[1] if found else self._bytes(name) if self._index.checked(name, (size, mtime)) else None
+            if data is None or not all(self._index.checked(part, self._seen.get(self._path(kind, part)))
+                                       for kind, part in orjson.loads(data)["files"].items()):
                 changed.add(UnitName.parse(name).key)
         self._news = self._news or bool(changed)
-        return frozenset({UnitName.parse(unit).key for unit in self.committed()} - changed)
+        return frozenset(units - changed)
 
     def _list_parts(self) -> None:
         """List the part files of every folder into `_seen` (path -> stamp), one at a time."""
@@ -204,7 +246,7 @@ class Commits:
 
         def records() -> Iterator[tuple]:
             for name, size, mtime in self._listed():
-                data = self._read.get(name)
+                data = self._bytes(name)
                 if data is not None:
                     checked.update((part, seen) for kind, part in orjson.loads(data)["files"].items()
                                    if (seen := self._seen.get(self._path(kind, part))) is not None)
@@ -228,7 +270,7 @@ class Commits:
         """A record's bytes by its file name, kept or read, and the record when it was read (and so parsed) now.
         FileNotFoundError if there is none, DamagedRecord if it does not read as one."""
         self.committed()  # lists the records once, taking those the index stands in for
-        data = self._read.get(name)
+        data = self._bytes(name)
         if data is not None:
             return data, None
         data = (self.units / name).read_bytes()
@@ -236,7 +278,8 @@ class Commits:
         self._read[name] = data
         self._news = True
         if self.fold_every:
-            self._fresh.append(name)
+            with self._folding:
+                self._fresh.append(name)
         return data, record
 
     def _load(self, name: str) -> dict:
@@ -251,7 +294,7 @@ class Commits:
 
     def records(self, stage: Stage | None = None) -> Iterator[dict]:
         """The commit records of one pass, or of both, one at a time (a folder's records parsed at once would be
-        the driver's largest object). A damaged one is left out: `damaged` and verify name it, unit by unit."""
+        the driver's largest object). A damaged one is left out: `survey` and verify name it, unit by unit."""
         pattern = f"{stage}-*.json" if stage else "p[12]-*.json"
         names = sorted(name for name, _, _ in self.units.listing(stat=False) if fnmatchcase(name, pattern))
         for name in names:
@@ -259,10 +302,6 @@ class Commits:
                 yield self._load(name)
             except (FileNotFoundError, DamagedRecord):
                 continue
-
-    def requeued(self, key: str) -> bool:
-        record = self.record(Stage.FIRST, key)
-        return bool(record and "requeue" in record["files"])
 
     def read_requeue(self, key: str) -> pa.Table:
         return self.part(Stage.FIRST, key, "requeue").read_parquet()
@@ -317,7 +356,8 @@ class Commits:
         self._read[path.name] = json_bytes(record)
         self._news = True
         if self.fold_every:
-            self._fresh.append(path.name)
+            with self._folding:
+                self._fresh.append(path.name)
         self.committed().add(UnitName(stage, key).unit_id())
         self.after("committed", stage)
 
@@ -353,34 +393,42 @@ class Commits:
                 if record is not None:
                     self.publish(record)
 
-    def damaged(self, keys: list[str], id_column: str) -> dict[str, str]:
-        """Of these units, the committed ones with a file their record lists that is gone (deleted by hand), does not
-        read as Parquet (truncated, emptied, overwritten) or holds another number of rows; unit -> what is wrong.
+    def survey(self, keys: list[str], id_column: str) -> Survey:
+        """Of these units, the committed ones that are damaged (`Survey.damaged`), and the rows each of the others
+        has waiting for pass 2 while its pass 2 is not committed (`Survey.second`): each record looked up once.
 
-        Cheap, as every start runs it: one listing of each folder, whose sizes are compared with those the records
-        keep (`sizes`, written at commit); a file whose size differs is damaged. A file not under its final name
-        (its publish is under way, or it is gone) and any file of a record older than `sizes` are read as verify
-        reads them (the id column), so what verify finds unreadable a rerun redoes. `verify` reads every file."""
-        self._list_parts()
-        out = {}
-        for key in keys:
+        A damaged unit has a file its record lists that is gone (deleted by hand), does not read as Parquet
+        (truncated, emptied, overwritten) or holds another number of rows. Cheap, as every start runs it: one
+        listing of each folder, whose sizes are compared with those the records keep (`sizes`, written at commit);
+        a file whose size differs is damaged. A file not under its final name (its publish is under way, or it is
+        gone) and any file of a record older than `sizes` are read as verify reads them (the id column), so what
+        verify finds unreadable a rerun redoes. `verify` reads every file. The units are visited in their records'
+        order (that of the shelves, shelf.py), and the folders' sizes are held for the survey only: the stamps the
+        end check compares (`trusted`) are listed again then."""
+        sizes = {kind: {name: size for name, size, _ in folder.listing()} for kind, folder in self.folders.items()}
+        found = Survey()
+        for key in sorted(keys):
+            records, flaw = {}, ""
             for stage in Stage:
                 try:
-                    record = self.record(stage, key) if self.listed(stage, key) else None
+                    record = records[stage] = self.record(stage, key) if self.listed(stage, key) else None
                 except DamagedRecord as e:
-                    out.setdefault(key, str(e))
+                    flaw = flaw or str(e)
                     continue
                 for kind in record["files"] if record else ():
-                    seen = self._seen.get(self._path(kind, PartName(stage, key, kind).file_name()))
-                    size, found = record.get("sizes", {}).get(kind), seen[0] if seen else None
-                    if size is not None and found is not None:
-                        flaw = "" if found == size else (f"{record['files'][kind]} held {found} bytes, not the {size} "
-                                                         "its commit record lists")
+                    name = PartName(stage, key, kind).file_name()
+                    size, seen = record.get("sizes", {}).get(kind), sizes[kind].get(name)
+                    if size is not None and seen is not None:
+                        flaw = flaw or ("" if seen == size else f"{record['files'][kind]} held {seen} bytes, not the "
+                                                                f"{size} its commit record lists")
                     else:
-                        flaw = self._flaw(record, kind, id_column)
-                    if flaw:
-                        out.setdefault(key, flaw)
-        return out
+                        flaw = flaw or self._flaw(record, kind, id_column)
+            first = records.get(Stage.FIRST)
+            if flaw:
+                found.damaged[key] = flaw
+            elif first and "requeue" in first["files"] and not self.listed(Stage.SECOND, key):
+                found.second[key] = first["rows"]["requeue"]
+        return found
 
     def _flaw(self, record: dict, kind: Kind, id_column: str) -> str:
         name, rows = record["files"][kind], record["rows"][kind]
@@ -397,6 +445,7 @@ class Commits:
         for stage in reversed(Stage):
             self.record_path(stage, key).unlink(missing_ok=True)
             self._read.pop(self.record_path(stage, key).name, None)
+            self._index.forget(self.record_path(stage, key).name)
             self._news = True
             self.committed().discard(UnitName(stage, key).unit_id())
         for stage in reversed(Stage):

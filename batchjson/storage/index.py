@@ -1,4 +1,4 @@
-"""The folder's index: its commit records folded into a few files, and the files a passing exactly-once check read.
+"""The folder's index: its commit records folded into a few files, and the files an exactly-once check read.
 
 A resume needs every commit record (which input files have committed units, each file's size, what pass 2 has
 left) and ends with the exactly-once check. On object storage, reading one record is a HEAD and a GET, and the
@@ -9,8 +9,10 @@ last. So a run keeps the records it has read or written in the run state folder,
         {"written": "2026-11-30 06:12:09 UTC",
          "records": {"p1-<unit>.json": {"stamp": [size, mtime_ns], "sha256": "...", "record": {...}}, ...},
          "checked": {"p1-<unit>.parquet": [size, mtime_ns], ...}}
-    index-part-000012.json.gz   the same without "checked", written while a run goes (every `Commits.SEGMENT`
-                            new records), so that a run killed midway leaves its records folded for the next one
+    index-part-000012.json.gz   the same, written while a run goes (every `Commits.fold_every` new records), so
+                            that a run killed midway leaves its records folded for the next one; its "checked" are
+                            the records and files of the units the run checked as it finished them (verify.py's
+                            `UnitChecks`), and the stamps they had when the check read them
 
 A stamp is what a listing says of a file (its size and modification time); `sha256` is the digest of the record
 file's bytes as the writing run read or wrote them. The next run reads the index and its parts before it decides
@@ -19,8 +21,9 @@ index.json.gz afresh and deletes the parts. It uses an entry instead of reading 
 listed with the indexed stamp and the entry's copy, written out as records are (`json_bytes`), has the indexed
 digest: an index cannot stand in for a record it does not match byte for byte, so a copy edited by hand is ignored
 and its record read; a stale entry (its unit redone since) no longer matches its record's stamp and is ignored
-too. At its end check a run trusts the units whose files are all listed with the stamps the last passing check
-saw, and says how many it took from the index (verify.py). Anything else (a record or a file rewritten since, a
+too. At its end check a run trusts the units whose files are all listed with the stamps a check saw (the last
+passing check of the folder, or a run's check of the unit as it finished it: then its record too), and says how
+many it took from the index (verify.py). Anything else (a record or a file rewritten since, a
 folder written before this index existed, a damaged file of the index) is read as without the index.
 
 Read and written a piece at a time, its entries kept on a `Shelf` (shelf.py): at 100 million rows the index
@@ -140,7 +143,7 @@ class Index:
     def __init__(self):
         # record name -> (size, mtime_ns, sha256, the record's bytes): kept as bytes, as Commits keeps the records
         self._records = Shelf(4)
-        self._checked = Shelf(2)  # part file name -> (size, mtime_ns) as the last passing check listed it
+        self._checked = Shelf(2)  # part or record file name -> (size, mtime_ns) as a check saw it
         self.written = ""
         """When the check that wrote it passed (UTC), as the end check's summary names it."""
         self.replaced: list[str] = []
@@ -149,14 +152,22 @@ class Index:
         """The number of the next part to write, after every part there is."""
 
     def _keep(self, entries: Iterable[tuple]) -> None:
-        """Keep entries (name, entry, data), `data` being the record's bytes as the file holds them, or None: the
-        parsed record written out as records are (`json_bytes`). One that is not an entry is left out: its record is
-        read instead."""
+        """Keep entries (name, entry, data), `data` being the record's bytes as the file holds them, their digest
+        the entry's, or None: the parsed record written out as records are (`json_bytes`), kept only if that has the
+        entry's digest. One that is not an entry, or whose copy is not the record it has the digest of (edited by
+        hand), is left out: its record is read instead. So the digest is taken once, here, not at each look."""
+        def copy(entry: dict, data: bytes | None) -> bytes | None:
+            if data is None:
+                data = json_bytes(entry["record"])
+                return data if digest(data) == entry["sha256"] else None
+            return data
+
         self._records.update(
-            (name, (*entry["stamp"], entry["sha256"], json_bytes(entry["record"]) if data is None else data))
+            (name, (*entry["stamp"], entry["sha256"], kept))
             for name, entry, data in entries
             if (isinstance(name, str) and isinstance(entry, dict) and isinstance(entry.get("record"), dict)
-                and isinstance(entry.get("sha256"), str) and _is_stamp(entry.get("stamp"))))
+                and isinstance(entry.get("sha256"), str) and _is_stamp(entry.get("stamp")))
+            and (kept := copy(entry, data)) is not None)
 
     @classmethod
     def read(cls, state: Location) -> Index:
@@ -218,7 +229,11 @@ class Index:
     def _add(self, written, checked: Iterable, whole: bool) -> None:
         if whole:
             self.written = written if isinstance(written, str) else ""
-            self._checked.update((name, s) for name, s in checked if isinstance(name, str) and _is_stamp(s))
+        self.vouch_files((name, s) for name, s in checked if isinstance(name, str) and _is_stamp(s))
+
+    def vouch_files(self, checked: Iterable[tuple[str, Stamp]]) -> None:
+        """Files (name, stamp) that a check read: `checked` answers for them while they keep these stamps."""
+        self._checked.update(checked)
 
     def _load(self, data, whole: bool) -> None:
         """A file of the index parsed whole (laid out otherwise than `write` does)."""
@@ -230,12 +245,29 @@ class Index:
         self._add(data.get("written"), checked.items(), whole)
 
     def record(self, name: str, listed: Stamp) -> tuple[str, bytes] | None:
-        """The indexed record `name`, listed now with stamp `listed`, if its stamp is still the indexed one and its
-        copy is, byte for byte, the record file the digest was taken of: (digest, the record's bytes)."""
+        """The indexed record `name`, listed now with stamp `listed`, if its stamp is still the indexed one (its copy
+        is, byte for byte, the record file the digest was taken of: `_keep` kept no other): (digest, the record's
+        bytes)."""
         found = self._records.get(name)
-        if found is None or tuple(found[:2]) != tuple(listed) or digest(found[3]) != found[2]:
+        if found is None or tuple(found[:2]) != tuple(listed):
             return None
         return found[2], found[3]
+
+    def drop_stale(self, name: str, listed: Stamp) -> None:
+        """Drop the entry of record `name` if it is listed now with another stamp than the indexed one: its record
+        was rewritten since (its unit redone), and `copy` answers for the records as listed."""
+        found = self._records.get(name)
+        if found is not None and tuple(found[:2]) != tuple(listed):
+            self._records.pop(name)
+
+    def copy(self, name: str) -> bytes | None:
+        """The index's copy of record `name` (the bytes its digest is of), after `drop_stale`; None without one."""
+        found = self._records.get(name)
+        return None if found is None else found[3]
+
+    def forget(self, name: str) -> None:
+        """The record `name` is gone (its unit is redone): its entry answers for nothing."""
+        self._records.pop(name)
 
     def checked(self, name: str, now: Stamp | None) -> bool:
         """Whether the part file `name`, listed now with stamp `now`, is as the last passing check read it."""
