@@ -85,7 +85,7 @@ class PromptIndex:
             at = self.words.rfind(tail, 0, end)
             while at > 0 and at % 4:  # found across two words: look further back
                 at = self.words.rfind(tail, 0, at + len(tail) - 1)
-            if at >= 0 and at % 4 == 0:
+            if at >= 0:  # a word's start (the loop ends on one, or on -1)
                 start = at // 4 + size
                 return self.prompt[start:start + n]
         return []
