@@ -206,8 +206,10 @@ class Turns:
 
 class Pool:
     """The workers of a run and their mailboxes; subclasses start them in this process (inline.py), as processes
-    (local.py) or as Ray actors (ray.py). Each replica gets its placement (placement.py): the GPUs it sees, its share
-    of their memory. A pool is closed when its run is over (`with pool:`)."""
+    (local.py) or as Ray actors (ray.py), and carry their messages: the driver's into a worker's inbox (`put`), the
+    workers' to the driver each subclass its own way (`receive`: those that came within `timeout`). Each replica gets
+    its placement (placement.py): the GPUs it sees, its share of their memory. A pool is closed when its run is over
+    (`with pool:`)."""
 
     def __init__(self, target: Callable, args: tuple, layout):
         self.target, self.args, self.layout = target, args, layout
@@ -216,12 +218,11 @@ class Pool:
         self.respawns = [0] * len(self.slots)
         self.live: dict[int, object] = {}
         self.inboxes: dict[int, object] = {}
-        self.outbox = self._queue()
         for slot in range(len(self.slots)):
             self._spawn(slot)
 
-    def _queue(self): ...
     def _spawn(self, slot: int) -> None: ...
+    def receive(self, timeout: float) -> list[tuple]: ...
     def dead(self) -> list[int]: ...
     def stop(self) -> None: ...
     def close(self) -> None: ...
@@ -243,14 +244,6 @@ class Pool:
 
     def put(self, slot: int, message: tuple) -> None:
         self.inboxes[slot].put(message)
-
-    empty: type[Exception] = queue.Empty
-
-    def get(self, timeout: float):
-        try:
-            return self.outbox.get(timeout=timeout)
-        except self.empty:
-            return None
 
     def drive(self, work: Queue, stop: threading.Event, on_done: Callable, on_stats: Callable,
               on_note: Callable[[str, str, str], None]) -> None:
@@ -276,12 +269,13 @@ class Pool:
                 return
             dead = self.dead()
             # A worker sends its last commits and its stats before it returns, but Ray may report the return before
-            # the driver has read them: what is queued is taken first (for at most a TICK, as idle workers keep
+            # the driver has read them: what was sent is taken first (for at most a TICK, as idle workers keep
             # asking), so that a worker that finished is not taken for one that died (noted "replica-died",
             # replaced, its last commits handed out again).
             until = time.monotonic() + TICK
-            while dead and time.monotonic() < until and (message := self.get(DRAIN)) is not None:
-                take(message)
+            while dead and time.monotonic() < until and (messages := self.receive(DRAIN)):
+                for message in messages:
+                    take(message)
             for slot in dead:
                 self._go(self.turns.release(slot))
                 lost = work.lost(slot)
@@ -296,8 +290,7 @@ class Pool:
                                       "Finished units are kept: rerun the same command to resume.")
             if work.finished and set(self.live) <= reported:
                 return
-            message = self.get(TICK)
-            if message is not None:
+            for message in self.receive(TICK):
                 take(message)
 
     def answer(self, work: Queue, on_done: Callable, on_stats: Callable, slot: int, kind: str, *payload) -> None:
@@ -321,8 +314,9 @@ class Pool:
 
 
 def queue_channel(slot: int, inbox, outbox) -> Channel:
-    """A worker's channel over two queues (a local process's or a Ray actor's). One question at a time: a reply is
-    the answer to the question just asked, whichever thread asked it (the fetch thread's wants, the worker's turn)."""
+    """A worker's channel over its inbox (`get`) and its outbox (`put`): a local process's queue and pipe, or a Ray
+    actor's two queues. One question at a time: a reply is the answer to the question just asked, whichever
+    thread asked it (the fetch thread's wants, the worker's turn)."""
     from batchjson.engine.devices import gpus_here
 
     asking = threading.Lock()

@@ -18,14 +18,12 @@ from batchjson.executors.placement import Layout
 
 
 class InlinePool(Pool):
-    """`body` (a worker's serve) on this process's one engine, as slot 0 of a pool of one."""
+    """`body` (a worker's serve) on this process's one engine, as slot 0 of a pool of one. No mailboxes: the worker
+    calls the dispatch itself."""
 
     def __init__(self, body: Callable[[Channel], None], layout: Layout):
         self.reply: tuple = ()
         super().__init__(body, (), layout)
-
-    def _queue(self) -> None:
-        return None  # no mailboxes: the worker calls the dispatch itself
 
     def _spawn(self, slot: int) -> None:
         self.live[slot] = self.target

@@ -22,16 +22,20 @@ class RayPool(Pool):
         self.ray, self.Queue, self.empty = ray, Queue, Empty
         self.actor_class = ray.remote(num_gpus=gpus, num_cpus=cpus, max_restarts=0)(RayReplica)
         self.actors: dict[int, object] = {}
+        self.outbox = Queue()  # every actor's messages: a put is one call to the queue's actor, whole or not at all
         super().__init__(target, args, layout)
-
-    def _queue(self):
-        return self.Queue()
 
     def _spawn(self, slot: int) -> None:
         inbox = self.inboxes[slot] = self.Queue()
         actor = self.actors[slot] = self.actor_class.remote()
         self.live[slot] = actor.serve.remote(self.target, (*self.args, self.slots[slot], slot, len(self.slots), inbox,
                                                             self.outbox))
+
+    def receive(self, timeout: float) -> list[tuple]:
+        try:
+            return [self.outbox.get(timeout=timeout)]
+        except self.empty:
+            return []
 
     def dead(self) -> list[int]:
         refs = list(self.live.values())

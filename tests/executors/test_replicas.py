@@ -1,6 +1,7 @@
 """Several engine replicas on one queue (local processes): every unit once, whoever dies.
 
-The engine is the fake one (batchjson/engine/fake.py) except where marked `engine`."""
+The engine is the fake one (batchjson/engine/fake.py) except where marked `engine`, or none where a test drives the
+pool itself."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -18,7 +20,12 @@ import psutil
 import pytest
 
 from batchjson.engine.fake import FakeEngines
+from batchjson.executors import Layout, Queue
+from batchjson.executors.base import queue_channel
+from batchjson.executors.local import LocalPool
+from batchjson.executors.placement import Placement
 from batchjson.job import run_job
+from batchjson.records import WAIT, Stage
 from batchjson.spec import load_spec
 from helpers import ENV, HERE, assert_exactly_once, codes, write_job, write_rows
 
@@ -106,6 +113,55 @@ def test_a_replica_killed_mid_run_has_its_units_redone(tmp_path, tiny_model):
     out = tmp_path / "out"
     kill_a_replica(out, [str(job), str(out), "none", "0", "", "2"], {"FAKE_DELAY": "0.02"}, count=2, which=0, after=5)
     assert_exactly_once([f"r{i:05d}" for i in range(200)], out, out / "_rejects")
+
+
+def cut_short(marker: str, placement: Placement, slot: int, count: int, inbox, outbox) -> None:
+    """A replica that commits each unit it is handed at once. Slot 0's first process is killed a second into sending
+    a message larger than a pipe holds, which nobody reads meanwhile: it dies in the middle of the message."""
+    if slot == 0 and not os.path.exists(marker):
+        Path(marker).touch()
+        threading.Timer(1, os.kill, (os.getpid(), signal.SIGKILL)).start()
+        outbox.put(("stats", slot, {"p1": {"note": "x" * (8 << 20)}}))
+    channel = queue_channel(slot, inbox, outbox)
+    for pair in channel.work(lambda: (Stage.FIRST,)):
+        if pair is WAIT:
+            time.sleep(0.01)
+        else:
+            channel.send("done", *pair, 1, 0)
+    channel.send("stats", {})
+
+
+def test_a_replica_killed_in_the_middle_of_a_message_holds_up_no_other(tmp_path):
+    """The driver starts reading once replica 0 is dead, half a message in its pipe: it drops that, hears replica 1
+    (which sent its want meanwhile), and hands out every unit once, replica 0's replacement among the takers. A queue
+    shared by the replicas hangs here: the rest of the message never comes, and its write lock is never released."""
+    keys = [f"u{i:02d}" for i in range(20)]
+    work, done, notes, errors = Queue({Stage.FIRST: keys}, {}), [], [], []
+
+    def drive():
+        try:
+            pool.drive(work, threading.Event(), lambda stage, key, rows, requeued: done.append(key),
+                       lambda counts: None, lambda stage, code, text: notes.append(code))
+        except BaseException as e:  # noqa: BLE001 - told by the assertion below
+            errors.append(e)
+
+    pool = LocalPool(cut_short, (str(tmp_path / "killed"),), Layout((Placement(),) * 2))
+    try:
+        deadline = time.monotonic() + 60
+        while pool.live[0].exitcode is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert pool.live[0].exitcode == -signal.SIGKILL
+        driver = threading.Thread(target=drive, daemon=True)
+        driver.start()
+        driver.join(timeout=60)
+        assert not driver.is_alive(), "the driver hangs behind the killed replica's message"
+    finally:
+        for p in list(pool.live.values()):
+            p.kill()
+        pool.close()
+    assert not errors, errors
+    assert sorted(done) == keys and work.finished
+    assert "replica-died" in notes
 
 
 def _runner(job, out, delay="0.02"):
