@@ -24,7 +24,7 @@ from batchjson.records import Stage
 from batchjson.report import RunReport
 from batchjson.source import UnitRef
 from batchjson.storage import Storage
-from batchjson.storage.progress import (ProgressFile, add_record, cancel_marker, cancelled, finished, layout_of,
+from batchjson.storage.progress import (ProgressFile, cancel_marker, cancelled, finished, layout_of,
                                         progress_file, progress_files, rate)
 
 CANCEL_POLL = 2.0  # seconds between looks for a cancel marker: how long `batchjson cancel` may take to be obeyed
@@ -60,10 +60,11 @@ class RunWatch:
         return self.deadline is not None and time.time() >= self.deadline
 
     @contextmanager
-    def running(self, refs: dict[str, UnitRef]) -> Iterator[None]:
+    def running(self, refs: dict[str, UnitRef], passes: dict) -> Iterator[None]:
         """From the claim's end to the run's: the progress file says "running", then how the run ended; an
-        exception ends it as "failed" with its message."""
-        self._start(refs)
+        exception ends it as "failed" with its message. `passes`: the committed records of `refs` tallied by pass
+        (Commits.survey)."""
+        self._start(refs, passes)
         try:
             yield
         except BaseException as e:
@@ -77,13 +78,8 @@ class RunWatch:
         finally:
             self._done.set()
 
-    def _start(self, refs: dict[str, UnitRef]) -> None:
-        storage, commits = self.storage, self.storage.commits
-        passes: dict = {}
-        for key in refs:
-            for stage in Stage:
-                if commits.listed(stage, key):
-                    add_record(passes, commits.record(stage, key))
+    def _start(self, refs: dict[str, UnitRef], passes: dict) -> None:
+        storage = self.storage
         i, n = storage.shard
         # An earlier layout's progress files (another --shard N) are not this run's.
         for other in progress_files(storage.state, storage.state.names()):

@@ -122,7 +122,7 @@ def test_a_run_refused_for_an_overwritten_s3_input_touches_nothing(tmp_path, mon
                 if i.type == fs.FileType.File and not i.base_name.startswith("lease-")}
 
     before = objects()
-    assert any(name.endswith("/_batchjson/index.json.gz") for name in before)
+    assert any(name.endswith("/_batchjson/index.arrows") for name in before)
     pq.write_table(pq.read_table(write_rows(tmp_path / "b.parquet", 24, start=100)), key, filesystem=filesystem)
     result = cli_run(monkeypatch, job, "--output", out)
     assert result.exit_code == 2 and f"input file a.parquet changed since {out} began" in result.output, result.output

@@ -30,8 +30,9 @@ import pyarrow as pa
 from pyarrow import fs
 
 from batchjson.errors import OutputError, StorageFull, is_full
-from batchjson.storage.index import INDEX, LEGACY, Index, digest, part_name, part_names
+from batchjson.storage.index import EARLIER, INDEX, Index, digest, part_name, part_names
 from batchjson.storage.location import Location, Unreadable, json_bytes, writing
+from batchjson.storage.progress import add_record
 from batchjson.storage.names import STAGED, Kind, PartName, Stage, UnitName, staged
 from batchjson.storage.shelf import Shelf
 
@@ -75,6 +76,9 @@ class Survey:
     """Unit -> what is wrong with it: the run redoes it."""
     second: dict[str, int] = field(default_factory=dict)
     """Unit -> the rows it has waiting for pass 2, whose pass 2 is not committed."""
+    passes: dict = field(default_factory=dict)
+    """The records of the units that are not damaged, tallied by pass (progress.py `add_record`): the progress
+    file's counts at the start."""
 
 
 class Commits:
@@ -252,7 +256,7 @@ class Commits:
                                    if (seen := self._seen.get(self._path(kind, part))) is not None)
                     yield name, (size, mtime), digest(data), data
 
-        stale = [LEGACY, *part_names(self.state)]
+        stale = [*EARLIER, *part_names(self.state.names())]
         with writing(self.state / INDEX):
             Index.write(self.state / INDEX, records(), checked.items())
         for name in stale:
@@ -394,8 +398,9 @@ class Commits:
                     self.publish(record)
 
     def survey(self, keys: list[str], id_column: str) -> Survey:
-        """Of these units, the committed ones that are damaged (`Survey.damaged`), and the rows each of the others
-        has waiting for pass 2 while its pass 2 is not committed (`Survey.second`): each record looked up once.
+        """Of these units, the committed ones that are damaged (`Survey.damaged`), the rows each of the others
+        has waiting for pass 2 while its pass 2 is not committed (`Survey.second`), and the others' records tallied
+        (`Survey.passes`): each record looked up once.
 
         A damaged unit has a file its record lists that is gone (deleted by hand), does not read as Parquet
         (truncated, emptied, overwritten) or holds another number of rows. Cheap, as every start runs it: one
@@ -426,7 +431,10 @@ class Commits:
             first = records.get(Stage.FIRST)
             if flaw:
                 found.damaged[key] = flaw
-            elif first and "requeue" in first["files"] and not self.listed(Stage.SECOND, key):
+                continue
+            for record in filter(None, records.values()):
+                add_record(found.passes, record)
+            if first and "requeue" in first["files"] and not self.listed(Stage.SECOND, key):
                 found.second[key] = first["rows"]["requeue"]
         return found
 

@@ -15,8 +15,8 @@ OUT/_rejects unless output.rejects says otherwise):
     OUT/_batchjson/units/p1-<unit>.json, p2-<unit>.json   commit records: a unit's files, rows and reasons
     OUT/_batchjson/requeue/<unit>.parquet                 pass-1 failures waiting for pass 2
     OUT/_batchjson/scan.json                              the input's fingerprints and repeated ids, for a resume
-    OUT/_batchjson/index.json.gz, index-part-<N>.json.gz  the records folded into a few files, for a cheap resume
-                                                          (index.py)
+    OUT/_batchjson/index.arrows, index-part-<N>.arrows    the records folded into a few files (Arrow IPC), for a
+                                                          cheap resume (index.py)
     OUT/_batchjson/progress-<I>of<N>.json, cancel.json    what `batchjson status` reads, `batchjson cancel` (progress.py)
     OUT/_batchjson/lock-of<N>, lock-<I>of<N>              locks (a local folder)
     OUT/_batchjson/lease-<I>of<N>-<owner>.json            leases (object storage)
@@ -246,11 +246,13 @@ class Storage:
 
     def _compare_inputs(self, fingerprints: dict[str, dict]) -> dict[str, dict]:
         """`check_inputs`' refusals, writing nothing; returns the fingerprints the folder holds (tag -> fingerprint)."""
-        used = Counter(r["file"] for r in self.commits.records(Stage.FIRST))
         known = {p.name[:-5]: p.read_json() for p in self.inputs.glob("*.json")}
+        gone = {tag for tag, old in known.items() if (new := fingerprints.get(tag)) is None or _changed(old, new)}
+        # the committed units of each file that changed or went: the records are read only when one did
+        used = Counter(r["file"] for r in self.commits.records(Stage.FIRST) if r["file"] in gone) if gone else {}
         for tag, old in known.items():
             new = fingerprints.get(tag)
-            if not used[tag] or (new is not None and not _changed(old, new)):
+            if not used.get(tag):
                 continue
             if new is None:
                 raise OutputError(f"input file {old['path']} was removed, but {used[tag]} unit(s) of it are committed in "

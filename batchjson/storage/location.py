@@ -371,8 +371,8 @@ class Location:
 
     def write_json(self, data) -> None:
         """All or nothing: a PUT on object storage is; locally, a temporary file renamed over the target is. `data`
-        as an iterator of bytes is JSON encoded already, in pieces (the index, index.py): on object storage an upload
-        that fails midway may leave JSON cut short, which every reader here refuses as it refuses a damaged file."""
+        as an iterator of bytes is written as it comes, in pieces (the index, index.py): on object storage an upload
+        that fails midway may leave a file cut short, which every reader here refuses as it refuses a damaged one."""
         text = data if isinstance(data, (bytes, Iterator)) else json_bytes(data)
         if not self.local:
             self.write_bytes(text)

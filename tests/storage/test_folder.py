@@ -4,7 +4,6 @@ before resumes after."""
 from __future__ import annotations
 
 import functools
-import gzip
 import json
 import re
 import signal
@@ -13,6 +12,7 @@ import sys
 from collections import Counter
 from pathlib import Path
 
+import pyarrow as pa
 import pytest
 from click.testing import CliRunner
 
@@ -99,7 +99,7 @@ def test_a_resume_reads_a_record_rewritten_after_the_index_and_survives_a_damage
     def run():
         return run_job(load_spec(job), str(out), engine_factory=FakeEngines(valid=1.0), progress=False)
 
-    assert run().verified["complete"] and (out / "_batchjson" / "index.json.gz").exists()
+    assert run().verified["complete"] and (out / "_batchjson" / "index.arrows").exists()
     record = sorted((out / "_batchjson" / "units").glob("p1-*.json"))[0]
     data = json.loads(record.read_text())
     data["rows"]["output"] += 1000  # a record edited by hand (a new time in the listing): read, not the indexed one
@@ -107,15 +107,36 @@ def test_a_resume_reads_a_record_rewritten_after_the_index_and_survives_a_damage
     assert run().valid == 24 + 1000
     data["rows"]["output"] -= 1000
     record.write_text(json.dumps(data))
-    (out / "_batchjson" / "index.json.gz").write_text("{not json")
+    (out / "_batchjson" / "index.arrows").write_text("{not the index")
     report = run()
     assert report.valid == 24 and report.verified["complete"], report.verified
     assert read_index(out / "_batchjson")["records"]
 
 
-def read_index(state: Path) -> dict:
-    """The index a passing check wrote (gzip-compressed JSON), parsed whole."""
-    return json.loads(gzip.decompress((state / "index.json.gz").read_bytes()))
+def read_index(state: Path, name: str = "index.arrows") -> dict:
+    """A file of the index (an Arrow IPC stream, storage/index.py) as a dict: "written", "records" (name ->
+    stamp, sha256 and the record parsed) and "checked" (name -> stamp)."""
+    reader = pa.ipc.open_stream((state / name).read_bytes())
+    index = {"written": reader.schema.metadata[b"written"].decode(), "records": {}, "checked": {}}
+    for row in reader.read_all().to_pylist():
+        stamp = [row["size"], row["mtime"]]
+        if row["record"] is None:
+            index["checked"][row["name"]] = stamp
+        else:
+            index["records"][row["name"]] = {"stamp": stamp, "sha256": row["sha256"],
+                                             "record": json.loads(row["record"])}
+    return index
+
+
+def write_index(state: Path, index: dict, name: str = "index.arrows") -> None:
+    """`read_index`'s dict written back as the index, each record as records are written (json_bytes) with the
+    digest the dict gives, whatever the record now holds: an index edited by hand."""
+    from batchjson.storage.index import Index
+    from batchjson.storage.location import Location, json_bytes
+
+    Index.write(Location.of(state / name), [(n, tuple(e["stamp"]), e["sha256"], json_bytes(e["record"]))
+                                            for n, e in sorted(index["records"].items())],
+                [(n, tuple(s)) for n, s in sorted(index["checked"].items())])
 
 
 def cli_run(monkeypatch, job: Path, *args):
@@ -141,13 +162,12 @@ def test_an_index_entry_edited_by_hand_vouches_for_nothing(tmp_path, tiny_model,
     job = write_job(tmp_path, tiny_model, tmp_path / "in.parquet", batch_size=12)  # 4 units
     out = tmp_path / "out"
     assert cli_run(monkeypatch, job).exit_code == 0
-    index_file = out / "_batchjson" / "index.json.gz"
     index = read_index(out / "_batchjson")
     record = next(entry["record"] for name, entry in sorted(index["records"].items())
                   if name.startswith("p1-") and entry["record"]["rows"].get("output", 0) >= 2)
     gone = out / record["files"].pop("output")
     del record["rows"]["output"], record["sizes"]["output"]
-    index_file.write_bytes(gzip.compress(json.dumps(index).encode()))
+    write_index(out / "_batchjson", index)
     gone.unlink()
 
     result = cli_run(monkeypatch, job)
@@ -194,7 +214,7 @@ def test_a_refused_run_touches_nothing(tmp_path, tiny_model, monkeypatch, refusa
     job = write_job(tmp_path, tiny_model, src, batch_size=8)
     out = tmp_path / "out"
     assert cli_run(monkeypatch, job).exit_code == 0
-    assert (out / "_batchjson" / "index.json.gz").exists()
+    assert (out / "_batchjson" / "index.arrows").exists()
     before = files_below(out)
     if refusal == "input overwritten":
         write_rows(src, 24, start=100)
@@ -211,11 +231,11 @@ def test_a_refused_run_touches_nothing(tmp_path, tiny_model, monkeypatch, refusa
     assert sorted(name for name in before.keys() | after.keys() if before.get(name) != after.get(name)) == []
 
 
-def test_the_index_is_read_an_entry_at_a_time_as_the_records_bytes(tmp_path):
+def test_the_index_is_read_a_batch_at_a_time_as_the_records_bytes(tmp_path):
     """Index.read keeps each record as the bytes its file holds (not parsed: 1.29 GiB of driver at 100M rows), from
-    the index, a legacy uncompressed one and its parts, and answers as the whole file parsed does; a copy rewritten
-    in another layout is written out as records are, a copy edited vouches for nothing, a stamp not the indexed one
-    neither, and a part file that does not read as one is left out."""
+    the index and its parts, the later file's entry over the earlier's; a copy edited vouches for nothing, a stamp
+    not the indexed one neither, a part file that does not read as one is left out, and an earlier version's files
+    (JSON) are not read but named to be replaced, as the parts are."""
     from batchjson.storage.index import Index, digest
     from batchjson.storage.location import Location, json_bytes
 
@@ -224,24 +244,28 @@ def test_the_index_is_read_an_entry_at_a_time_as_the_records_bytes(tmp_path):
     stamps = {name: (100 + k, 7_000 + k) for k, name in enumerate(records)}
     state = Location.of(tmp_path)
     entries = [(n, stamps[n], digest(d), d) for n, d in records.items()]
-    Index.write(state / "index.json.gz", entries[:3], [("p1-u0.parquet", (5, 6))])
-    Index.write(state / "index-part-000001.json.gz", entries[3:])
-    (tmp_path / "index-part-000002.json.gz").write_bytes(b"\x1f\x8b not gzip")
+    old = json_bytes({"stage": "p1", "key": "u3", "files": {}, "rows": {}})  # before its unit was redone
+    Index.write(state / "index.arrows", entries[:3] + [("p1-u3.json", (1, 1), digest(old), old)],
+                [("p1-u0.parquet", (5, 6))])
+    Index.write(state / "index-part-000001.arrows", entries[3:], [("p1-u0.parquet", (5, 8))])
+    (tmp_path / "index-part-000002.arrows").write_bytes(b"not the index")
+    (tmp_path / "index.json.gz").write_bytes(b"\x1f\x8b an earlier version's")
+    (tmp_path / "index-part-000003.json.gz").write_bytes(b"\x1f\x8b an earlier version's")
 
     def found(index: Index, listed: dict) -> dict:
         return {n: index.record(n, s) for n, s in listed.items() if index.record(n, s)}
 
     index = Index.read(state)
     assert found(index, stamps) == {n: (digest(d), d) for n, d in records.items()}
-    assert index.checked("p1-u0.parquet", (5, 6)) and not index.checked("p1-u0.parquet", (5, 7)) and index.written
-    assert index.replaced == ["index-part-000001.json.gz"] and index.next_part == 3
+    assert index.checked("p1-u0.parquet", (5, 8)) and not index.checked("p1-u0.parquet", (5, 6)) and index.written
+    index.vouch_files([("p1-u0.parquet", (5, 9))])  # a check of this run's: newer than the index's
+    assert index.checked("p1-u0.parquet", (5, 9)) and not index.checked("p1-u0.parquet", (5, 8))
+    assert index.replaced == ["index.json.gz", "index-part-000001.arrows", "index-part-000002.arrows",
+                              "index-part-000003.json.gz"] and index.next_part == 4
     assert found(index, {**stamps, "p1-u2.json": (1, 1)}).keys() == stamps.keys() - {"p1-u2.json"}
-    whole = json.loads(gzip.decompress((tmp_path / "index.json.gz").read_bytes()))
-    (tmp_path / "index.json.gz").unlink()
-    (tmp_path / "index.json").write_text(json.dumps(whole))  # an earlier version's, in another layout
-    assert found(Index.read(state), stamps) == found(index, stamps)
-    whole["records"]["p1-u1.json"]["record"]["rows"]["output"] = 9
-    (tmp_path / "index.json").write_text(json.dumps(whole))
+    whole = read_index(tmp_path)
+    whole["records"]["p1-u1.json"]["record"]["rows"]["output"] = 9  # edited, its digest kept
+    write_index(tmp_path, whole)
     assert found(Index.read(state), stamps).keys() == {"p1-u0.json", "p1-u2.json", "p1-u3.json"}
 
 
@@ -259,7 +283,7 @@ def test_a_killed_run_leaves_its_records_folded_for_its_resume(tmp_path, tiny_mo
                             env=ENV | {"FAKE_FOLD_MIN": "4"}, capture_output=True, text=True, timeout=300)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
     records = list((state / "units").glob("p[12]-*.json"))
-    parts = sorted(state.glob("index-part-*.json.gz"))
+    parts = sorted(state.glob("index-part-*.arrows"))
     assert len(records) == 15 and len(parts) == 3, (records, parts)
     read, read_bytes = [], Location.read_bytes
 
@@ -272,7 +296,7 @@ def test_a_killed_run_leaves_its_records_folded_for_its_resume(tmp_path, tiny_mo
     report = run_job(load_spec(job), str(out), engine_factory=FakeEngines(valid=0.6), progress=False)
     assert report.resumed and report.verified["complete"], report.verified
     assert len(read) <= 3, read  # the records written after the last part (12 of 15 folded)
-    assert (state / "index.json.gz").exists() and not list(state.glob("index-part-*"))
+    assert (state / "index.arrows").exists() and not list(state.glob("index-part-*"))
     assert_exactly_once([f"r{i:05d}" for i in range(40)], out, out / "_rejects")
 
 

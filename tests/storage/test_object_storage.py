@@ -305,7 +305,7 @@ def test_a_resume_reads_no_commit_record_and_no_part_file(tmp_path, tiny_model, 
         run_job(load_spec(job), out, engine_factory=FakeEngines(valid=0.6, seed=1), progress=False)
         assert resume() == []
         filesystem, state = fs.FileSystem.from_uri(f"{out}/_batchjson")
-        filesystem.delete_file(f"{state}/index.json.gz")
+        filesystem.delete_file(f"{state}/index.arrows")
         records = [i for i in filesystem.get_file_info(fs.FileSelector(f"{state}/units"))]
         read = resume()
         assert [p for p in read if "/units/" in p] == sorted(2 * [f"/{i.path}" for i in records])  # HEAD and GET
