@@ -246,15 +246,19 @@ class Commits:
         it all already (every record from it, every unit trusted: a rerun of a finished job writes nothing)."""
         if not (self._news or not self._index.written or self._index.replaced):
             return
-        checked = Shelf(2)
+        checked, stamps = Shelf(2), []
 
         def records() -> Iterator[tuple]:
             for name, size, mtime in self._listed():
                 data = self._bytes(name)
                 if data is not None:
-                    checked.update((part, seen) for kind, part in orjson.loads(data)["files"].items()
-                                   if (seen := self._seen.get(self._path(kind, part))) is not None)
+                    stamps.extend((part, seen) for kind, part in orjson.loads(data)["files"].items()
+                                  if (seen := self._seen.get(self._path(kind, part))) is not None)
+                    if len(stamps) >= 4096:  # onto the shelf a few thousand at a time: one transaction each
+                        checked.update(stamps)
+                        stamps.clear()
                     yield name, (size, mtime), digest(data), data
+            checked.update(stamps)
 
         stale = [*EARLIER, *part_names(self.state.names())]
         with writing(self.state / INDEX):
