@@ -134,9 +134,11 @@ class Index:
         for name in ([INDEX] if INDEX in names else []) + parts:
             if name.endswith(SUFFIX):
                 try:
-                    index._take((state / name).read_bytes(), whole=name == INDEX)
+                    data = (state / name).read_bytes()  # the store failing fails the run, as any read does
                 except FileNotFoundError:
                     continue
+                try:
+                    index._take(data, whole=name == INDEX)
                 except (pa.ArrowException, ValueError, OSError):  # not the index's (cut short, overwritten)
                     pass  # its batches read before the damage are kept: each entry was checked by its own digest
             if name != INDEX:
