@@ -101,7 +101,8 @@ class JobRun:
                 self.checks = UnitChecks(commits, ParquetSource(self.spec.input, self.spec.prompt.columns),
                                          self.refs, self.spec.input.id_column, repeats)  # a source of its own: a thread
                 try:
-                    with self.watch.running(self.refs, survey.passes):  # the progress file says "running", or "failed" and why
+                    # the progress file says "running", or "failed" and why
+                    with self.watch.running(self.refs, survey.passes):
                         todo = self._todo()
                         if any(todo.values()):
                             with self._pool(todo, layout, report.resumed) as pool:
