@@ -32,6 +32,8 @@ Runs, in the order given (compare only runs of one call: machines differ by +-30
                           none+gmu0.3+rpg1 against none+rpg1 is what a lone engine's KV cache size costs its start.
   <run>+stats             the same with vLLM's stats on ([model.engine] disable_log_stats = false), as batchjson ran
                           every engine before 2026-12 (now only speculative ones, whose draft counters it reads).
+  <run>+log               the same with vLLM's INFO log kept in OUT/<run>.log (its engine start's parts: weights,
+                          torch.compile, CUDA graphs).
   <run>+prof              the same with the step profiler (BATCHJSON_PROFILE_STEPS, no GPU waits): the engine's steps,
                           ms per step and the step's parts over the whole run (probe and warm-up steps included).
   <run>+spy, bare-<m>+spy the same under py-spy (every process of the run, 50 samples/s, --nonblocking, where py-spy is
@@ -126,8 +128,9 @@ def batchjson_run(name: str, args, rows: int, work: Path, t_launch: float, timeo
     tree, _, run = name.rpartition(":")
     traced = "+trace" in run
     gpus, share = re.search(r"\+gpus(\d+)", run), re.search(r"\+gmu([0-9.]+)", run)
-    stats, profiled, spied = "+stats" in run, "+prof" in run, "+spy" in run
-    run, _, per_gpu = re.sub(r"\+gpus\d+|\+gmu[0-9.]+|\+warm|\+trace|\+stats|\+prof|\+spy", "", run).partition("+rpg")
+    stats, profiled, spied, logged = "+stats" in run, "+prof" in run, "+spy" in run, "+log" in run
+    run, _, per_gpu = re.sub(r"\+gpus\d+|\+gmu[0-9.]+|\+warm|\+trace|\+stats|\+prof|\+spy|\+log", "",
+                             run).partition("+rpg")
     base, _, size = run.partition("@")
     pass2 = "+p2" in base
     method, *flags = base.replace("+p2", "").split("-no")
@@ -163,6 +166,8 @@ def batchjson_run(name: str, args, rows: int, work: Path, t_launch: float, timeo
     job.write_text(text)
     out = folder / "out"
     env = os.environ | {"PYTHONUNBUFFERED": "1"}
+    if logged:  # vLLM's INFO lines (its engine start's parts: weights, compile, CUDA graphs) kept beside the results
+        env["VLLM_LOGGING_LEVEL"] = "INFO"
     if gpus:  # the first N of the GPUs this call sees
         n, seen = int(gpus.group(1)), visible_gpus()
         if len(seen) < n:
@@ -184,6 +189,8 @@ def batchjson_run(name: str, args, rows: int, work: Path, t_launch: float, timeo
         env["PYTHONPATH"] = os.pathsep.join(filter(None, (str(ROOT), env.get("PYTHONPATH"))))
     proc = run_group(command, timeout, env=env, cwd=folder)
     done = round(time.time() - t_launch, 2)
+    if logged:
+        (Path(args.out) / f"{name.replace(':', '-')}.log").write_text(proc.stdout + proc.stderr)
     report_file = out / "_report.json"
     if proc.returncode != 0 or not report_file.exists():
         return {"error": f"rc {proc.returncode}: {(proc.stderr or proc.stdout)[-1500:]}"}

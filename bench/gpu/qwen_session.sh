@@ -197,7 +197,7 @@ run_plan() {
                 --runs schema+warm,none,schema,none ;;
     # both orders in one call: run21's default ran first after bare vLLM, where batchjson's start was slowest before
     t30kab) need q15 && wr t15-C30000-ab --task C --rows 30000 --model $q15 --timeout 300 \
-              --runs schema,auto,bare-none,auto,schema ;;
+              --runs schema+log,auto+log,bare-none,auto,schema ;;
     # what the schema engine costs requests that opt out of drafts (pass 2 on pass 1's engine), against none's engine;
     # then the drafts' break-even size between 6,000 and 30,000 rows
     schemap2) need q15 && wr t15-C6000-p2 --task C --rows 6000 --model $q15 --timeout 200 \
