@@ -64,7 +64,9 @@ def one(cfg: dict) -> dict:
     fills, _, method = name.partition("-")
     os.environ.update({"BATCHJSON_RUNNER_PID": str(os.getpid()), ENV_PROFILE: str(profile), ENV_PROFILE_SYNC: "0",
                        internals.GRAMMAR_FILLS_ENV: "batch" if fills == "batch" else "vllm"})
-    import vllm
+    from batchjson.engine.vllm_engine import _vllm
+
+    vllm = _vllm()  # imported as batchjson imports it: a CPU build's KV cache size and threads set the same way
     from vllm.platforms import current_platform
     from vllm.sampling_params import StructuredOutputsParams
 

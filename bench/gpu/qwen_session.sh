@@ -17,7 +17,7 @@
 # PLAN replicas: 2 then 1 engine replicas on one GPU (model.replicas_per_gpu), SmolLM2, 30,000 rows (2 first: the
 #   first batchjson start after a bare warm-up is the slowest, so that penalty falls on the shared GPU); replicasmore:
 #   3 then 2 after a warm-up; smolmore: bare vLLM's one engine (500 s: run14's 300 s were too few) and 3 (the
-#   default) after a warm-up; smolrpg: 4 and 3; replicas15: the 1.5B with 1 and 2; replicas05: the
+#   default) after a warm-up; smolrpg: 4 and 3; replicas15: the 1.5B with 2 and 1, twice; replicas05: the
 #   0.5B with 1, 2 and 3 (after a warm-up of batchjson's configuration).
 # PLAN inflight64: the 1.5B at 64 requests in flight, none and suffix, bare vLLM then batchjson.
 # PLAN inflightngram: batchjson's n-gram lookup at 16 in flight beside bare's (run10 lost it).
@@ -142,7 +142,7 @@ run_plan() {
     smolall) need smol && wr rpg-smol-C30000-all --task C --rows 30000 --model $smol --timeout 400 \
              --runs warm-none,none+rpg3+warm,bare-none,none+rpg1,none+rpg3,none+rpg2,none+rpg4 ;;
     replicas15) need q15 && wr rpg-t15-C30000 --task C --rows 30000 --model $q15 --timeout 300 \
-             --runs none+rpg1+warm,none+rpg1,none+rpg2 ;;
+             --runs none+rpg1+warm,none+rpg2+log,none+rpg1,none+rpg2 ;;
     inflight64) need q15 && wr t15-C1000-64 --task C --rows 1000 --model $q15 --timeout 150 \
              --runs bare-none@64,none@64,bare-suffix@64,suffix@64 ;;
     gpussmol) need smol && wr gpus-smol-C60000 --task C --rows 60000 --model $smol --timeout 500 \
