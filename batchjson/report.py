@@ -82,6 +82,11 @@ class PassStats:
     engine_close_s: float = 0.0
     """Shutdown seconds of the engines that decoded this pass last (an engine shared by both passes counts in the
     later pass that had rows)."""
+    engine_steps: int = 0
+    """Engine steps taken while the engines decoded this pass (all replicas; where pass 2 decodes on pass 1's engine,
+    beside pass 1's rows, those steps count in pass 1). The summary's engine line gives the run's steps."""
+    engine_step_s: float = 0.0
+    """Their seconds, added up: ms per step is what a step of this pass's batch cost (the grammar's fills included)."""
     hung: int = 0
     """Engines taken for hung (no step for model.hang_timeout_s), killed and restarted."""
     first_request_s: float | None = None
@@ -111,8 +116,8 @@ class PassStats:
     def merge(self, other: dict) -> None:
         """Add a replica's counts for the same pass (its to_dict()); the pass's seconds are the runner's own."""
         for name in ("rows", "valid", "prompt_tokens", "output_tokens", "failed_output_tokens", "engine_starts",
-                     "engine_start_s"):
-            setattr(self, name, getattr(self, name) + other[name])
+                     "engine_start_s", "engine_steps", "engine_step_s"):
+            setattr(self, name, getattr(self, name) + other.get(name, 0))
         self.hung += other.get("hung", 0)
         self.engine_close_s += other.get("engine_close_s", 0.0)
         self.reasons.update(other["reasons"])
@@ -134,6 +139,8 @@ class PassStats:
         d["reasons"] = dict(self.reasons)
         d["engine_start_s"] = round(self.engine_start_s, 1)
         d["engine_close_s"] = round(self.engine_close_s, 1)
+        d["engine_step_s"] = round(self.engine_step_s, 2)
+        d["ms_per_step"] = round(1000 * self.engine_step_s / self.engine_steps, 1) if self.engine_steps else None
         if self.first_request_s is not None:
             d["first_request_s"] = round(self.first_request_s, 1)
         d["rows_per_s"] = round(self.rows / self.seconds, 3) if self.seconds else 0.0
@@ -258,6 +265,9 @@ class RunReport:
             if made else None
         d["engine_starts"] = sum(p.engine_starts for p in self.passes.values())
         d["engine_start_s"] = round(sum(p.engine_start_s for p in self.passes.values()), 1)
+        steps = sum(p.engine_steps for p in self.passes.values())
+        d["engine_steps"] = steps
+        d["ms_per_step"] = round(1000 * sum(p.engine_step_s for p in self.passes.values()) / steps, 1) if steps else None
         d["cost"] = self.cost()
         d |= {"valid": self.valid, "rejected": self.rejected, "rescued_by_fallback": self.valid_by_pass.get(RESCUED, 0),
               "reject_rate": round(self.reject_rate, 4), "over_threshold": self.over_threshold,
@@ -302,7 +312,10 @@ class RunReport:
             first = min((p.first_request_s for p in self.passes.values() if p.first_request_s is not None),
                         default=None)
             to_first = f"; first request {first:.1f} s after start" if first is not None else ""
-            lines.append(f"  engine starts: {starts} ({seconds / starts:.1f} s each{to_first})")
+            steps = sum(p.engine_steps for p in self.passes.values())
+            each = (f"; {steps:,} steps, {1000 * sum(p.engine_step_s for p in self.passes.values()) / steps:.1f} ms "
+                    "a step" if steps else "")
+            lines.append(f"  engine starts: {starts} ({seconds / starts:.1f} s each{to_first}){each}")
         if self.passes:
             lines.append(self._cost_line())
         if RESCUED in self.valid_by_pass:

@@ -369,6 +369,7 @@ class Worker:
             # itertools.chain, not a generator: a dead engine's stream must not close `feed` as it goes. What it has
             # not taken of `retry` when it ends stays in `again`.
             again = iter(retry)
+            steps, step_s = engine.steps, engine.step_s
             try:
                 for gen in engine.stream(chain(again, feed), _Either(self.stop, ends)):
                     outcome = units.finish(gen)
@@ -378,6 +379,7 @@ class Worker:
                     if ending:
                         ends.set()
             except EngineDied as died:
+                self._count_steps(stage, engine, steps, step_s)
                 self._close_engine()
                 units.commit_ready()  # units the feed finished before the death
                 if self.stop.is_set():
@@ -386,6 +388,7 @@ class Worker:
                 units.commit_ready()
                 deaths = self._died(stage, died, deaths + 1)
                 continue
+            self._count_steps(stage, engine, steps, step_s)
             if self.speculative:
                 self.stats[stage].speculative = engine.stats()
             for policy in self.policies:
@@ -402,6 +405,11 @@ class Worker:
             if isinstance(ending, Switch):
                 self.speculative = ending.speculative
                 self._close_engine()
+
+    def _count_steps(self, stage: Stage, engine: Engine, steps: int, step_s: float) -> None:
+        """The engine steps a stream of `stage` took (since `steps` and `step_s`), for the report's ms per step."""
+        self.stats[stage].engine_steps += engine.steps - steps
+        self.stats[stage].engine_step_s += engine.step_s - step_s
 
     def _apply(self, engine: Engine, answer: Answer, ending: Answer | None) -> Answer | None:
         """Apply a policy's answer now where it can be (pass 1's new settings, for the requests from now on); the

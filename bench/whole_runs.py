@@ -207,6 +207,7 @@ def batchjson_run(name: str, args, rows: int, work: Path, t_launch: float, timeo
     auto, recipe = (p1.get("auto") or [{}])[0], (p1.get("recipe") or [{}])[0]
     return {"first_request_s": p1.get("first_request_s"), "done_s": done, "run_s": report["seconds"],
             "engine_starts": report.get("engine_starts"), "engine_start_s": report.get("engine_start_s"),
+            "engine_steps": report.get("engine_steps"), "ms_per_step": report.get("ms_per_step"),
             "pass1_valid": p1["valid"], "recipe": recipe.get("recipe", ""), "recipe_why": recipe.get("why", ""),
             "pass1_s": p1["seconds"], "pass2_s": p2.get("seconds"), "pass2_rows": p2.get("rows", 0), "pass2_valid": p2.get("valid", 0),
             "output_tokens": p1["output_tokens"] + p2.get("output_tokens", 0),

@@ -88,3 +88,21 @@ def test_a_negative_gpu_hour_price_is_refused(tmp_path, tiny_model):
     job = write_job(tmp_path, tiny_model, tmp_path / "in.parquet", extra="[report]\ngpu_hour_price = -1")
     with pytest.raises(SpecError, match="report.gpu_hour_price"):
         load_spec(job)
+
+
+def test_the_report_says_what_a_step_cost(tmp_path, tiny_model):
+    """Engine steps and ms per step (the fake engine answers a row a step, `delay` seconds each), per pass and for the
+    run, in the report's file and on its summary's engine line; an engine that counts no steps says nothing of them."""
+    write_rows(tmp_path / "in.parquet", 40)
+    spec = load_spec(write_job(tmp_path, tiny_model, tmp_path / "in.parquet"))
+    report = run_job(spec, engine_factory=FakeEngines(seed=1, valid=0.75, delay=0.01), progress=False)
+    d = report.to_dict()
+    first, second = d["passes"]["pass1"], d["passes"]["pass2"]
+    assert second["rows"] > 0 and d["engine_starts"] == 1  # pass 2 on pass 1's engine: its steps count in pass 1
+    assert d["engine_steps"] == first["engine_steps"] == 40 + second["rows"] and second["engine_steps"] == 0
+    assert 10 <= d["ms_per_step"] == first["ms_per_step"] < 200  # at least the engine's 10 ms a step
+    assert f"; {d['engine_steps']} steps, {d['ms_per_step']:.1f} ms a step" in report.summary()
+    merged = PassStats()
+    merged.merge(PassStats(rows=3, engine_steps=3, engine_step_s=0.06).to_dict())
+    assert merged.engine_steps == 3 and merged.to_dict()["ms_per_step"] == 20.0
+    assert PassStats(rows=3).to_dict()["ms_per_step"] is None

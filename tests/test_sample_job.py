@@ -39,6 +39,9 @@ def test_sample_job_end_to_end(tmp_path):
     (choice,) = report["passes"]["pass1"]["auto"]
     assert choice["chosen"] == "none" and choice["why"] and choice["trials"][0]["output_tokens_per_s"] > 0
     assert "shared-engine" in codes(report["passes"]["pass2"])
+    # Which fill path made the grammar's masks, and what a step of the pass cost.
+    assert "masks: batch" in report["passes"]["pass1"]["grammar"] and report["ms_per_step"] > 0
+    assert f"; {report['engine_steps']:,} steps, {report['ms_per_step']:.1f} ms a step" in result.stdout
     # SmolLM2 loops inside the items array under greedy decoding; repetition detection stops those rows early
     # and the sampled fallback rescues most of them.
     assert report["passes"]["pass1"]["reasons"].get("repetition", 0) > 0

@@ -19,7 +19,8 @@ class Engine(ABC):
     VllmEngine is the real one; batchjson.engine.fake.FakeEngine answers without a model, for tests and benchmarks.
     A subclass that misses a method cannot be constructed. Besides the methods, worker.py reads these attributes,
     which each engine keeps up to date (the defaults here suit an engine without them):
-    `steps`, the engine steps taken so far (auto's measure of ms per step); `unfinished`, the prompts that were in
+    `steps`, the engine steps taken so far (auto's measure of ms per step), and `step_s`, the seconds spent in them
+    (the report's ms per step); `unfinished`, the prompts that were in
     flight when the last stream stopped (another engine takes them over); and `choice`, the grammar backend the
     engine decodes with (the report's grammar line; None when there is none); and `notice`, what the run's report
     should say about the engine itself ("" for nothing; VllmEngine: its vLLM is one batchjson's patches were not read
@@ -32,6 +33,7 @@ class Engine(ABC):
     """
 
     steps: int = 0
+    step_s: float = 0.0
     unfinished: Sequence[Prompt] = ()
     choice: Choice | None = None
     notice: str = ""
@@ -99,6 +101,7 @@ class EngineWrapper(Engine):
         self.inner = inner
 
     steps = property(lambda self: self.inner.steps)
+    step_s = property(lambda self: self.inner.step_s)
     unfinished = property(lambda self: self.inner.unfinished)
     choice = property(lambda self: self.inner.choice)
     notice = property(lambda self: self.inner.notice)

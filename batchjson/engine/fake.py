@@ -66,6 +66,7 @@ class FakeEngine(Engine):
         self.drafted: Counter = Counter()  # stage -> prompts answered with drafts
         self.stages: Counter = Counter()  # stage -> prompts answered
         self.answered = 0
+        self.steps, self.step_s = 0, 0.0
         self.closed = False
 
     def accepts(self, decoding: DecodingSpec, speculative: SpeculativeSpec | None) -> bool:
@@ -102,9 +103,12 @@ class FakeEngine(Engine):
             yield self.answer(window.popleft())
 
     def answer(self, prompt: Prompt) -> Generation:
-        """The answer to one prompt: valid, or one of the failures."""
+        """The answer to one prompt (one engine step): valid, or one of the failures."""
+        began = time.monotonic()
         if self.delay:
             time.sleep(self.delay)
+        self.steps += 1
+        self.step_s += time.monotonic() - began
         self.answered += 1
         n = self.answered
         self.stages[prompt.stage] += 1

@@ -149,6 +149,7 @@ class VllmEngine(Engine):
         self._audit_left = speculative.audit_rows if speculative is not None and speculative.enabled else 0
         self._twin_params: dict[str, Any] = {}  # stage -> its settings without drafts, where the stage is audited
         self.steps = 0  # engine steps taken so far (ms per step, tokens per step)
+        self.step_s = 0.0  # ... and the seconds spent in them
         self.unfinished: list[Prompt] = []
         # vLLM refuses its own "auto" with disable_any_whitespace: batchjson picks the backend, and gives it the
         # schema minus what it cannot compile (validation checks that part).
@@ -327,9 +328,10 @@ class VllmEngine(Engine):
                     time.sleep(0.01)
                 continue
             self.steps += 1
-            self._stepping_since = time.monotonic()  # the hang watchdog's clock (see _hung)
+            self._stepping_since = began = time.monotonic()  # the hang watchdog's clock (see _hung)
             outputs = engine.step()
             self._stepping_since = None
+            self.step_s += time.monotonic() - began
             for out in outputs:
                 if not out.finished:
                     continue
