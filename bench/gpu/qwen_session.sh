@@ -41,6 +41,7 @@
 #   (run21: 6.1 s against 3.7 without): both runs with the front end's and the engine's stacks sampled.
 # PLAN schemaab: none and schema alternating, bare vLLM between them, after schemaprof's warm-ups (run20).
 # PLAN schemap2: what the schema engine costs requests that opt out of drafts (schema+p2 against none+p2, 6,000 rows).
+# PLAN smol46: SmolLM2's step (vLLM's fills, batchjson's, no grammar), then the default against bare vLLM at 30,000 rows.
 # PLAN t15kab: schema and none alternating at 15,000 rows (where the drafts start to pay, between 6,000 and 30,000).
 # PLAN advance15 (issue 46): the grammars' advance in update_from_output on vLLM 0.26 and the host's cores: bench
 #   grammar --matchers (vLLM's call per request against one batch call, no engine: advance_* columns), then the step
@@ -203,6 +204,12 @@ run_plan() {
     schemap2) need q15 && wr t15-C6000-p2 --task C --rows 6000 --model $q15 --timeout 200 \
                 --runs schema+p2-noadapt,none+p2-noadapt,schema+p2-noadapt,none+p2-noadapt ;;
     t15kab) need q15 && wr t15-C15000-ab --task C --rows 15000 --model $q15 --timeout 250 --runs schema,none,schema,none ;;
+    # SmolLM2 (issue 46): its step with vLLM's fills, batchjson's and no grammar at a full batch, then the default
+    # against bare vLLM at 30,000 rows
+    smol46) need smol && gb s-C6000-fills --task C --rows 6000 --model $smol --seqs 1024 --configs vllm,batch,free \
+              --timeout 200
+            need smol && wr smol-C30000-46 --task C --rows 30000 --model $smol --timeout 400 \
+              --runs warm-none,auto+warm,auto,bare-none ;;
     t30kschema) need q15 && wr t15-C30000-schema --task C --rows 30000 --model $q15 --timeout 300 --runs schema,auto ;;
   esac
 }
