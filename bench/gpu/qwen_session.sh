@@ -209,7 +209,7 @@ run_plan() {
     smol46) need smol && gb s-C6000-fills --task C --rows 6000 --model $smol --seqs 1024 --configs vllm,batch,free \
               --timeout 200
             need smol && wr smol-C30000-46 --task C --rows 30000 --model $smol --timeout 400 \
-              --runs warm-none,auto+warm,auto,bare-none ;;
+              --runs warm-none,auto+warm,auto+log,bare-none ;;
     t30kschema) need q15 && wr t15-C30000-schema --task C --rows 30000 --model $q15 --timeout 300 --runs schema,auto ;;
   esac
 }
