@@ -410,7 +410,8 @@ def grammar_fills(setting: str) -> str:
     why = _batch_fills_unready()
     if why:
         return f"vllm ({why})"
-    return f"batch (xgrammar's batch matcher, {fill_threads()} threads)"
+    threads = fill_threads()
+    return f"batch (xgrammar's batch matcher, {threads} thread{'s' if threads > 1 else ''})"
 
 
 def fills_wanted() -> bool:
