@@ -210,7 +210,7 @@ run_plan() {
     smol46) need smol && gb s-C6000-fills --task C --rows 6000 --model $smol --seqs 1024 --configs vllm,batch,free \
               --timeout 200
             need smol && wr smol-C30000-46 --task C --rows 30000 --model $smol --timeout 400 \
-              --runs warm-none,auto+warm,auto+log,bare-none ;;
+              --runs auto+log,bare-none ;;
     # where a drafted engine's longer start goes: vLLM's INFO log of warm starts with and without the schema drafter
     smolstart) need smol && wr smol-C64-start --task C --rows 6000 --model $smol --timeout 200 \
                  --runs schema+warm,schema+warm+log,none+warm+log ;;
