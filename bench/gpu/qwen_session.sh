@@ -42,6 +42,7 @@
 # PLAN schemaab: none and schema alternating, bare vLLM between them, after schemaprof's warm-ups (run20).
 # PLAN schemap2: what the schema engine costs requests that opt out of drafts (schema+p2 against none+p2, 6,000 rows).
 # PLAN smol46: SmolLM2's step (vLLM's fills, batchjson's, no grammar), then the default against bare vLLM at 30,000 rows.
+# PLAN replicas15mps: the 1.5B with 2 replicas against 1, warm, then both under CUDA MPS.
 # PLAN smolstart: warm engine starts of SmolLM2 with and without the schema drafter, vLLM's INFO log kept.
 # PLAN t15kab: schema and none alternating at 15,000 rows (where the drafts start to pay, between 6,000 and 30,000).
 # PLAN advance15 (issue 46): the grammars' advance in update_from_output on vLLM 0.26 and the host's cores: bench
@@ -211,6 +212,12 @@ run_plan() {
               --timeout 200
             need smol && wr smol-C30000-46 --task C --rows 30000 --model $smol --timeout 400 \
               --runs auto+log,bare-none ;;
+    # the 1.5B's two replicas, warm, without and with CUDA MPS (run14's 2 replicas, cold, decoded at about half one
+    # engine's rows/s while both ran: the engines' kernels taking turns on the GPU is the suspect)
+    replicas15mps) need q15 && wr rpg-t15-C30000-mps-off --task C --rows 30000 --model $q15 --timeout 300 \
+                     --runs none+rpg1+warm,none+rpg2+warm,none+rpg2,none+rpg1 \
+                   && mps start && wr rpg-t15-C30000-mps-on --task C --rows 30000 --model $q15 --timeout 300 \
+                     --runs none+rpg2,none+rpg1; mps stop ;;
     # where a drafted engine's longer start goes: vLLM's INFO log of warm starts with and without the schema drafter
     smolstart) need smol && wr smol-C64-start --task C --rows 6000 --model $smol --timeout 200 \
                  --runs schema+warm,schema+warm+log,none+warm+log ;;
