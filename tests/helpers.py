@@ -182,3 +182,19 @@ def at_commit_step(step: str, n: int, action, patch=setattr) -> None:
         self.after = after
 
     patch(Commits, "__init__", init)
+
+
+def record_reads(monkeypatch) -> list[str]:
+    """The names of the commit records' files (p1-/p2-*.json) read from now on through Location.read_bytes (on
+    object storage, two requests each), as a list that grows as they are read."""
+    from batchjson.storage.location import Location
+
+    read, read_bytes = [], Location.read_bytes
+
+    def counted(self):
+        if self.name.startswith(("p1-", "p2-")) and self.name.endswith(".json"):
+            read.append(self.name)
+        return read_bytes(self)
+
+    monkeypatch.setattr(Location, "read_bytes", counted)
+    return read

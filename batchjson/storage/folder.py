@@ -27,7 +27,6 @@ OUT may be a local folder or an object-storage prefix (s3://bucket/out, gs://...
 from __future__ import annotations
 
 import json
-from collections import Counter
 from pathlib import Path
 
 from batchjson.errors import InputError, OutputError, ResumeConflict, StorageFull, is_full
@@ -249,7 +248,7 @@ class Storage:
         known = {p.name[:-5]: p.read_json() for p in self.inputs.glob("*.json")}
         gone = {tag for tag, old in known.items() if (new := fingerprints.get(tag)) is None or _changed(old, new)}
         # the committed units of each file that changed or went: the records are read only when one did
-        used = Counter(r["file"] for r in self.commits.records(Stage.FIRST) if r["file"] in gone) if gone else {}
+        used = self.commits.used(gone) if gone else {}
         for tag, old in known.items():
             new = fingerprints.get(tag)
             if not used.get(tag):

@@ -3,13 +3,16 @@
 A resume needs every commit record (which input files have committed units, each file's size, what pass 2 has
 left) and ends with the exactly-once check. On object storage, reading one record is a HEAD and a GET, and the
 check reads every part file: at 10,000 units, tens of thousands of requests before the first prompt and after the
-last. So a run keeps the records it has read or written in the run state folder, as Arrow IPC streams (columns, in
-batches of BATCH rows, zstd-compressed), one row per record or checked file:
+last. So a run keeps the records it has read or written in the run state folder, as Arrow IPC files (columns, in
+batches of BATCH rows, zstd-compressed, each column of a batch read on its own), one row per record or checked file:
 
     name     the record's file name ("p1-<unit>.json"), or a part or record file's that a check read
     size, mtime    its stamp: what a listing says of it (size and modification time, ns)
     sha256   a record's: the digest of its file's bytes as the writing run read or wrote them; null for a file
     record   a record's: those bytes; null for a file a check read (a "checked" row)
+    file, kinds, rows_<kind>, size_<kind>, reasons    a record's, what a resume plans from (`planned`): its input
+             file's tag, the kinds of files it lists (a bit each), their rows and sizes, its reasons as JSON; null
+             for a checked row, and for a record they cannot say (`planned`: its bytes answer for it then)
 
     index.arrows            written when a check of the whole folder (no --shard) passes, at the end of a run
                             (its schema's metadata: "written", the time the check passed); its checked rows are
@@ -19,37 +22,46 @@ batches of BATCH rows, zstd-compressed), one row per record or checked file:
                             the records and files of the units the run checked as it finished them (verify.py's
                             `UnitChecks`), with the stamps they had when the check read them
 
-The next run reads the index and its parts before it decides to run, and deletes nothing then (a refused run
-touches nothing); a passing check of the whole folder writes index.arrows afresh and deletes the parts and the
-files of an earlier version's layout (gzip-compressed JSON: index.json.gz, index-part-N.json.gz), which are not
-read: their records are. It uses an entry instead of reading its record only when the record is listed with the
-indexed stamp and the entry's bytes have the indexed digest: an index cannot stand in for a record it does not
-match byte for byte, so a copy edited by hand is ignored and its record read; a stale entry (its unit redone since)
-no longer matches its record's stamp and is ignored too. At its end check a run trusts the units whose files are
-all listed with the stamps a check saw (the last passing check of the folder, or a run's check of the unit as it
-finished it: then its record too), and says how many it took from the index (verify.py). Anything else (a record or
-a file rewritten since, a damaged file of the index) is read as without the index.
+Each batch says in its custom metadata which rows it holds ("rows": records or checked), and a batch of records the
+digest of its planning columns ("fingerprint"). The next run reads the index and its parts before it decides to
+run, and deletes nothing then (a refused run touches nothing); a passing check of the whole folder writes
+index.arrows afresh and deletes the parts and the files of an earlier version's layout (gzip-compressed JSON, and
+the Arrow IPC streams of the version before this one), which are not read: their records are.
 
-Read a batch at a time, without a Python object per field: the records go onto a `Shelf` (shelf.py) as their bytes
-(at 100 million rows the records are about 145 MB of JSON); the checked rows stay Arrow columns until the end check
-asks for one (`checked`), as no planning needs them. A JSON index parsed an entry at a time took 4.8 s of a 10M-row
-resume's 9.4 s to its first prompt under cProfile (BENCHMARKS.md, "A resume that costs what is left").
+A resume plans from the planning columns alone (`Index.read` reads no other; `Commits.survey` compares them with the
+folders' listings as Arrow tables): the records' bytes and the checked rows are read only when first asked for,
+after the planning (the progress file's counts, the end check, the next index). An entry answers for its record
+only when the record is listed with the indexed stamp (a stale entry, its unit redone since, is ignored); its
+columns only where its batch has its fingerprint, and its bytes only where they have the indexed digest: a column
+or a copy edited by hand is ignored and its record read. `Index.write` gives a record planning columns only where
+its bytes have the digest it is handed. At its end check a run trusts the units whose files are all listed with the
+stamps a check saw (the last passing check of the folder, or a run's check of the unit as it finished it: then its
+record too), and says how many it took from the index (verify.py). Anything else (a record or a file rewritten
+since, a damaged file of the index) is read as without the index.
 
-What the index cannot prove is that it was written by a run: one rewritten whole, digests included, is believed
-for the units it names. Hence the end check's count of units taken from it; `batchjson verify` never uses it.
+Planned from columns, a resume parses no record the index answers for, and looks none up on a shelf: at 100
+million rows (195,320 records) that was 6.4-6.9 s of planning, and the shelves' SQLite file read back (BENCHMARKS.md,
+"The index as columns"). The bytes, once read, go onto a `Shelf` (shelf.py), at 100 million rows about 145 MB.
+
+What the index cannot prove is that it was written by a run: one rewritten whole, digests and fingerprints included,
+is believed for the units it names. Hence the end check's count of units taken from it; `batchjson verify` never
+uses it.
 """
 
 from __future__ import annotations
 
 import hashlib
 import itertools
+import threading
 import time
 from collections.abc import Iterable, Iterator
 
+import orjson
 import pyarrow as pa
 import pyarrow.compute as pc
 
 from batchjson.storage.location import Location
+from batchjson.storage.names import PartName
 from batchjson.storage.shelf import Shelf
 
 Stamp = tuple[int, int]
@@ -57,14 +69,61 @@ INDEX = "index.arrows"
 PART, SUFFIX = "index-part-", ".arrows"
 EARLIER = ("index.json", "index.json.gz")  # an earlier version's whole index (JSON): replaced, not read
 EARLIER_PART = ".json.gz"  # and its parts' suffix
+KINDS = ("output", "rejects", "requeue")
+BITS = {"output": 1, "rejects": 2, "requeue": 4}  # `kinds`: the kinds of files a record lists, a bit each
+PLANNED = ["name", "size", "mtime", "file", "kinds", *(f"rows_{k}" for k in KINDS), *(f"size_{k}" for k in KINDS),
+           "reasons"]
+"""The columns a resume plans from (`Index.read` reads no other): a record's name and stamp, and what its record
+says, as `planned` derives it; null in a checked row, and in a record's row that `planned` does not answer for."""
 SCHEMA = pa.schema([("name", pa.string()), ("size", pa.int64()), ("mtime", pa.int64()), ("sha256", pa.string()),
-                    ("record", pa.binary())])
+                    ("record", pa.binary()), ("file", pa.string()), ("kinds", pa.int8()),
+                    *((f"rows_{k}", pa.int64()) for k in KINDS), *((f"size_{k}", pa.int64()) for k in KINDS),
+                    ("reasons", pa.string())])
 BATCH = 4096
 COMPRESSION = pa.ipc.IpcWriteOptions(compression="zstd")
+RECORDS, CHECKED = b"records", b"checked"  # a batch's custom metadata "rows": which rows it holds
 
 
 def digest(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
+
+
+def fingerprint(batch: pa.RecordBatch) -> str:
+    """The digest of a batch's planning columns (PLANNED), as written and as read back (the IPC message of those
+    columns alone, uncompressed): a batch whose columns were edited since it was written no longer has it."""
+    return hashlib.sha256(batch.select(PLANNED).serialize()).hexdigest()
+
+
+def _count(value) -> bool:
+    return type(value) is int and value >= 0
+
+
+def planned(name: str, data: bytes, sha: str, record: dict | None = None) -> tuple | None:
+    """What a resume plans from in the record `name` whose file held `data` (PLANNED's columns after the stamp:
+    file, kinds, rows and sizes by kind, reasons as JSON), or None where the columns cannot say it all: bytes that
+    are not those of the digest `sha`, a record that is not one, or one that names its files otherwise than this
+    version does (its bytes answer for it then, parsed). `record`: `data` parsed already."""
+    if digest(data) != sha:
+        return None
+    try:
+        record = orjson.loads(data) if record is None else record
+    except orjson.JSONDecodeError:
+        return None
+    if not isinstance(record, dict):
+        return None
+    stage, key, files, rows = record.get("stage"), record.get("key"), record.get("files"), record.get("rows")
+    sizes, reasons, file = record.get("sizes", {}), record.get("reasons", {}), record.get("file")
+    if not (stage in ("p1", "p2") and isinstance(key, str) and name == f"{stage}-{key}.json" and isinstance(file, str)
+            and isinstance(files, dict) and isinstance(rows, dict) and isinstance(sizes, dict)
+            and isinstance(reasons, dict) and set(files) <= BITS.keys() and set(rows) <= BITS.keys()
+            and set(sizes) <= BITS.keys() and all(map(_count, rows.values())) and all(map(_count, sizes.values()))
+            and all(isinstance(r, str) and _count(n) for r, n in reasons.items())):
+        return None
+    if any(files[kind] != PartName(stage, key, kind).file_name() for kind in files):
+        return None
+    kinds = sum(BITS[kind] for kind in files)
+    return (file, kinds, *(rows.get(k, 0) for k in KINDS), *(sizes.get(k) for k in KINDS),
+            orjson.dumps(reasons, option=orjson.OPT_SORT_KEYS).decode())
 
 
 def _number(name: str) -> int | None:
@@ -107,14 +166,22 @@ class _Sink:
 
 
 class Index:
-    """The index as a run read it: `record(name, stamp)` and `checked(name, stamp)` answer from it."""
+    """The index as a run read it: the columns a resume plans from (`planned`), and, read only once asked for (after
+    the planning), the records' bytes (`record`, `copy`) and the checked stamps (`checked`)."""
 
     def __init__(self):
-        # record name -> (size, mtime_ns, sha256, the record's bytes): kept as bytes, as Commits keeps the records
-        self._records = Shelf(4)
-        self._files: list[pa.RecordBatch] = []  # the checked rows read (name, size, mtime), in the files' order
-        self._checked: Shelf | None = None  # them by name, once `checked` first asks: file name -> (size, mtime_ns)
+        self._state: Location | None = None
+        self._files: list[str] = []  # the files of the index read, in the order they were written
+        self.planned: pa.Table = SCHEMA.empty_table().select(PLANNED)
+        """One row per record whose columns answer for it (PLANNED), the later file's over the earlier's, whatever
+        its stamp: a row is of the record listed now only where the stamps agree (`Commits.survey`)."""
+        self._listed: pa.Table | None = None  # the records as listed when `listed` was told (name, size, mtime)
+        self._forgotten: set[str] = set()  # records gone since (`forget`): their entries answer for nothing
+        # record name -> (size, mtime_ns, sha256, the record's bytes), once first asked for (`_load`)
+        self._records: Shelf | None = None
+        self._checked: Shelf | None = None  # the checked rows by name, once `checked` first asks: name -> stamp
         self._vouched = Shelf(2)  # files this run's checks read (`vouch_files`): newer than any the index holds
+        self._loading = threading.Lock()
         self.written = ""
         """When the check that wrote it passed (UTC), as the end check's summary names it."""
         self.replaced: list[str] = []
@@ -124,46 +191,108 @@ class Index:
 
     @classmethod
     def read(cls, state: Location) -> Index:
-        """The index and its parts in the run state folder; empty if there are none. A file that does not read as
-        the index is left out (its records are read instead); an earlier version's (JSON) are not read. Deletes
-        nothing: `Commits.write_index` replaces them."""
+        """The index and its parts in the run state folder, their planning columns only (`planned`); empty if there
+        are none. A file that does not read as the index is left out (its records are read instead: an earlier
+        version's Arrow streams are among them); an earlier version's JSON files are not read. Deletes nothing:
+        `Commits.write_index` replaces them."""
         index, names = cls(), state.names()
+        index._state = state
         parts = part_names(names)
         index.next_part = max((_number(name) for name in parts), default=0) + 1
         index.replaced = [name for name in EARLIER if name in names]
+        tables: list[pa.Table] = []
         for name in ([INDEX] if INDEX in names else []) + parts:
             if name.endswith(SUFFIX):
                 try:
-                    data = (state / name).read_bytes()  # the store failing fails the run, as any read does
+                    index._each(name, lambda reader, name=name: index._plan(reader, tables, name == INDEX))
                 except FileNotFoundError:
-                    continue
-                try:
-                    index._take(data, whole=name == INDEX)
-                except (pa.ArrowException, ValueError, OSError):  # not the index's (cut short, overwritten)
-                    pass  # its batches read before the damage are kept: each entry was checked by its own digest
+                    pass
+                else:
+                    index._files.append(name)
             if name != INDEX:
                 index.replaced.append(name)
+        index.planned = _latest(pa.concat_tables(tables)) if tables else index.planned
         return index
 
-    def _take(self, data: bytes, whole: bool) -> None:
-        """One file of the index, a batch at a time: its records onto the shelf, each only if its bytes have its
-        digest (one edited by hand is left out: its record is read instead); its checked rows kept as columns.
-        `whole`: the whole index, whose time is this index's (a part's is not)."""
-        reader = pa.ipc.open_stream(pa.BufferReader(data))
-        if not reader.schema.equals(SCHEMA):
+    def _each(self, name: str, read) -> None:
+        """`read(the open IPC file reader of the index's file `name`, its batches read only as asked for)`, each
+        batch of the columns it asks for only (a local file: a read per column of a batch), or from the file's
+        bytes read whole (object storage: one GET). A file that does not read as the index (cut short, overwritten,
+        an earlier version's) ends `read` where it fails: its batches read before are kept, each vouched for by its
+        own digest; the store failing to read it fails the run, as any read does."""
+        file = self._state / name
+
+        def opened(source) -> None:
+            try:
+                read(lambda fields: pa.ipc.open_file(source, options=pa.ipc.IpcReadOptions(included_fields=[
+                    SCHEMA.get_field_index(f) for f in fields])))
+            except (pa.ArrowException, ValueError, OSError):  # not the index's (cut short, overwritten, earlier)
+                pass
+
+        if file.local:
+            file.read_with(opened)
+        else:
+            opened(pa.BufferReader(file.read_bytes()))
+
+    def _plan(self, reader, tables: list[pa.Table], whole: bool) -> None:
+        """The planning columns of one file's records (`planned`): a batch's only where they have the digest written
+        with them (`fingerprint`), and of the rows that `planned` answered for when it was written."""
+        probe, columns = reader(["kinds"]), reader(PLANNED)
+        if not columns.schema.equals(pa.schema([SCHEMA.field(f) for f in PLANNED])):
             raise ValueError("not the index's layout")
         if whole:
-            self.written = (reader.schema.metadata or {}).get(b"written", b"").decode()
-        for batch in reader:
-            listed = batch.column("record").is_valid()
-            records = batch.filter(listed).to_pydict()
-            self._records.update(
-                (name, (size, mtime, sha, data))
-                for name, size, mtime, sha, data in zip(*records.values())
-                if None not in (name, size, mtime, sha) and digest(data) == sha)
-            files = batch.filter(pc.invert(listed)).select(["name", "size", "mtime"]).drop_null()
-            if files.num_rows:
-                self._files.append(files)
+            self.written = (probe.schema.metadata or {}).get(b"written", b"").decode()
+        for i in range(probe.num_record_batches):
+            _, meta = probe.get_batch_with_custom_metadata(i)
+            if meta is None or meta.get(b"rows") != RECORDS:
+                continue
+            batch = columns.get_batch(i)
+            if meta.get(b"fingerprint", b"").decode() == fingerprint(batch):
+                tables.append(pa.Table.from_batches([batch]).filter(pc.is_valid(batch.column("kinds"))))
+
+    def listed(self, records: pa.Table) -> None:
+        """The records as listed now (name, size, mtime): the index's copies answer only for these stamps."""
+        self._listed = records
+
+    def answers(self) -> pa.Table:
+        """The rows of `planned` whose stamp is the listed record's (`listed`): what the index answers for."""
+        if self._listed is None:
+            return self.planned.slice(0, 0)
+        joined = self.planned.join(self._listed, "name", right_suffix="_now")
+        same = pc.and_(pc.equal(joined["size"], joined["size_now"]), pc.equal(joined["mtime"], joined["mtime_now"]))
+        return joined.filter(same).select(PLANNED)
+
+    def _load(self) -> Shelf:
+        """The records' bytes, read once first asked for (after the planning, which reads none): each kept only
+        where its bytes have its digest (one edited by hand is left out: its record is read instead) and its stamp
+        is the listed record's (`listed`; a record not listed has none), not forgotten since."""
+        with self._loading:
+            if self._records is not None:
+                return self._records
+            records, listed = Shelf(4), self._listed
+            for name in self._files:
+                def take(reader) -> None:
+                    file = reader(["name", "size", "mtime", "sha256", "record"])
+                    for i in range(file.num_record_batches):
+                        batch = file.get_batch(i)
+                        batch = batch.filter(pc.is_valid(batch.column("record")))
+                        if listed is not None:  # the rows whose stamp is the listed record's, against this batch
+                            now = listed.filter(pc.is_in(listed["name"], value_set=batch.column("name")))
+                            batch = pa.Table.from_batches([batch]).join(now, "name", right_suffix="_now")
+                            batch = batch.filter(pc.and_(pc.equal(batch["size"], batch["size_now"]),
+                                                         pc.equal(batch["mtime"], batch["mtime_now"])))
+                        rows = batch.select(["name", "size", "mtime", "sha256", "record"]).to_pydict()
+                        records.update(
+                            (name, (size, mtime, sha, data))
+                            for name, size, mtime, sha, data in zip(*rows.values())
+                            if None not in (name, size, mtime, sha) and name not in self._forgotten
+                            and digest(data) == sha)
+                try:
+                    self._each(name, take)
+                except FileNotFoundError:
+                    continue  # gone since it was read: its records are read instead
+            self._records = records
+            return records
 
     def vouch_files(self, checked: Iterable[tuple[str, Stamp]]) -> None:
         """Files (name, stamp) that a check of this run read: `checked` answers for them while they keep these
@@ -172,28 +301,29 @@ class Index:
 
     def record(self, name: str, listed: Stamp) -> tuple[str, bytes] | None:
         """The indexed record `name`, listed now with stamp `listed`, if its stamp is still the indexed one (its copy
-        is, byte for byte, the record file the digest was taken of: `_take` kept no other): (digest, the record's
+        is, byte for byte, the record file the digest was taken of: `_load` kept no other): (digest, the record's
         bytes)."""
-        found = self._records.get(name)
+        found = self._load().get(name)
         if found is None or tuple(found[:2]) != tuple(listed):
             return None
         return found[2], found[3]
 
-    def drop_stale(self, name: str, listed: Stamp) -> None:
-        """Drop the entry of record `name` if it is listed now with another stamp than the indexed one: its record
-        was rewritten since (its unit redone), and `copy` answers for the records as listed."""
-        found = self._records.get(name)
-        if found is not None and tuple(found[:2]) != tuple(listed):
-            self._records.pop(name)
-
     def copy(self, name: str) -> bytes | None:
-        """The index's copy of record `name` (the bytes its digest is of), after `drop_stale`; None without one."""
-        found = self._records.get(name)
+        """The index's copy of record `name` (the bytes its digest is of) as listed (`listed`); None without one."""
+        found = self._load().get(name)
         return None if found is None else found[3]
+
+    @property
+    def loaded(self) -> bool:
+        """Whether the records' bytes have been read (`_load`)."""
+        return self._records is not None
 
     def forget(self, name: str) -> None:
         """The record `name` is gone (its unit is redone): its entry answers for nothing."""
-        self._records.pop(name)
+        with self._loading:
+            self._forgotten.add(name)
+            if self._records is not None:
+                self._records.pop(name)
 
     def checked(self, name: str, now: Stamp | None) -> bool:
         """Whether the part or record file `name`, listed now with stamp `now`, is as a check read it: this run's
@@ -203,41 +333,63 @@ class Index:
         found = self._vouched.get(name)
         if found is None:
             if self._checked is None:  # the index's checked rows by name, the later file's over the earlier's
-                self._checked = Shelf(2)
-                for files in self._files:
-                    self._checked.update((n, (s, m)) for n, s, m in zip(*files.to_pydict().values()))
-                self._files.clear()
+                checked = Shelf(2)
+                for file in self._files:
+                    def take(reader) -> None:
+                        rows, names = reader(["kinds"]), reader(["name", "size", "mtime"])
+                        for i in range(rows.num_record_batches):
+                            _, meta = rows.get_batch_with_custom_metadata(i)
+                            if meta is not None and meta.get(b"rows") == CHECKED:
+                                files = names.get_batch(i).drop_null()
+                                checked.update((n, (s, m)) for n, s, m in zip(*files.to_pydict().values()))
+                    try:
+                        self._each(file, take)
+                    except FileNotFoundError:
+                        continue  # gone since it was read: its units are read by the end check
+                self._checked = checked
             found = self._checked.get(name)
         return found is not None and tuple(found) == tuple(now)
 
     @staticmethod
-    def write(file: Location, records: Iterable[tuple[str, Stamp, str, bytes]],
-              checked: Iterable[tuple[str, Stamp]] = ()) -> None:
-        """`records`: (record name, stamp, digest of its file's bytes, those bytes), one at a time; `checked`: (part
-        or record file name, stamp). Written BATCH rows at a time, the file's pieces as they come, so the index of a
-        large folder is never held whole."""
+    def write(file: Location, records: Iterable[tuple], checked: Iterable[tuple[str, Stamp]] = ()) -> None:
+        """`records`: (record name, stamp, digest of its file's bytes, those bytes[, those bytes parsed]), one at a
+        time; `checked`: (part
+        or record file name, stamp). An Arrow IPC file written BATCH rows at a time, the file's pieces as they come,
+        so the index of a large folder is never held whole: a record's row with its planning columns (`planned`;
+        null where they cannot answer for it), each batch of records with their digest (`fingerprint`)."""
         schema = SCHEMA.with_metadata({"written": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())})
 
-        def batches() -> Iterator[pa.RecordBatch]:
+        def batches() -> Iterator[tuple[pa.RecordBatch, dict]]:
             for chunk in _chunks(records):
-                names, stamps, digests, data = zip(*chunk)
-                yield pa.record_batch([list(names), [s[0] for s in stamps], [s[1] for s in stamps], list(digests),
-                                       list(data)], schema=schema)
+                rows = [(name, *stamp, sha, data, *(planned(name, data, sha, *parsed) or (None,) * (len(PLANNED) - 3)))
+                        for name, stamp, sha, data, *parsed in chunk]
+                batch = pa.record_batch([pa.array(column, field.type) for column, field in zip(zip(*rows), SCHEMA)],
+                                        schema=schema)
+                yield batch, {"rows": RECORDS, "fingerprint": fingerprint(batch)}
             for chunk in _chunks(checked):
                 names, stamps = zip(*chunk)
-                yield pa.record_batch([list(names), [s[0] for s in stamps], [s[1] for s in stamps],
-                                       pa.nulls(len(names), pa.string()), pa.nulls(len(names), pa.binary())],
-                                      schema=schema)
+                n = len(names)
+                columns = [pa.array(names, pa.string()), pa.array([s[0] for s in stamps], pa.int64()),
+                           pa.array([s[1] for s in stamps], pa.int64()),
+                           *(pa.nulls(n, field.type) for field in list(SCHEMA)[3:])]
+                yield pa.record_batch(columns, schema=schema), {"rows": CHECKED}
 
         def pieces() -> Iterator[bytes]:
             sink = _Sink()
-            with pa.ipc.new_stream(sink, schema, options=COMPRESSION) as writer:
-                for batch in batches():
-                    writer.write_batch(batch)
+            with pa.ipc.new_file(sink, schema, options=COMPRESSION) as writer:
+                for batch, meta in batches():
+                    writer.write_batch(batch, custom_metadata=meta)
                     yield sink.take()
             yield sink.take()
 
         file.write_json(pieces())
+
+
+def _latest(table: pa.Table) -> pa.Table:
+    """`table`'s rows, one per name: the last of each (the later file's entry over the earlier's)."""
+    table = table.append_column("at", pa.array(range(table.num_rows), pa.int64()))
+    last = table.group_by("name", use_threads=False).aggregate([("at", "max")])["at_max"]
+    return table.take(pc.sort_indices(last)).drop_columns(["at"])
 
 
 def _chunks(items: Iterable) -> Iterator[list]:

@@ -21,7 +21,7 @@ from batchjson.engine.fake import FakeEngines
 from batchjson.job import run_job
 from batchjson.spec import load_spec
 from batchjson.storage import PartName, UnitName
-from helpers import ENV, HERE, assert_exactly_once, write_job, write_rows
+from helpers import ENV, HERE, assert_exactly_once, record_reads, write_job, write_rows
 
 
 @pytest.mark.parametrize("part, name", [
@@ -114,9 +114,9 @@ def test_a_resume_reads_a_record_rewritten_after_the_index_and_survives_a_damage
 
 
 def read_index(state: Path, name: str = "index.arrows") -> dict:
-    """A file of the index (an Arrow IPC stream, storage/index.py) as a dict: "written", "records" (name ->
+    """A file of the index (an Arrow IPC file, storage/index.py) as a dict: "written", "records" (name ->
     stamp, sha256 and the record parsed) and "checked" (name -> stamp)."""
-    reader = pa.ipc.open_stream((state / name).read_bytes())
+    reader = pa.ipc.open_file(pa.BufferReader((state / name).read_bytes()))
     index = {"written": reader.schema.metadata[b"written"].decode(), "records": {}, "checked": {}}
     for row in reader.read_all().to_pylist():
         stamp = [row["size"], row["mtime"]]
@@ -274,8 +274,6 @@ def test_a_killed_run_leaves_its_records_folded_for_its_resume(tmp_path, tiny_mo
     killed midway (SIGKILL), it leaves them, and its resume reads only the records written after the last part, not
     each record (two requests each on object storage); the resume's passing check replaces the parts with one
     index, and the folder holds each row once."""
-    from batchjson.storage.location import Location
-
     write_rows(tmp_path / "in.parquet", 40)
     job = write_job(tmp_path, tiny_model, tmp_path / "in.parquet", batch_size=2)  # 20 units
     out, state = tmp_path / "out", tmp_path / "out" / "_batchjson"
@@ -285,14 +283,7 @@ def test_a_killed_run_leaves_its_records_folded_for_its_resume(tmp_path, tiny_mo
     records = list((state / "units").glob("p[12]-*.json"))
     parts = sorted(state.glob("index-part-*.arrows"))
     assert len(records) == 15 and len(parts) == 3, (records, parts)
-    read, read_bytes = [], Location.read_bytes
-
-    def counted(self):
-        if self.name.startswith(("p1-", "p2-")) and self.name.endswith(".json"):
-            read.append(self.name)
-        return read_bytes(self)
-
-    monkeypatch.setattr(Location, "read_bytes", counted)
+    read = record_reads(monkeypatch)
     report = run_job(load_spec(job), str(out), engine_factory=FakeEngines(valid=0.6), progress=False)
     assert report.resumed and report.verified["complete"], report.verified
     assert len(read) <= 3, read  # the records written after the last part (12 of 15 folded)
@@ -331,9 +322,11 @@ def test_units_committed_by_replicas_are_checked_as_they_commit(tmp_path, tiny_m
 
 
 def test_a_resume_looks_each_record_up_once_to_plan(tmp_path, tiny_model, monkeypatch):
-    """Before the first prompt a resume looks each commit record up once to plan (the damage check, what pass 2
-    has left and its rows: Commits.survey), and once more for the progress file; it looked a unit waiting for pass 2
-    up four times, which at 100 million rows (195,320 records on the shelves) kept its first prompt at 21 s."""
+    """Before the first prompt a resume parses each commit record the index does not answer for once (the damage
+    check, what pass 2 has left and its rows, the progress file's tally: Commits.survey), and none that it answers
+    for; it looked a unit waiting for pass 2 up four times once, which at 100 million rows (195,320 records on the
+    shelves) kept its first prompt at 21 s. Killed before any part of the index was written, every record is
+    parsed, once."""
     from batchjson.storage import Commits
 
     write_rows(tmp_path / "in.parquet", 40)
@@ -342,22 +335,22 @@ def test_a_resume_looks_each_record_up_once_to_plan(tmp_path, tiny_model, monkey
     killed = subprocess.run([sys.executable, str(HERE / "fake_runner.py"), str(job), str(out), "p2:begin", "1"],
                             env=ENV | {"FAKE_VALID": "0.3"}, capture_output=True, text=True, timeout=300)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
-    looks, at_start, record = [], [], Commits.record
+    looks, at_start, load = [], [], Commits._load
 
-    def counted(self, stage, key):
-        looks.append((stage, key))
-        return record(self, stage, key)
+    def counted(self, name):
+        looks.append(name)
+        return load(self, name)
 
     class Marked(FakeEngines):
         def start(self, *args):
             at_start.append(list(looks)) if not at_start else None
             return super().start(*args)
 
-    monkeypatch.setattr(Commits, "record", counted)
+    monkeypatch.setattr(Commits, "_load", counted)
     report = run_job(load_spec(job), str(out), engine_factory=Marked(valid=0.6), progress=False)
     assert report.resumed and report.verified["complete"] and at_start, report.verified
     counts = Counter(at_start[0])
-    assert counts and max(counts.values()) <= 2, counts
+    assert counts and max(counts.values()) == 1, counts
 
 
 def test_a_run_whose_state_outgrows_memory_resumes_and_checks_as_one_that_fits(tmp_path, tiny_model, monkeypatch):

@@ -1,0 +1,163 @@
+"""A resume plans from the index's columns (storage/index.py, Commits.survey): the records it answers for are not
+read, and what it cannot vouch for is read as without it: a record written after its last part, a record or a part
+file changed since, a part file deleted, a column edited by hand."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+
+from batchjson.engine.fake import FakeEngines
+from batchjson.job import run_job
+from batchjson.spec import load_spec
+from batchjson.storage import Storage
+from batchjson.storage.index import INDEX, PLANNED, SCHEMA, Index, digest, fingerprint, planned
+from batchjson.storage.location import Location, json_bytes
+from batchjson.storage.progress import add_record
+from helpers import assert_exactly_once, record_reads, write_job, write_rows
+
+
+@pytest.fixture
+def finished(tmp_path, tiny_model) -> tuple[Path, Path]:
+    """A finished run of 12 units (both passes), its index written: the job and its output folder."""
+    write_rows(tmp_path / "in.parquet", 48)
+    job = write_job(tmp_path, tiny_model, tmp_path / "in.parquet", batch_size=4)
+    report = run_job(load_spec(job), str(tmp_path / "out"), engine_factory=FakeEngines(valid=0.5, seed=3),
+                     progress=False)
+    assert report.verified["complete"] and (tmp_path / "out" / "_batchjson" / INDEX).exists()
+    return job, tmp_path / "out"
+
+
+def survey(out: Path, monkeypatch) -> tuple:
+    """Commits.survey of the folder as a resume runs it (the index read, then the survey): the survey and the
+    names of the record files it read."""
+    read_bytes = Location.read_bytes
+    read = record_reads(monkeypatch)
+    storage = Storage(out)
+    storage.commits.read_index()
+    keys = sorted({json.loads(p.read_text())["key"] for p in (out / "_batchjson" / "units").glob("p1-*.json")})
+    found = storage.commits.survey(keys, "id")
+    monkeypatch.setattr(Location, "read_bytes", read_bytes)
+    return found, read
+
+
+def tallied(out: Path, but: set[str] = frozenset()) -> dict:
+    """progress.py's tally of the folder's records, parsed one by one (the units `but` left out)."""
+    passes = {}
+    for path in sorted((out / "_batchjson" / "units").glob("p[12]-*.json")):
+        record = json.loads(path.read_text())
+        if record["key"] not in but:
+            add_record(passes, record)
+    return passes
+
+
+def test_a_resume_plans_from_the_columns_without_reading_a_record(finished, monkeypatch):
+    """Every record answered for by the index: none read, and the survey finds what parsing each record finds (no
+    damage, what pass 2 has left, the progress file's tally)."""
+    _, out = finished
+    found, read = survey(out, monkeypatch)
+    assert read == [] and found.damaged == {} and found.second == {}
+    assert found.passes == tallied(out) and found.passes["p1"]["units"] == 12, found.passes
+
+
+def test_what_the_columns_cannot_vouch_for_is_read(finished, monkeypatch):
+    """A record written after the index (its entry gone from it), a record rewritten since (another stamp), a part
+    file truncated (its size not the record's), a part file deleted by hand: the first two are read, the last two
+    named damaged; the rest answered from the columns."""
+    job, out = finished
+    state, units = out / "_batchjson", out / "_batchjson" / "units"
+    records = {p.name: json.loads(p.read_text()) for p in units.glob("p1-*.json")}
+    names = sorted(records, key=lambda n: "output" in records[n]["files"])[-4:]  # four with an output file
+    index = Location.of(state / INDEX)
+    table = pa.ipc.open_file(pa.BufferReader(index.read_bytes())).read_all()
+    rows = [r for r in table.to_pylist() if r["record"] is not None and r["name"] != names[0]]
+    checked = [(r["name"], (r["size"], r["mtime"])) for r in table.to_pylist() if r["record"] is None]
+    Index.write(index, [(r["name"], (r["size"], r["mtime"]), r["sha256"], r["record"]) for r in rows], checked)
+    rewritten = units / names[1]
+    rewritten.write_bytes(rewritten.read_bytes() + b"\n")  # the same record, another size: its entry is stale
+    truncated = out / records[names[2]]["files"]["output"]
+    truncated.write_bytes(truncated.read_bytes()[:-10])
+    gone = out / records[names[3]]["files"]["output"]
+    gone.unlink()
+
+    found, read = survey(out, monkeypatch)
+    assert sorted(read) == sorted(names[:2]), read
+    key = {n: records[n]["key"] for n in names}
+    assert found.damaged == {
+        key[names[2]]: f"{truncated.name} held {truncated.stat().st_size} bytes, not the "
+                       f"{truncated.stat().st_size + 10} its commit record lists",
+        key[names[3]]: f"{gone.name} was missing"}, found.damaged
+    assert found.passes == tallied(out, {key[names[2]], key[names[3]]})
+
+    report = run_job(load_spec(job), str(out), engine_factory=FakeEngines(valid=0.5, seed=3), progress=False)
+    assert report.verified["complete"], report.verified
+    assert_exactly_once([f"r{i:05d}" for i in range(48)], out, out / "_rejects")
+
+
+def test_a_column_edited_by_hand_vouches_for_nothing(finished, monkeypatch):
+    """Tried as a hostile user would: a unit's row in the index's planning columns says its output file holds
+    another size (the file truncated to it), with every record's bytes and digest left as they were. The batch no
+    longer has its fingerprint, so no record of it is planned from the columns: each is read, and the truncated
+    file found."""
+    _, out = finished
+    index = Location.of(out / "_batchjson" / INDEX)
+    table = pa.ipc.open_file(pa.BufferReader(index.read_bytes())).read_all()
+    rows = table.to_pylist()
+    victim = next(r for r in rows if r["record"] is not None and r["size_output"])
+    victim["size_output"] -= 10
+    part = out / json.loads(victim["record"])["files"]["output"]
+    part.write_bytes(part.read_bytes()[:-10])
+    edited = pa.Table.from_pylist(rows, schema=SCHEMA)
+    records = edited.filter(pa.compute.is_valid(edited["record"]))
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_file(sink, SCHEMA) as writer:  # the fingerprint of the batch as it was written
+        batch = records.combine_chunks().to_batches()[0]
+        writer.write_batch(batch, custom_metadata={"rows": "records", "fingerprint": fingerprint(
+            pa.Table.from_pylist(table.filter(pa.compute.is_valid(table["record"])).to_pylist(), schema=SCHEMA)
+            .combine_chunks().to_batches()[0])})
+    index.write_bytes(sink.getvalue().to_pybytes())
+
+    found, read = survey(out, monkeypatch)
+    assert len(read) == records.num_rows, read  # none planned from the edited batch
+    key = json.loads(victim["record"])["key"]
+    assert list(found.damaged) == [key] and "held" in found.damaged[key], found.damaged
+
+
+def test_a_record_the_columns_cannot_say_is_read(tmp_path):
+    """`planned` answers only for a record whose bytes have its digest and that names its files as this version
+    does; anything else is left to its bytes (read and parsed)."""
+    record = {"stage": "p1", "key": "u1", "files": {"output": "p1-u1.parquet", "requeue": "u1.parquet"},
+              "rows": {"output": 3, "requeue": 1}, "sizes": {"output": 100, "requeue": 50}, "file": "in_0",
+              "reasons": {"b": 1, "a": 2}}
+    data = json_bytes(record)
+    assert planned("p1-u1.json", data, digest(data)) == ("in_0", 5, 3, 0, 1, 100, None, 50, '{"a":2,"b":1}')
+    assert planned("p1-u1.json", data, digest(data + b" ")) is None  # not the bytes of its digest
+    assert planned("p1-u2.json", data, digest(data)) is None  # not its name
+    odd = json_bytes(record | {"files": {"output": "elsewhere.parquet"}})
+    assert planned("p1-u1.json", odd, digest(odd)) is None
+    assert planned("p1-u1.json", b"{", digest(b"{")) is None
+    assert len(PLANNED) == 3 + len(planned("p1-u1.json", data, digest(data)))
+
+
+def test_an_index_of_the_version_before_is_not_read_but_replaced(finished, monkeypatch):
+    """The version before wrote the index as an Arrow IPC stream of the records' bytes (no planning columns): it does
+    not read as this version's, so its records are read, each once, and the run's passing check writes the index
+    afresh, which the next resume plans from."""
+    job, out = finished
+    index = Location.of(out / "_batchjson" / INDEX)
+    table = pa.ipc.open_file(pa.BufferReader(index.read_bytes())).read_all().select(
+        ["name", "size", "mtime", "sha256", "record"])
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table)
+    index.write_bytes(sink.getvalue().to_pybytes())
+    found, read = survey(out, monkeypatch)
+    units = sorted(p.name for p in (out / "_batchjson" / "units").glob("p[12]-*.json"))
+    assert sorted(read) == units and found.damaged == {} and found.passes == tallied(out)
+    report = run_job(load_spec(job), str(out), engine_factory=FakeEngines(valid=0.5, seed=3), progress=False)
+    assert report.verified["complete"], report.verified
+    found, read = survey(out, monkeypatch)
+    assert read == [] and found.passes == tallied(out)
