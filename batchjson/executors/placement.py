@@ -23,12 +23,16 @@ GIB = 1 << 30
 # against fewer engines per GPU, for models of that size, on hosts of that many cores per replica, on jobs of that many
 # rows (BENCHMARKS.md, "Replicas per GPU"). Measured on an H200 (140 GiB, 16 cores), 30,000 rows, each model in one
 # sitting: SmolLM2-135M (0.25 GiB, 0.18% of it) 1, 2, 3, 4 replicas 194.6, 153.3, 118.0, 121.0 s (bare vLLM's one
-# engine 251.4 s); Qwen2.5-Coder-0.5B (1.17 GiB, 0.84%) 1, 2, 3 replicas 179.3, 122.5, 112.4 s; the same valid rows.
-# Three hold wherever two did (8 cores and 15,000 rows for each of two), so two has no row of its own; four gained
-# nothing on three. Below its rows (a small job ends before another engine's start pays), above its share (the 1.5B
-# target, 2.4%: two replicas 229.1 s against one's 155.1 s, two sittings), or with fewer cores: one per GPU.
+# engine 251.4 s); Qwen2.5-Coder-0.5B (1.17 GiB, 0.84%) 1, 2, 3 replicas 179.3, 122.5, 112.4 s; the Qwen2.5-Coder
+# 1.5B (3.3 GiB, 2.4%), every run warm, 2 replicas 128.7 s against one's 152.7 s (the decode after the first request
+# x1.32 one's rows/s; its two engines' steps cost what one's did, 55.5 against 54.1 ms); the same valid rows. Three
+# hold wherever two did for the small ones (8 cores and 15,000 rows for each of two); four gained nothing on three.
+# Two replicas of the 1.5B pay from about 17,500 rows (the second engine's start, ~40 s, is decoded through by one),
+# so their row asks 15,000 rows each, where it was measured. Below a row's rows (a small job ends before another
+# engine's start pays), above its share (a model larger than the 1.5B: not measured), or with fewer cores: one.
 REPLICAS_PER_GPU_RULE: tuple[tuple[float, int, int, int], ...] = (
     (0.01, 5, 10_000, 3),
+    (0.025, 5, 15_000, 2),
     (1.0, 0, 0, 1),
 )
 

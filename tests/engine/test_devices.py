@@ -135,7 +135,8 @@ def test_the_spec_hash_ignores_replicas_per_gpu(tmp_path, tiny_model):
 
 def test_auto_shares_a_gpu_only_where_it_was_measured_to_pay():
     """The measured rule: SmolLM2-135M and the Qwen2.5-Coder 0.5B on an H200 of a 16-core host, 30,000 rows: three
-    replicas (5 cores and 10,000 rows for each). A smaller job, fewer cores, or the 1.5B target: one."""
+    replicas (5 cores and 10,000 rows for each); the 1.5B target two (15,000 rows each). A smaller job, fewer cores, a
+    larger model: one."""
     smol, coder05, target, h200 = int(0.25 * GIB), int(1.17 * GIB), int(3.31 * GIB), 140 * GIB
     n, why = auto_per_gpu(smol, h200, 16, 1, 30_000)
     assert n == 3 and "measured to pay" in why and "5 cores per replica" in why
@@ -143,13 +144,19 @@ def test_auto_shares_a_gpu_only_where_it_was_measured_to_pay():
     n, why = auto_per_gpu(smol, h200, 16, 1, 600)  # a small job: ends before a second engine's start pays
     assert n == 1 and "no measured rule shares a GPU" in why and "600 rows" in why and "0.25 GiB" in why
     assert auto_per_gpu(smol, h200, 16, 1, 25_000)[0] == 1  # 8,333 rows each
-    assert auto_per_gpu(smol, h200, 14, 1, 30_000)[0] == 1  # 4 cores each
+    assert auto_per_gpu(smol, h200, 14, 1, 30_000)[0] == 2  # 4 cores for each of three: two, 7 each
+    assert auto_per_gpu(smol, h200, 9, 1, 30_000)[0] == 1  # 4 cores for each of two
     assert auto_per_gpu(smol, h200, 20, 1, 40_000)[0] == 3
     assert auto_per_gpu(smol, h200, 32, 2, 60_000)[0] == 3  # two GPUs, 5 cores and 10,000 rows for each replica
     assert auto_per_gpu(smol, h200, 32, 2, 40_000)[0] == 1  # 6,667 rows each
     assert auto_per_gpu(coder05, h200, 16, 1, 30_000)[0] == 3  # the 0.5B: 0.84% of the GPU
-    assert auto_per_gpu(coder05, 80 * GIB, 16, 1, 30_000)[0] == 1  # 1.5% of an 80 GiB GPU: not measured
-    assert auto_per_gpu(target, h200, 64, 1, 1_000_000)[0] == 1  # the 1.5B: never shared
+    assert auto_per_gpu(coder05, 80 * GIB, 16, 1, 30_000)[0] == 2  # 1.5% of an 80 GiB GPU: the 1.5B's row
+    n, why = auto_per_gpu(target, h200, 16, 1, 30_000)  # the 1.5B: two, 8 cores and 15,000 rows for each
+    assert n == 2 and "8 cores per replica" in why
+    assert auto_per_gpu(target, h200, 16, 1, 6_000)[0] == 1  # ends before the second engine's start pays
+    assert auto_per_gpu(target, h200, 8, 1, 30_000)[0] == 1  # 4 cores each
+    assert auto_per_gpu(target, 80 * GIB, 16, 1, 30_000)[0] == 1  # 4.1% of an 80 GiB GPU: not measured
+    assert auto_per_gpu(int(15 * GIB), h200, 64, 1, 1_000_000)[0] == 1  # a 7B: never shared
     assert auto_per_gpu(None, h200, 16, 1) == (1, "auto: the model's weights or the GPU's memory are unknown")
 
 
