@@ -123,7 +123,12 @@ def choose_per_gpu(model: ModelSpec, groups: int, per: int, cores: int, memory: 
     from batchjson.engine.models import resolve_model, weight_bytes
 
     weights = weight_bytes(resolve_model(model.path))
-    return auto_per_gpu(weights // per if weights else None, memory, cores, groups, rows)
+    n, why = auto_per_gpu(weights // per if weights else None, memory, cores, groups, rows)
+    given = model.engine.get("gpu_memory_utilization")  # the user's share for each engine: auto fits within it
+    fit = max(1, math.floor(1 / given + 1e-9)) if given else n
+    if n > fit:
+        return fit, f"{why}; {fit} with model.engine.gpu_memory_utilization = {given}"
+    return n, why
 
 
 def replica_count(gpus: int, per: int, per_gpu: int, requested: int | None, where: str, hint: str) -> int:

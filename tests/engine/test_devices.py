@@ -180,6 +180,20 @@ def test_auto_reads_the_models_weights(tmp_path, monkeypatch):
     assert choose_per_gpu(ModelSpec(path=str(tmp_path), replicas_per_gpu=4), 1, 1, 8, None) == (4, "model.replicas_per_gpu = 4")
 
 
+def test_auto_fits_the_users_gpu_memory_utilization(tmp_path, monkeypatch):
+    """A gpu_memory_utilization the user set is each engine's: auto takes no more engines than fit it (0.85 took a
+    job that ran on one engine to exit 2 once auto chose two)."""
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "model.safetensors").write_bytes(b"\0" * 4096)
+    model = lambda given: ModelSpec(path=str(tmp_path), engine={"gpu_memory_utilization": given})  # noqa: E731
+    assert choose_per_gpu(model(0.85), 1, 1, 16, 1 << 20, 30_000) == (
+        1, "auto: weights 0.00 GiB, 0.4% of a 0 GiB GPU, 5 cores per replica: measured to pay; 1 with "
+           "model.engine.gpu_memory_utilization = 0.85")
+    assert choose_per_gpu(model(0.45), 1, 1, 16, 1 << 20, 30_000)[0] == 2
+    assert choose_per_gpu(model(0.3), 1, 1, 16, 1 << 20, 30_000)[0] == 3
+    assert choose_per_gpu(model(0.25), 1, 1, 16, 1 << 20, 30_000)[0] == 3  # four fit, the rule takes three
+
+
 def test_each_replicas_threads_are_its_share_of_the_cores():
     assert threads_per_replica(2, 16) == 4  # the measured 4, where the cores allow it
     assert threads_per_replica(8, 16) == 2
