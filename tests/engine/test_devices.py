@@ -180,9 +180,9 @@ def test_auto_reads_the_models_weights(tmp_path, monkeypatch):
     assert choose_per_gpu(ModelSpec(path=str(tmp_path), replicas_per_gpu=4), 1, 1, 8, None) == (4, "model.replicas_per_gpu = 4")
 
 
-def test_auto_fits_the_users_gpu_memory_utilization(tmp_path, monkeypatch):
-    """A gpu_memory_utilization the user set is each engine's: auto takes no more engines than fit it (0.85 took a
-    job that ran on one engine to exit 2 once auto chose two)."""
+def test_auto_fits_the_users_gpu_memory_utilization(tmp_path):
+    """A gpu_memory_utilization the user set is each engine's: auto takes no more engines than fit it (with 0.85, a
+    job that ran on one engine exited 2 once auto chose two)."""
     (tmp_path / "config.json").write_text("{}")
     (tmp_path / "model.safetensors").write_bytes(b"\0" * 4096)
     model = lambda given: ModelSpec(path=str(tmp_path), engine={"gpu_memory_utilization": given})  # noqa: E731
