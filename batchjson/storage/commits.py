@@ -34,7 +34,8 @@ import pyarrow.compute as pc
 from pyarrow import fs
 
 from batchjson.errors import OutputError, StorageFull, is_full
-from batchjson.storage.index import BITS, EARLIER, INDEX, KINDS as KIND_ORDER, Index, digest, part_name, part_names
+from batchjson.storage.index import (BITS, EARLIER, INDEX, KINDS as KIND_ORDER, Index, digest, part_name,
+                                     part_names, planning_columns)
 from batchjson.storage.location import Location, Unreadable, json_bytes, writing
 from batchjson.storage.progress import empty_tally
 from batchjson.storage.names import STAGED, Kind, PartName, Stage, UnitName, staged
@@ -168,12 +169,14 @@ class Commits:
         self._checks.clear()
         self._news = True
 
-    def read_index(self) -> None:
+    def read_index(self, prefetch: bool = True) -> None:
         """Read the index (index.py) for this run: its records stand in for reading theirs. Before anything is
         listed or read, and before the run decides whether to run: a refusal leaves the index where it is. Nothing
         of it is deleted before a passing check writes it afresh (`write_index`): an entry its unit's redoing made
-        stale no longer matches the record's stamp, and is not used."""
-        self._prefetch()
+        stale no longer matches the record's stamp, and is not used. `prefetch`: list the folders beside it
+        (`_prefetch`); not for a run that clears them (--fresh), whose listings `forget` would throw away."""
+        if prefetch:
+            self._prefetch()
         self._index, self._committed, self._planning = Index.read(self.state), None, True
 
     def _prefetch(self) -> None:
@@ -457,8 +460,10 @@ class Commits:
 
         Planned from columns (storage/index.py): the index's rows for the records listed with the indexed stamp
         answer for them, compared with the folders' listings as Arrow tables; only a record they do not answer for
-        (written after the index's last part, or rewritten since) is read and parsed. The folders' sizes are held
-        for the survey only: the stamps the end check compares (`trusted`) are listed again then."""
+        (written after the index's last part, or rewritten since) is read and parsed. The folders' sizes and the
+        index's columns are held for the survey only: the stamps the end check compares (`trusted`) are listed again
+        then. Compared by look-ups of names (`pc.index_in`), not Acero joins, whose memory the allocator kept: at 30
+        million rows the planning's peak was 239 MiB with them, 193 without (BENCHMARKS.md)."""
         try:
             return self._survey(keys, id_column)
         finally:
@@ -471,6 +476,7 @@ class Commits:
         mine = listed.filter(pc.is_in(pc.utf8_slice_codeunits(unit, 3), value_set=pa.array(sorted(set(keys)),
                                                                                               pa.string())))
         answers = self._index.answers()
+        self._index.planned_from()  # its columns are not held longer
         answers = answers.filter(pc.is_in(answers["name"], value_set=mine["name"]))
         found, flaws, parsed = Survey(), {}, {}  # flaws: key -> (where, what); parsed: name -> record read now
         rows = []
@@ -484,18 +490,15 @@ class Commits:
                 flaws.setdefault(name_of.key, []).append(((list(Stage).index(name_of.stage), -1), str(e)))
                 continue
             parsed[name] = record
-            record_rows, sizes = record["rows"], record.get("sizes", {})
-            rows.append((name, 0, 0, record.get("file"), sum(BITS.get(kind, 0) for kind in record["files"]),
-                         *(record_rows.get(k, 0) for k in KIND_ORDER), *(sizes.get(k) for k in KIND_ORDER),
-                         orjson.dumps(record.get("reasons", {}), option=orjson.OPT_SORT_KEYS).decode()))
+            rows.append((name, 0, 0, *planning_columns(record)))
         if rows:
             read = pa.Table.from_pylist([dict(zip(answers.column_names, row)) for row in rows], schema=answers.schema)
             answers = pa.concat_tables([answers, read])
         stage = pc.utf8_slice_codeunits(answers["name"], 0, 2)
         keys_of = pc.utf8_slice_codeunits(answers["name"], 3, -5)
         answers = answers.append_column("stage", stage).append_column("key", keys_of)
-        for kind, folder in self.folders.items():
-            self._check_sizes(kind, answers, self._listing(folder, keep=True), parsed, flaws, id_column)
+        for kind, folder in self.folders.items():  # each listing taken once, not held past its look
+            self._check_sizes(kind, answers, self._listing(folder), parsed, flaws, id_column)
         self._listings.clear()
         found.damaged = {key: min(found_)[1] for key, found_ in sorted(flaws.items())}
         ok = answers.filter(pc.invert(pc.is_in(answers["key"], value_set=pa.array(list(found.damaged), pa.string()))))
@@ -528,17 +531,18 @@ class Commits:
                      id_column: str) -> None:
         """The survey's look at the files of one kind that the records list: each listed with the size its record
         keeps, or read (`_flaw`) where it is not listed under its final name or its record keeps no size."""
-        listing = listing.select(["name", "size"]).rename_columns(["file", "seen"])
-        mine = records.filter(pc.not_equal(pc.bit_wise_and(records["kinds"], BITS[kind]), 0))
+        mine = records.select(["name", "stage", "key", f"rows_{kind}", f"size_{kind}"]).filter(
+            pc.not_equal(pc.bit_wise_and(records["kinds"], BITS[kind]), 0))
         unit = pc.binary_join_element_wise(mine["stage"], mine["key"], "-")
         file = (pc.binary_join_element_wise(unit, ".parquet", "") if kind == "output" else
                 pc.binary_join_element_wise("rejects-", unit, ".parquet", "") if kind == "rejects" else
                 pc.binary_join_element_wise(mine["key"], ".parquet", ""))
-        mine = mine.select(["name", "stage", "key", f"rows_{kind}", f"size_{kind}"]).append_column("file", file)
-        joined = mine.join(listing, "file", join_type="left outer")
-        kept, seen = joined[f"size_{kind}"], joined["seen"]
-        differ = joined.filter(pc.and_(pc.and_(pc.is_valid(kept), pc.is_valid(seen)), pc.not_equal(kept, seen)))
-        unknown = joined.filter(pc.or_(pc.is_null(kept), pc.is_null(seen)))
+        # each file's size as listed, null where it is not: looked up by name, not joined (index.py's `as_listed`)
+        seen = listing["size"].take(pc.index_in(file, value_set=listing["name"]))
+        files = mine.append_column("file", file).append_column("seen", seen)
+        kept = files[f"size_{kind}"]
+        differ = files.filter(pc.and_(pc.and_(pc.is_valid(kept), pc.is_valid(seen)), pc.not_equal(kept, seen)))
+        unknown = files.filter(pc.or_(pc.is_null(kept), pc.is_null(seen)))
         order = KIND_ORDER.index(kind)
         for row in differ.to_pylist():
             name = self._file_name(row, kind, parsed)

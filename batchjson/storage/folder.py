@@ -137,9 +137,10 @@ class Storage:
                     raise StorageFull.at(d, e) from None
                 raise OutputError(f"cannot create {d}: {e.strerror}. Check the path and permissions.") from None
         self.claim()
-        self.commits.read_index()
+        start_over = fresh or if_exists == "overwrite"
+        self.commits.read_index(prefetch=not start_over)  # the folders a run clears are not listed for it
         existing = spec_file.exists()
-        if existing and (fresh or if_exists == "overwrite"):
+        if existing and start_over:
             self._clear()
             existing = False
         elif existing and if_exists == "fail":

@@ -5,6 +5,7 @@ file changed since, a part file deleted, a column edited by hand."""
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 
 import pyarrow as pa
@@ -161,3 +162,43 @@ def test_an_index_of_the_version_before_is_not_read_but_replaced(finished, monke
     assert report.verified["complete"], report.verified
     found, read = survey(out, monkeypatch)
     assert read == [] and found.passes == tallied(out)
+
+
+def test_a_fresh_run_lists_nothing_beside_the_index(finished, monkeypatch):
+    """A --fresh run clears the folder: the listings a resume takes on a thread beside the index's read
+    (`Commits._prefetch`) would be thrown away, so it takes none there; a resume does."""
+    from batchjson.storage import commits
+
+    job, out = finished
+    threads, listed = [], commits._list
+
+    def counted(folder):
+        threads.append(threading.current_thread().name)
+        return listed(folder)
+
+    monkeypatch.setattr(commits, "_list", counted)
+    report = run_job(load_spec(job), str(out), fresh=True, engine_factory=FakeEngines(valid=0.5, seed=3),
+                     progress=False)
+    assert not report.resumed and report.verified["complete"], report.verified
+    assert threads and not any(t.startswith("batchjson-listing") for t in threads), threads
+    threads.clear()
+    report = run_job(load_spec(job), str(out), engine_factory=FakeEngines(valid=0.5, seed=3), progress=False)
+    assert report.resumed and any(t.startswith("batchjson-listing") for t in threads), threads
+
+
+def test_a_record_in_two_files_of_the_index_is_planned_from_the_later(tmp_path):
+    """A record folded into two parts of the index (read again after the first, its row there not planned from):
+    the later part's row answers for it, and each other record's row stays its own."""
+    from batchjson.storage.index import part_name
+
+    def written(key: str, size: int) -> tuple:
+        record = {"stage": "p1", "key": key, "files": {"output": f"p1-{key}.parquet"}, "rows": {"output": 4},
+                  "sizes": {"output": size}, "file": "in_0"}
+        data = json_bytes(record)
+        return f"p1-{key}.json", (len(data), size), digest(data), data
+
+    state = Location.of(str(tmp_path))
+    Index.write(state / part_name(1), [written("u1", 100), written("u2", 200), written("u3", 300)])
+    Index.write(state / part_name(2), [written("u2", 222)])
+    rows = {r["name"]: r["size_output"] for r in Index.read(state).planned.to_pylist()}
+    assert rows == {"p1-u1.json": 100, "p1-u2.json": 222, "p1-u3.json": 300}, rows
