@@ -25,7 +25,7 @@ GIB = 1 << 30
 # sitting: SmolLM2-135M (0.25 GiB, 0.18% of it) 1, 2, 3, 4 replicas 194.6, 153.3, 118.0, 121.0 s (bare vLLM's one
 # engine 251.4 s); Qwen2.5-Coder-0.5B (1.17 GiB, 0.84%) 1, 2, 3 replicas 179.3, 122.5, 112.4 s; the Qwen2.5-Coder
 # 1.5B (3.3 GiB, 2.4%), every run warm, 2 replicas 128.7 s against one's 152.7 s (the decode after the first request
-# x1.32 one's rows/s; its two engines' steps cost what one's did, 55.5 against 54.1 ms); the same valid rows. Three
+# x1.35 one's rows/s; its two engines' steps cost what one's did, 55.5 against 54.1 ms); the same valid rows. Three
 # hold wherever two did for the small ones (8 cores and 15,000 rows for each of two); four gained nothing on three.
 # Two replicas of the 1.5B pay from about 17,500 rows (the second engine's start, ~40 s, is decoded through by one),
 # so their row asks 15,000 rows each, where it was measured. Below a row's rows (a small job ends before another
