@@ -462,8 +462,8 @@ class Commits:
         answer for them, compared with the folders' listings as Arrow tables; only a record they do not answer for
         (written after the index's last part, or rewritten since) is read and parsed. The folders' sizes and the
         index's columns are held for the survey only: the stamps the end check compares (`trusted`) are listed again
-        then. Compared by look-ups of names (`pc.index_in`), not Acero joins, whose memory the allocator kept: at 30
-        million rows the planning's peak was 239 MiB with them, 193 without (BENCHMARKS.md)."""
+        then. Compared by look-ups of names (`pc.index_in`), not Acero joins: at 100 million rows (killed at 99%)
+        the planning's peak was 458-464 MiB with joins, 324-356 with look-ups, and the resume's 497-505 and 362-394."""
         try:
             return self._survey(keys, id_column)
         finally:
@@ -471,16 +471,15 @@ class Commits:
 
     def _survey(self, keys: list[str], id_column: str) -> Survey:
         self.committed()
-        listed = self._records
-        unit = pc.utf8_slice_codeunits(listed["name"], 0, -5)
-        mine = listed.filter(pc.is_in(pc.utf8_slice_codeunits(unit, 3), value_set=pa.array(sorted(set(keys)),
-                                                                                              pa.string())))
+        names = self._records["name"]  # the records of these units (names only: all the survey takes of them)
+        mine = names.filter(pc.is_in(pc.utf8_slice_codeunits(names, 3, -5), value_set=pa.array(sorted(set(keys)),
+                                                                                               pa.string())))
         answers = self._index.answers()
-        self._index.planned_from()  # its columns are not held longer
-        answers = answers.filter(pc.is_in(answers["name"], value_set=mine["name"]))
+        self._index.drop_planned()  # its columns are not held longer
+        answers = answers.filter(pc.is_in(answers["name"], value_set=mine))
         found, flaws, parsed = Survey(), {}, {}  # flaws: key -> (where, what); parsed: name -> record read now
         rows = []
-        for name in pc.filter(mine["name"], pc.invert(pc.is_in(mine["name"], value_set=answers["name"]))).to_pylist():
+        for name in pc.filter(mine, pc.invert(pc.is_in(mine, value_set=answers["name"]))).to_pylist():
             name_of = UnitName.parse(name)
             try:
                 record = self._load(name)

@@ -259,9 +259,9 @@ class Index:
             if meta.get(b"fingerprint", b"").decode() == fingerprint(batch):
                 tables.append(pa.Table.from_batches([batch]).filter(pc.is_valid(batch.column("kinds"))))
 
-    def planned_from(self) -> None:
-        """The run has planned (`Commits.survey`): the planning columns go, not held to its end (at 100 million rows
-        27 MB); from here on its records answer through their bytes (`record`, `copy`)."""
+    def drop_planned(self) -> None:
+        """The run has planned (`Commits.survey`): the planning columns go rather than being held to its end (27 MB
+        at 100 million rows); from here on its records answer through their bytes (`record`, `copy`)."""
         self.planned = SCHEMA.empty_table().select(PLANNED)
 
     def listed(self, records: pa.Table) -> None:
@@ -397,17 +397,18 @@ class Index:
 
 def as_listed(rows: pa.Table | pa.RecordBatch, listed: pa.Table) -> pa.ChunkedArray | pa.Array:
     """Which of `rows` (name, size, mtime) are listed with their stamp in `listed` (a folder's listing: one row a
-    name), as a mask to filter them with (null where not listed). Looked up by name rather than joined: at 100
-    million rows (195,320 records) an Acero join took about 80 MiB of the driver, kept by the allocator, for a
-    result of 25 MiB; a look-up 24."""
+    name), as a mask to filter them with (null where not listed). Looked up by name (`pc.index_in`), not joined:
+    with a 100M-row resume's 195,320 records an Acero join grew the driver by 82-95 MiB (most of it kept by
+    Arrow's allocator after) for a result of 25 MiB, the look-up by 24."""
     at = pc.index_in(rows["name"], value_set=listed["name"])
     return pc.and_(pc.equal(rows["size"], listed["size"].take(at)), pc.equal(rows["mtime"], listed["mtime"].take(at)))
 
 
 def _latest(table: pa.Table) -> pa.Table:
     """`table`'s rows, one per name: the last of each (the later file's entry over the earlier's), in their order.
-    Looked up by name among the names from the end (`pc.index_in` finds the first), not grouped: at 30 million
-    rows the Acero aggregation took 38 MiB of the driver, kept by the allocator, for a result of 7 MiB; this 18."""
+    Row i is its name's last when the name's first place among the names from the end is n - 1 - i: a look-up
+    (`pc.index_in`), not an Acero aggregation, which at 30 million rows grew the driver by 38 MiB for a result of
+    7 MiB (this, 18)."""
     n = table.num_rows
     from_end = pc.index_in(table["name"], value_set=table["name"][::-1])
     return table.filter(pc.equal(pc.subtract(n - 1, from_end), pa.array(range(n), pa.int64())))

@@ -187,8 +187,9 @@ def test_a_fresh_run_lists_nothing_beside_the_index(finished, monkeypatch):
 
 
 def test_a_record_in_two_files_of_the_index_is_planned_from_the_later(tmp_path):
-    """A record folded into two parts of the index (read again after the first, its row there not planned from):
-    the later part's row answers for it, and each other record's row stays its own."""
+    """A record in two parts of the index (rewritten after the first was written): the later part's row is planned
+    from, and each other record's row stays its own (the rows were once taken by the wrong positions: the earlier
+    row was kept)."""
     from batchjson.storage.index import part_name
 
     def written(key: str, size: int) -> tuple:
