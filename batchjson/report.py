@@ -25,6 +25,7 @@ NoteCode = Literal[
     "unread-vllm",  # the engine's vLLM is not a version batchjson's patches were read on: they are off
     "patches-off",  # batchjson's engine patches are off in this vLLM (a check failed)
     "engine-notice",  # anything else an engine says about itself
+    "kv-size-kept",  # the engine's KV cache took the size vLLM measured at an earlier start of its settings
     "cancelled",  # `batchjson cancel` stopped the run (the same clean stop as SIGTERM)
 ]
 

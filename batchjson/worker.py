@@ -315,13 +315,12 @@ class Worker:
         if self.engine is None or not self._fits(stage):
             self._close_engine()
             p = self.by_stage[stage]
-            with self.channel.turn(self.stop) as go:
-                if not go:
-                    return None
-                decoding = engine_decoding(self.passes, p.decoding)
-                t0 = time.monotonic()
-                engine = self.engines.start(self.spec, decoding, self.speculative if p is self.passes[0] else None)
-                seconds = time.monotonic() - t0
+            decoding = engine_decoding(self.passes, p.decoding)
+            speculative = self.speculative if p is self.passes[0] else None
+            started = self._start(decoding, speculative)
+            if started is None:
+                return None
+            engine, seconds = started
             self.engine, self.decodes = engine, decoded_by(engine, self.passes, self.speculative)
             for q in self.passes:  # each pass it decodes, with its sampling settings now: pass 1 with drafts
                 if q.stage in self.decodes:
@@ -333,16 +332,38 @@ class Worker:
         if not stats.grammar and self.engine.choice:
             fills = self.engine.fills
             stats.grammar = self.engine.choice.summary + (f"; masks: {fills}" if fills else "")
+        if self.engine.kv_kept:
+            stats.event("kv-size-kept", f"the engine's KV cache took the {self.engine.kv_kept / 2**30:.2f} GiB vLLM "
+                        "measured at an earlier start of these settings on this kind of GPU: it started without "
+                        "measuring, beside the other replicas on its GPU")
         if self.engine.notice and not stats.notice:
             stats.notice = stats.event(self.engine.notice_code or "engine-notice", self.engine.notice)
         return self.engine
 
+    def _start(self, decoding, speculative) -> tuple[Engine, float] | None:
+        """An engine with these settings and the seconds its start took, started in this replica's turn on its GPUs
+        (executors/base.py, Turns): alone where it measures the GPU's memory. One given a size kept from an earlier
+        start that fails (another process took memory since, say) forgets it and starts again, measuring. None if a
+        stop came first."""
+        alone = self.engines.measures(self.spec, decoding, speculative)
+        while True:
+            with self.channel.turn(self.stop, alone=alone) as go:
+                if not go:
+                    return None
+                t0 = time.monotonic()
+                try:
+                    return self.engines.start(self.spec, decoding, speculative), time.monotonic() - t0
+                except EngineError:
+                    if alone or not self.engines.measures(self.spec, decoding, speculative):
+                        raise
+            alone = True
+
     def _close_engine(self) -> None:
         """Close the engine in this replica's turn on its GPUs: memory freed under another engine's profiling is
-        miscounted as much as memory taken (at once on a stop)."""
+        miscounted as much as memory taken (at once on a stop); beside other closes and starts that do not measure."""
         if self.engine is not None:
             engine, self.engine = self.engine, None
-            with self.channel.turn(self.stop):
+            with self.channel.turn(self.stop, alone=False):
                 t0 = time.monotonic()
                 engine.close()
                 closer = next((s for s in reversed(self.decodes) if self.stats[s].rows), Stage.FIRST)

@@ -30,6 +30,9 @@ Runs, in the order given (compare only runs of one call: machines differ by +-30
                           the name (none@512+rpg2, none+p2+rpg2). --replicas-per-gpu 1,2,3,4 runs each batchjson run of --runs so.
   <run>+gmuX              the same with [model.engine] gpu_memory_utilization = X (each engine's share of its GPU):
                           none+gmu0.3+rpg1 against none+rpg1 is what a lone engine's KV cache size costs its start.
+  <run>+measure           the same with batchjson's cache empty: every engine start measures the GPU's memory, as a
+                          configuration's first start does (none+rpg2+measure against none+rpg2: what a KV cache
+                          size kept from an earlier start saves replicas that share a GPU; engine/kv_sizes.py).
   <run>+stats             the same with vLLM's stats on ([model.engine] disable_log_stats = false), as batchjson ran
                           every engine before 2026-12 (now only speculative ones, whose draft counters it reads).
   <run>+log               the same with vLLM's INFO log kept in OUT/<run>.log (its engine start's parts: weights,
@@ -129,7 +132,8 @@ def batchjson_run(name: str, args, rows: int, work: Path, t_launch: float, timeo
     traced = "+trace" in run
     gpus, share = re.search(r"\+gpus(\d+)", run), re.search(r"\+gmu([0-9.]+)", run)
     stats, profiled, spied, logged = "+stats" in run, "+prof" in run, "+spy" in run, "+log" in run
-    run, _, per_gpu = re.sub(r"\+gpus\d+|\+gmu[0-9.]+|\+warm|\+trace|\+stats|\+prof|\+spy|\+log", "",
+    measured = "+measure" in run
+    run, _, per_gpu = re.sub(r"\+gpus\d+|\+gmu[0-9.]+|\+warm|\+trace|\+stats|\+prof|\+spy|\+log|\+measure", "",
                              run).partition("+rpg")
     base, _, size = run.partition("@")
     pass2 = "+p2" in base
@@ -166,6 +170,8 @@ def batchjson_run(name: str, args, rows: int, work: Path, t_launch: float, timeo
     job.write_text(text)
     out = folder / "out"
     env = os.environ | {"PYTHONUNBUFFERED": "1"}
+    if measured:  # batchjson's own cache empty: no KV cache size kept from an earlier start (engine/kv_sizes.py)
+        env["BATCHJSON_CACHE"] = str(folder / "cache")
     if logged:  # vLLM's INFO lines (its engine start's parts: weights, compile, CUDA graphs) kept beside the results
         env["VLLM_LOGGING_LEVEL"] = "INFO"
     if gpus:  # the first N of the GPUs this call sees
@@ -217,6 +223,7 @@ def batchjson_run(name: str, args, rows: int, work: Path, t_launch: float, timeo
             "layout": report.get("layout", ""), "timeline": report.get("timeline"),
             "engine_close_s": round(p1.get("engine_close_s", 0) + p2.get("engine_close_s", 0), 2),
             "chosen": auto.get("chosen", method), "why": auto.get("why", ""), "summary": proc.stdout[-2500:],
+            "kv_kept": any(e.get("code") == "kv-size-kept" for e in p1.get("events", [])),
             **({"profile": profile_summary(profile)} if profiled else {}),
             **({"spy": spy_summary(args.out, name)} if spied else {}),
             **({"trace": json.loads((folder / "trace.json").read_text())["segments"]} if traced else {})}

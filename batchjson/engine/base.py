@@ -29,7 +29,8 @@ class Engine(ABC):
     and `tokenizer`, the model's tokenizer where the engine loaded one (the worker renders
     prompts with it instead of loading it again; None: the worker loads it from the model's files); and `audit`, the
     speculation audit's rows so far and how many of them differed without drafts (VllmEngine: [speculative]
-    audit_rows).
+    audit_rows); `kv_kept`, the bytes of KV cache it was given from an earlier start's measurement (kv_sizes.py;
+    None where it measured, or has no such cache).
     """
 
     steps: int = 0
@@ -40,6 +41,7 @@ class Engine(ABC):
     notice_code: str = ""
     fills: str = ""
     tokenizer: object | None = None
+    kv_kept: int | None = None
     audit: dict = {"rows": 0, "differ": 0}  # noqa: RUF012 - read only here; an engine that audits keeps its own
 
     @abstractmethod
@@ -92,6 +94,11 @@ class EngineFactory(ABC):
         """Whether its engines can run `[speculative] method = "schema"` (auto then considers it)."""
         return False
 
+    def measures(self, spec: JobSpec, decoding: DecodingSpec, speculative: SpeculativeSpec | None) -> bool:
+        """Whether an engine with these settings measures its GPU's memory as it starts (then no other engine on
+        that GPU may start or close meanwhile: executors/base.py, Turns)."""
+        return True
+
 
 class EngineWrapper(Engine):
     """An engine around another one, for tests and benchmarks that watch or break it (a subclass overrides what
@@ -107,6 +114,7 @@ class EngineWrapper(Engine):
     notice = property(lambda self: self.inner.notice)
     notice_code = property(lambda self: self.inner.notice_code)
     fills = property(lambda self: self.inner.fills)
+    kv_kept = property(lambda self: self.inner.kv_kept)
     tokenizer = property(lambda self: self.inner.tokenizer)
 
     def accepts(self, decoding: DecodingSpec, speculative: SpeculativeSpec | None) -> bool:

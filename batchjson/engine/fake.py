@@ -141,13 +141,14 @@ class FakeEngines(EngineFactory):
 
     `start_delay`: seconds an engine start takes (signals arrive meanwhile); `start_marker`: a file created when a
     start begins, so a test can signal the runner inside it. `spec_delay`: the delay of a speculative engine
-    (faster or slower than without). `schema_drafts`: whether its engines say they can run the schema drafter.
+    (faster or slower than without). `schema_drafts`: whether its engines say they can run the schema drafter;
+`measures`: whether their starts say they measure the GPU's memory (as a vLLM engine's first start of its settings).
     """
 
     def __init__(self, start_delay: float = 0.0, start_marker: str | None = None, spec_delay: float | None = None,
-                 schema_drafts: bool = False, **kwargs):
+                 schema_drafts: bool = False, measures: bool = True, **kwargs):
         self.start_delay, self.start_marker, self.spec_delay = start_delay, start_marker, spec_delay
-        self._schema_drafts = schema_drafts
+        self._schema_drafts, self._measures = schema_drafts, measures
         self.kwargs = kwargs
         self.started: list[tuple[DecodingSpec, SpeculativeSpec | None]] = []
         self.engines: list[FakeEngine] = []  # in this process (a replica's are in its own)
@@ -159,6 +160,9 @@ class FakeEngines(EngineFactory):
     @property
     def schema_drafts(self) -> bool:
         return self._schema_drafts
+
+    def measures(self, spec, decoding: DecodingSpec, speculative: SpeculativeSpec | None) -> bool:
+        return self._measures
 
     def start(self, spec, decoding: DecodingSpec, speculative: SpeculativeSpec | None) -> FakeEngine:
         if self.start_marker:

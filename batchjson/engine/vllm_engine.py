@@ -9,16 +9,20 @@ engine-process watcher, the shutdown) is in internals.py; `engine_kwargs` builds
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import importlib
 import importlib.util
 import os
+import shutil
+import tempfile
 import threading
 import time
 from collections.abc import Iterable, Iterator
+from pathlib import Path
 from typing import Any
 
-from batchjson.engine import devices, internals, plugin
+from batchjson.engine import devices, internals, kv_sizes, plugin
 from batchjson.engine.base import Engine, EngineFactory
 from batchjson.engine.models import resolve_model
 from batchjson.errors import EngineDied, EngineError
@@ -103,6 +107,16 @@ def engine_kwargs(model: ModelSpec, decoding: DecodingSpec, backend: str, specul
     return kwargs | model.engine
 
 
+def engine_settings(model: ModelSpec, decoding: DecodingSpec, schema: dict | None,
+                    speculative: SpeculativeSpec | None, cpu: bool) -> tuple[Any, dict[str, Any]]:
+    """The grammar backend's choice (schema/grammar.py) and `vllm.LLM`'s keyword arguments of an engine with these
+    settings (none where no backend can take the schema)."""
+    choice = choose(schema, decoding.structured_output_backend or model.structured_output_backend,
+                    model.disable_any_whitespace)
+    drafting = speculative if speculative is not None and speculative.enabled else None
+    return choice, engine_kwargs(model, decoding, choice.backend, drafting, cpu) if choice.backend else {}
+
+
 def speculative_config(spec: SpeculativeSpec) -> dict[str, Any]:
     """vLLM's speculative_config for `spec`; `[speculative.options]` goes last and overrides any of it. "schema" is
     batchjson's drafter (the tokens the grammar forces, copies from the prompt): vLLM's custom_class proposer."""
@@ -154,16 +168,14 @@ class VllmEngine(Engine):
         # vLLM refuses its own "auto" with disable_any_whitespace: batchjson picks the backend, and gives it the
         # schema minus what it cannot compile (validation checks that part).
         self._schema = schema
-        self.choice = choose(schema, decoding.structured_output_backend or model.structured_output_backend,
-                             model.disable_any_whitespace)
+        self._cpu = current_platform.is_cpu()
+        self.choice, kwargs = engine_settings(model, decoding, schema, speculative, self._cpu)
         if not self.choice.backend:
             raise EngineError(f"{self.choice.reason}. Simplify the schema, or set model.structured_output_backend to "
                               "a backend (xgrammar, guidance, outlines); `batchjson check` shows each one's answer.")
-        self._cpu = current_platform.is_cpu()
         self.seed = decoding.seed
         self.backend = self.choice.backend
         self.speculative = speculative if speculative is not None and speculative.enabled else None
-        kwargs = engine_kwargs(model, decoding, self.backend, self.speculative, self._cpu)
         self._model = model
         self._constraint = (StructuredOutputsParams(json=self.choice.grammar_schema) if schema is not None
                             else StructuredOutputsParams(json_object=True))
@@ -180,14 +192,30 @@ class VllmEngine(Engine):
         os.environ["BATCHJSON_RUNNER_PID"] = str(os.getpid())
         os.environ[internals.GRAMMAR_FILLS_ENV] = model.grammar_fills
         self.fills = internals.grammar_fills(model.grammar_fills)
+        # The KV cache's size vLLM measured for these settings before, if it did (kv_sizes.py): given, vLLM skips the
+        # measurement; else the engine core reports what it measures, kept for the next start.
+        config = None if self._cpu or kv_sizes.GIVEN in kwargs else kv_sizes.key(kwargs)
+        self.kv_kept = kv_sizes.kept(config)
+        if self.kv_kept:
+            kwargs[kv_sizes.GIVEN] = self.kv_kept
+        report = Path(tempfile.mkdtemp(prefix="batchjson-kv-")) / "bytes" if config and not self.kv_kept else None
+        if report:
+            os.environ[internals.KV_SIZE_ENV] = str(report)
         try:
             self.llm = vllm.LLM(**kwargs)
         except (ValueError, TypeError, OSError, ImportError, RuntimeError) as e:
             # RuntimeError: the engine process failed to start (its own error is logged above), or CUDA memory.
+            kv_sizes.forget(config if self.kv_kept else None)  # the next start measures again
             taken = "" if self._cpu else devices.memory_taken(
                 kwargs.get("gpu_memory_utilization", devices.VLLM_GPU_MEMORY_UTILIZATION))
             raise EngineError(f"vLLM could not start with model {kwargs['model']}: {e}. "
                               + (taken or "Check [model], [model.engine] and [speculative].")) from e
+        finally:
+            if report:
+                os.environ.pop(internals.KV_SIZE_ENV, None)
+                with contextlib.suppress(OSError, ValueError):
+                    kv_sizes.keep(config, int(report.read_text()))
+                shutil.rmtree(report.parent, ignore_errors=True)
         self.tokenizer = self.llm.get_tokenizer()
         if self.max_in_flight is None:  # the engine's batch, and as many waiting behind it
             scheduler = getattr(getattr(self.llm.llm_engine, "vllm_config", None), "scheduler_config", None)
@@ -395,6 +423,20 @@ class VllmEngines(EngineFactory):
 
     def start(self, spec: JobSpec, decoding: DecodingSpec, speculative: SpeculativeSpec | None) -> VllmEngine:
         return VllmEngine(spec.model, decoding, spec.schema_doc, speculative)
+
+    def measures(self, spec: JobSpec, decoding: DecodingSpec, speculative: SpeculativeSpec | None) -> bool:
+        """Whether its start would measure the GPU's memory: not where vLLM measured these settings before on this
+        kind of GPU (kv_sizes.py), nor where the job gives the KV cache's size."""
+        from vllm.platforms import current_platform
+
+        try:
+            choice, kwargs = engine_settings(spec.model, decoding, spec.schema_doc, speculative,
+                                             current_platform.is_cpu())
+        except EngineError:
+            return True
+        if not choice.backend or kv_sizes.GIVEN in kwargs:
+            return not choice.backend
+        return not kv_sizes.kept(kv_sizes.key(kwargs))
 
     @property
     def drafts_optional(self) -> bool:

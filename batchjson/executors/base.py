@@ -8,7 +8,7 @@ handed out again after that, so pass 2 always reads the requeue file of the unit
 
 Messages, worker -> driver: ("want", slot, stages), ("done", slot, stage, key, rows, requeued),
 ("stats", slot, {stage: PassStats dict}), ("error", slot, message), and around each engine start or close,
-("turn", slot, gpus) then ("turned", slot). Driver -> worker: the queue's replies, ("unit", stage, key) |
+("turn", slot, gpus, alone) then ("turned", slot). Driver -> worker: the queue's replies, ("unit", stage, key) |
 ("idle", others) | ("end",), and ("go",) when it is the worker's turn.
 
 Turns: replicas that share a GPU start (and close) their engines one at a time. vLLM sizes an engine's KV cache by
@@ -17,9 +17,11 @@ another process's allocations included (vllm/v1/worker/gpu_worker.py, determine_
 0.32). Two engines starting side by side each count the other's weights and cache as their own, and the second finds
 no memory for its cache ("No available memory for the cache blocks"). Started one after the other, each profiles a
 GPU whose other engines hold still, and gets its gpu_memory_utilization share (placement.py). An explicit
-kv_cache_memory_bytes per replica would skip the profiling, but only a guess of each engine's other memory
-(activations, CUDA graphs, per model and vLLM version) could size it: too large runs out of memory mid-run, too small
-decodes fewer rows at once.
+kv_cache_memory_bytes skips the profiling; a guess of each engine's other memory (activations, CUDA graphs, per model
+and vLLM version) could not size it (too large runs out of memory mid-run, too small decodes fewer rows at once), but
+vLLM's own measurement of the same settings can: engine/kv_sizes.py keeps it from an engine's first start. A start
+that measures goes alone; starts given a kept size, and closes, go side by side (`Turns`, `alone`), never beside one
+that measures.
 """
 
 from __future__ import annotations
@@ -115,15 +117,17 @@ class Channel:
     """
 
     def __init__(self, ask: Callable[[tuple], tuple], send: Callable[..., None], prefetch: bool = True,
-                 wait_turn: Callable[[threading.Event], bool] | None = None):
+                 wait_turn: Callable[[threading.Event, bool], bool] | None = None):
         self.ask, self.send, self.prefetch, self.wait_turn = ask, send, prefetch, wait_turn
         self.ended = ""  # how the last `work` ended: "end" (the run is over) or "idle" (other stages have work)
 
     @contextmanager
-    def turn(self, stop: threading.Event) -> Iterator[bool]:
-        """This worker's turn to start or close an engine on its GPUs: other replicas on them do neither meanwhile
-        (see Turns). True once it is; False on a stop first. A worker alone on its GPUs (or on none) goes at once."""
-        go = self.wait_turn(stop) if self.wait_turn else True
+    def turn(self, stop: threading.Event, alone: bool = True) -> Iterator[bool]:
+        """This worker's turn to start or close an engine on its GPUs (see Turns): `alone`, for a start that
+        measures the GPU's memory, while other replicas on them do neither; else beside their closes and starts
+        that measure nothing. True once it is; False on a stop first. A worker alone on its GPUs (or on none) goes
+        at once."""
+        go = self.wait_turn(stop, alone) if self.wait_turn else True
         try:
             yield go
         finally:
@@ -170,38 +174,49 @@ class Channel:
 
 
 class Turns:
-    """Whose turn it is to start or close an engine on each GPU (group): one replica at a time, in the order asked.
-    A replica that dies in its turn passes it on."""
+    """Whose turn it is to start or close an engine on each GPU (group), in the order asked: a start that measures
+    the GPU's memory goes alone; closes and starts that measure nothing go side by side, never beside one that
+    measures. A replica that dies in its turn passes it on."""
 
     def __init__(self):
-        self.holder: dict[str, int] = {}
-        self.waiting: dict[str, deque[int]] = defaultdict(deque)
+        self.holders: dict[str, set[int]] = defaultdict(set)
+        self.alone: dict[str, bool] = {}  # gpus -> whether its holder holds it alone
+        self.waiting: dict[str, deque[tuple[int, bool]]] = defaultdict(deque)
         self.where: dict[int, str] = {}
 
-    def ask(self, slot: int, gpus: str) -> bool:
-        """Whether `slot` may go now (else it waits for release to name it)."""
+    def ask(self, slot: int, gpus: str, alone: bool = True) -> bool:
+        """Whether `slot` may go now (else it waits for release to name it); `alone`: its start measures."""
         self.where[slot] = gpus
-        if gpus not in self.holder:
-            self.holder[gpus] = slot
-            return True
-        self.waiting[gpus].append(slot)
-        return False
+        if self.waiting[gpus] or not self._fits(gpus, alone):
+            self.waiting[gpus].append((slot, alone))
+            return False
+        self._hold(gpus, slot, alone)
+        return True
 
-    def release(self, slot: int) -> int | None:
-        """`slot` is done (or dead, or gave up waiting): the slot whose turn it is now, if any."""
+    def release(self, slot: int) -> list[int]:
+        """`slot` is done (or dead, or gave up waiting): the slots whose turn it is now."""
         gpus = self.where.pop(slot, None)
         if gpus is None:
-            return None
-        if slot in self.waiting[gpus]:
-            self.waiting[gpus].remove(slot)
-            return None
-        if self.holder.get(gpus) != slot:
-            return None
-        del self.holder[gpus]
-        if not self.waiting[gpus]:
-            return None
-        self.holder[gpus] = after = self.waiting[gpus].popleft()
+            return []
+        waiting = self.waiting[gpus]
+        for entry in waiting:
+            if entry[0] == slot:
+                waiting.remove(entry)
+                break
+        else:
+            self.holders[gpus].discard(slot)
+        after = []
+        while waiting and self._fits(gpus, waiting[0][1]):
+            after.append(waiting[0][0])
+            self._hold(gpus, *waiting.popleft())
         return after
+
+    def _fits(self, gpus: str, alone: bool) -> bool:
+        return not self.holders[gpus] or not (alone or self.alone[gpus])
+
+    def _hold(self, gpus: str, slot: int, alone: bool) -> None:
+        self.holders[gpus].add(slot)
+        self.alone[gpus] = alone
 
 
 class Pool:
@@ -277,7 +292,7 @@ class Pool:
                 for message in messages:
                     take(message)
             for slot in dead:
-                self._go(self.turns.release(slot))
+                self._go(*self.turns.release(slot))
                 lost = work.lost(slot)
                 if slot in reported and not lost:
                     continue  # it finished and then exited: the end of the run, or a crash after it
@@ -304,13 +319,15 @@ class Pool:
         elif kind == "stats":
             on_stats(payload[0])
         elif kind == "turn":
-            self._go(slot if self.turns.ask(slot, payload[0]) else None)
+            if self.turns.ask(slot, *payload):
+                self._go(slot)
         elif kind == "turned":
-            self._go(self.turns.release(slot))
+            self._go(*self.turns.release(slot))
 
-    def _go(self, slot: int | None) -> None:
-        if slot is not None and slot in self.live:
-            self.put(slot, ("go",))
+    def _go(self, *slots: int) -> None:
+        for slot in slots:
+            if slot in self.live:
+                self.put(slot, ("go",))
 
 
 def queue_channel(slot: int, inbox, outbox) -> Channel:
@@ -327,9 +344,9 @@ def queue_channel(slot: int, inbox, outbox) -> Channel:
             outbox.put(("want", slot, stages))
             return inbox.get()
 
-    def wait_turn(stop: threading.Event) -> bool:
+    def wait_turn(stop: threading.Event, alone: bool) -> bool:
         with asking:  # the fetch thread waits meanwhile: this worker decodes nothing while it starts or closes one
-            outbox.put(("turn", slot, gpus))
+            outbox.put(("turn", slot, gpus, alone))
             while not stop.is_set():
                 try:
                     return inbox.get(timeout=TICK)[0] == "go"

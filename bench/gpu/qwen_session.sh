@@ -47,6 +47,9 @@
 #   (issue 46's 0.7x of bare at 30,000 rows), then 2 and 1 under CUDA MPS.
 # PLAN default30k: issue 46's 0.7x at 30,000 rows in one call: the default (two replicas of the 1.5B since run22)
 #   and bare vLLM alternating, both warm (the 64-row warm-up of two replicas fills their compile cache).
+# PLAN kvkept15: the 1.5B at 30,000 rows: the default (two replicas) whose engines start side by side with the KV
+#   cache size kept from the warm-up's start, against the same with an empty cache (+measure: one after another), bare
+#   vLLM between them; then three replicas, side by side.
 # PLAN smolstart: warm engine starts of SmolLM2 with and without the schema drafter, vLLM's INFO log kept.
 # PLAN t15kab: schema and none alternating at 15,000 rows (where the drafts start to pay, between 6,000 and 30,000).
 # PLAN advance15 (issue 46): the grammars' advance in update_from_output on vLLM 0.26 and the host's cores: bench
@@ -226,6 +229,8 @@ run_plan() {
                     --runs warm-none,none+rpg1+warm,none+rpg2+warm,none+rpg2,none+rpg1,bare-none \
                   && mps start && wr rpg-t15-C30000-ab-mps --task C --rows 30000 --model $q15 --timeout 300 \
                     --runs none+rpg2,none+rpg1; mps stop ;;
+    kvkept15) need q15 && wr t15-C30000-kv --task C --rows 30000 --model $q15 --timeout 300 \
+                --runs warm-none,auto+rpg2+warm,schema+rpg2+warm,bare-none,auto+rpg2,auto+rpg2+measure,none+rpg3+warm,none+rpg3 ;;
     default30k) need q15 && wr t15-C30000-default --task C --rows 30000 --model $q15 --timeout 300 \
                   --runs warm-none,auto+rpg2+warm,bare-none,auto,bare-none,auto ;;
     # where a drafted engine's longer start goes: vLLM's INFO log of warm starts with and without the schema drafter

@@ -135,8 +135,8 @@ def test_the_spec_hash_ignores_replicas_per_gpu(tmp_path, tiny_model):
 
 def test_auto_shares_a_gpu_only_where_it_was_measured_to_pay():
     """The measured rule: SmolLM2-135M and the Qwen2.5-Coder 0.5B on an H200 of a 16-core host, 30,000 rows: three
-    replicas (5 cores and 10,000 rows for each); the 1.5B target two (15,000 rows each). A smaller job, fewer cores, a
-    larger model: one."""
+    replicas (5 cores and 10,000 rows for each); the 1.5B target two (15,000 rows each), on an H100 too. A smaller
+    job, fewer cores, a larger model: one."""
     smol, coder05, target, h200 = int(0.25 * GIB), int(1.17 * GIB), int(3.31 * GIB), 140 * GIB
     n, why = auto_per_gpu(smol, h200, 16, 1, 30_000)
     assert n == 3 and "measured to pay" in why and "5 cores per replica" in why
@@ -155,7 +155,8 @@ def test_auto_shares_a_gpu_only_where_it_was_measured_to_pay():
     assert n == 2 and "8 cores per replica" in why
     assert auto_per_gpu(target, h200, 16, 1, 6_000)[0] == 1  # ends before the second engine's start pays
     assert auto_per_gpu(target, h200, 8, 1, 30_000)[0] == 1  # 4 cores each
-    assert auto_per_gpu(target, 80 * GIB, 16, 1, 30_000)[0] == 1  # 4.1% of an 80 GiB GPU: not measured
+    assert auto_per_gpu(target, int(79.6 * GIB), 16, 1, 30_000)[0] == 2  # 4.2% of an H100: measured there too
+    assert auto_per_gpu(target, 40 * GIB, 16, 1, 30_000)[0] == 1  # 8.3% of a 40 GiB GPU: not measured
     assert auto_per_gpu(int(15 * GIB), h200, 64, 1, 1_000_000)[0] == 1  # a 7B: never shared
     assert auto_per_gpu(None, h200, 16, 1) == (1, "auto: the model's weights or the GPU's memory are unknown")
 
@@ -219,11 +220,24 @@ def test_turns_go_one_at_a_time_per_gpu_in_the_order_asked_and_a_dead_holder_pas
     turns = Turns()
     assert turns.ask(0, "h:0") and turns.ask(3, "h:1")  # other GPUs do not wait
     assert not turns.ask(1, "h:0") and not turns.ask(2, "h:0")
-    assert turns.release(0) == 1
-    assert turns.release(2) is None  # gave up waiting (a stop): withdrawn
-    assert turns.release(1) is None  # its turn done, nobody waiting
+    assert turns.release(0) == [1]
+    assert turns.release(2) == []  # gave up waiting (a stop): withdrawn
+    assert turns.release(1) == []  # its turn done, nobody waiting
     assert turns.ask(2, "h:0")
-    assert turns.release(5) is None  # never asked
+    assert turns.release(5) == []  # never asked
+
+
+def test_starts_that_measure_nothing_and_closes_go_side_by_side_but_never_beside_one_that_measures():
+    turns = Turns()
+    assert turns.ask(0, "h:0", alone=False) and turns.ask(1, "h:0", alone=False)  # side by side
+    assert not turns.ask(2, "h:0")  # measures: waits for both
+    assert not turns.ask(3, "h:0", alone=False)  # in the order asked: not past the one that measures
+    assert turns.release(0) == [] and turns.release(1) == [2]
+    assert turns.release(2) == [3]
+    assert not turns.ask(4, "h:0")  # 3 does not measure, but 4 does: it waits for 3
+    assert turns.ask(5, "h:1", alone=False)  # another GPU
+    assert not turns.ask(6, "h:0", alone=False) and not turns.ask(7, "h:0", alone=False)
+    assert turns.release(4) == [6, 7]  # gave up waiting: the two behind it go beside 3
 
 
 def test_the_report_says_how_many_per_gpu_and_why():

@@ -20,6 +20,7 @@ import psutil
 import pytest
 
 from batchjson.engine.fake import FakeEngines
+from batchjson.errors import EngineError
 from batchjson.executors import Layout, Queue
 from batchjson.executors.base import queue_channel
 from batchjson.executors.local import LocalPool
@@ -262,11 +263,56 @@ def test_three_replicas_on_one_gpu_start_one_at_a_time_each_with_a_third_of_its_
     assert len({e["replica"] for e in starts}) == 3
     assert {(e["gpus"], e["memory"]) for e in starts} == {("0", 0.3)}
     assert all(e["threads"] for e in starts)  # each its share of the cores for torch
-    # Starts and closes on the GPU never overlap: each one profiles a GPU whose other engines hold still.
-    spans = sorted((e["t0"], e["t1"]) for e in seen)
-    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])), spans
+    # A start (each measures here) overlaps no other start or close: it profiles a GPU whose other engines hold
+    # still. Closes may overlap one another.
+    for start in starts:
+        others = [e for e in seen if e is not start]
+        assert all(e["t1"] <= start["t0"] or e["t0"] >= start["t1"] for e in others), (start, others)
     by_replica = collections.Counter(r["replica"] for r in records(tmp_path / "out") if r["stage"] == "p1")
     assert len(by_replica) == 3, by_replica  # all three pulled units from the one queue
+
+
+def test_replicas_whose_starts_measure_nothing_start_side_by_side(tmp_path, tiny_model, monkeypatch):
+    """Engines given a KV cache size vLLM measured before (engine/kv_sizes.py) start together on a shared GPU; a
+    close never overlaps a start that measures (here none does)."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    job = shared_gpu_job(tmp_path, tiny_model, 60, 3)
+    log = tmp_path / "engines.jsonl"
+    report = run_job(load_spec(job), progress=False, engine_factory=RecordingEngines(
+        str(log), valid=1.0, delay=0.01, start_delay=2.0, measures=False))
+    assert report.replicas == 3 and report.verified["ok"] and report.verified["complete"]
+    starts = sorted((e["t0"], e["t1"]) for e in events(log) if e["event"] == "start")
+    assert len(starts) == 3
+    assert any(a[1] > b[0] for a, b in zip(starts, starts[1:])), starts  # one after another, they would not overlap
+
+
+class KeptSizeFailsEngines(RecordingEngines):
+    """Each replica's first start is given a kept size, and fails (as vLLM's does when another process took the
+    memory since); the failure forgets the size, so the next start measures."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, measures=False, **kwargs)
+
+    def start(self, spec, decoding, speculative):
+        if not self._measures:
+            self._measures = True
+            self._write("failed", time.time())
+            raise EngineError("vLLM could not start: CUDA out of memory")
+        return super().start(spec, decoding, speculative)
+
+
+def test_a_start_with_a_kept_size_that_fails_measures_again_alone(tmp_path, tiny_model, monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    job = shared_gpu_job(tmp_path, tiny_model, 60, 2)
+    log = tmp_path / "engines.jsonl"
+    report = run_job(load_spec(job), progress=False,
+                     engine_factory=KeptSizeFailsEngines(str(log), valid=1.0, delay=0.01, start_delay=0.3))
+    assert report.replicas == 2 and report.verified["ok"] and report.verified["complete"]
+    assert_exactly_once([f"r{i:05d}" for i in range(60)], tmp_path / "out", tmp_path / "out" / "_rejects")
+    seen = events(log)
+    assert collections.Counter(e["event"] for e in seen)["failed"] == 2
+    starts = sorted((e["t0"], e["t1"]) for e in seen if e["event"] == "start")
+    assert len(starts) == 2 and starts[0][1] <= starts[1][0], starts  # measuring, one at a time
 
 
 def test_the_users_gpu_memory_utilization_is_kept_on_a_shared_gpu(tmp_path, tiny_model, monkeypatch):
