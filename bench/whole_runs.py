@@ -30,9 +30,10 @@ Runs, in the order given (compare only runs of one call: machines differ by +-30
                           the name (none@512+rpg2, none+p2+rpg2). --replicas-per-gpu 1,2,3,4 runs each batchjson run of --runs so.
   <run>+gmuX              the same with [model.engine] gpu_memory_utilization = X (each engine's share of its GPU):
                           none+gmu0.3+rpg1 against none+rpg1 is what a lone engine's KV cache size costs its start.
-  <run>+measure           the same with batchjson's cache empty: every engine start measures the GPU's memory, as a
-                          configuration's first start does (none+rpg2+measure against none+rpg2: what a KV cache
-                          size kept from an earlier start saves replicas that share a GPU; engine/kv_sizes.py).
+  <run>+measure           the same with batchjson's cache emptied first, as on a configuration's first night: the
+                          first replica of a GPU measures its KV cache alone, the others start after it
+                          (none+rpg2+measure against none+rpg2: what a size kept from an earlier start saves
+                          replicas that share a GPU; engine/kv_sizes.py).
   <run>+stats             the same with vLLM's stats on ([model.engine] disable_log_stats = false), as batchjson ran
                           every engine before 2026-12 (now only speculative ones, whose draft counters it reads).
   <run>+log               the same with vLLM's INFO log kept in OUT/<run>.log (its engine start's parts: weights,
@@ -69,6 +70,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -171,6 +173,7 @@ def batchjson_run(name: str, args, rows: int, work: Path, t_launch: float, timeo
     out = folder / "out"
     env = os.environ | {"PYTHONUNBUFFERED": "1"}
     if measured:  # batchjson's own cache empty: no KV cache size kept from an earlier start (engine/kv_sizes.py)
+        shutil.rmtree(folder / "cache", ignore_errors=True)
         env["BATCHJSON_CACHE"] = str(folder / "cache")
     if logged:  # vLLM's INFO lines (its engine start's parts: weights, compile, CUDA graphs) kept beside the results
         env["VLLM_LOGGING_LEVEL"] = "INFO"
@@ -245,8 +248,6 @@ def profile_summary(path: Path) -> dict:
 
 def spy(command: list[str], out: str, name: str) -> list[str]:
     """`command` under py-spy (all its processes, 50 samples/s, raw stacks to OUT/spy-<name>.txt), where installed."""
-    import shutil
-
     exe = shutil.which("py-spy")
     if not exe:
         return command
