@@ -7,6 +7,8 @@ mask fills and with batchjson's (engine/internals.py, BatchFills), each in its o
 Configurations, run in the order given, for each --seqs (vLLM's max_num_seqs, its batch):
   vllm, batch   the task's JSON Schema (xgrammar, no whitespace, greedy, --max-tokens), the masks filled by vLLM
                 (grammar_fills = "vllm") or by batchjson's batch fills ("batch", engine/internals.py BatchFills).
+                "batch" gives xgrammar the grammar schema batchjson's engine gives it (schema/grammar.py: without
+                minLength); batch+written the schema as written, as "vllm" does (token-exactness of the fills).
                 batchjson's vLLM plugin is loaded into the engine process for the step profiler and the fills.
   free          no grammar, with the same output lengths: ignore_eos and max_tokens = the mean output length of the
                 first schema configuration of the same --seqs and method (run it first).
@@ -60,7 +62,8 @@ def one(cfg: dict) -> dict:
     from batchjson.engine.profiler import DUMP_EVERY_S, ENV_PROFILE, ENV_PROFILE_SYNC, SCHEDULED, read_profile
 
     profile = Path(cfg["profile"])
-    name, stats = cfg["name"].removesuffix("+stats"), cfg["name"].endswith("+stats")
+    as_written = "+written" in cfg["name"]
+    name, stats = cfg["name"].replace("+written", "").removesuffix("+stats"), cfg["name"].endswith("+stats")
     fills, _, method = name.partition("-")
     os.environ.update({"BATCHJSON_RUNNER_PID": str(os.getpid()), ENV_PROFILE: str(profile), ENV_PROFILE_SYNC: "0",
                        internals.GRAMMAR_FILLS_ENV: "batch" if fills == "batch" else "vllm"})
@@ -87,9 +90,13 @@ def one(cfg: dict) -> dict:
     _, prompts, truths = task_prompts(cfg["task"], cfg["rows"], frame(llm, TASKS[cfg["task"]]["system"]))
     if fills == "free":
         params = vllm.SamplingParams(temperature=0.0, max_tokens=cfg["free_tokens"], ignore_eos=True)
-    else:
+    else:  # batchjson's fills on the grammar batchjson gives xgrammar; vLLM's on the schema as written
+        from batchjson.schema.grammar import choose
+
+        written = schema(cfg["task"])
+        given = choose(written, "xgrammar").grammar_schema if fills == "batch" and not as_written else written
         params = vllm.SamplingParams(temperature=0.0, max_tokens=cfg["max_tokens"],
-                                     structured_outputs=StructuredOutputsParams(json=schema(cfg["task"])))
+                                     structured_outputs=StructuredOutputsParams(json=given))
     flush = vllm.SamplingParams(temperature=0.0, max_tokens=1)
 
     def profiled() -> dict:  # the engine writes its profile every DUMP_EVERY_S: wait, step once, read
@@ -184,28 +191,35 @@ def matchers(tokenizer: str, task: str, rows: int, in_flight: int, steps: int, t
     each at its own place in a ground-truth answer tokenized by `tokenizer`, stepped `steps` times (a finished
     answer starts the next). Per step, ms: vLLM's fills (a Python call per row, serially; and in vLLM's thread pool
     of 16-row tasks), the batch matcher's one call, and the tokens' acceptance one call per row against one batch
-    call. The mask's size too."""
+    call; `fill_batchjson`: the batch call on the grammar batchjson gives xgrammar (schema/grammar.py: the schema
+    without what xgrammar decodes badly, e.g. minLength), its matchers at the same places. The mask's size too."""
     import concurrent.futures
 
     import xgrammar as xgr
     from transformers import AutoTokenizer
 
+    from batchjson.schema.grammar import choose
     from bench.tasks import schema
 
     tok = AutoTokenizer.from_pretrained(tokenizer)
     info = xgr.TokenizerInfo.from_huggingface(tok)
-    compiled = xgr.GrammarCompiler(info).compile_json_schema(json.dumps(schema(task)), any_whitespace=False)
+    compiler = xgr.GrammarCompiler(info)
+    compiled = compiler.compile_json_schema(json.dumps(schema(task)), any_whitespace=False)
+    ours = compiler.compile_json_schema(json.dumps(choose(schema(task), "xgrammar").grammar_schema),
+                                        any_whitespace=False)
     answers = _answers(tok, lambda: xgr.GrammarMatcher(compiled), task, rows)
     if not answers:
         return {"error": "no answer of the task is accepted by its grammar with this tokenizer"}
-    live = []
+    live, theirs = [], []
     for i in range(in_flight):  # staggered: a running batch holds rows at every point of their answers
         answer = answers[i % len(answers)]
-        m = xgr.GrammarMatcher(compiled)
+        m, o = xgr.GrammarMatcher(compiled), xgr.GrammarMatcher(ours)
         at = i % len(answer)
         for t in answer[:at]:
             m.accept_token(t)
+            o.accept_token(t)
         live.append([m, answer, at])
+        theirs.append(o)
     mask = xgr.allocate_token_bitmask(in_flight, info.vocab_size)
     batch = xgr.BatchGrammarMatcher(threads)
     pool = concurrent.futures.ThreadPoolExecutor(threads)
@@ -231,15 +245,19 @@ def matchers(tokenizer: str, task: str, rows: int, in_flight: int, steps: int, t
         timed("fill_serial", serial)
         timed("fill_pool", pooled)
         timed("fill_batch", lambda: batch.batch_fill_next_token_bitmask([r[0] for r in live], mask))
+        timed("fill_batchjson", lambda: batch.batch_fill_next_token_bitmask(theirs, mask))
         nexts = [r[1][r[2]] for r in live]
+        for o, t in zip(theirs, nexts):
+            o.accept_token(t)
         timed("accept_each", lambda: [r[0].accept_token(t) for r, t in zip(live, nexts)])
         for r, t in zip(live, nexts):
             r[0].rollback(1)
         timed("accept_batch", lambda: xgr.BatchGrammarMatcher.batch_accept_token([r[0] for r in live], nexts))
-        for r in live:
+        for r, o in zip(live, theirs):
             r[2] += 1
             if r[2] == len(r[1]):
                 r[0].reset()
+                o.reset()
                 r[2] = 0
     return {"in_flight": in_flight, "threads": threads, "answers": len(answers), "vocab": info.vocab_size,
             "mask_mb": round(mask.numel() * 4 / 2**20, 1),
@@ -497,7 +515,7 @@ def main(argv: list[str]) -> int:
             if args.budget and time.monotonic() - began > args.budget:
                 results.append({"name": name, "seqs": seqs, "error": "budget spent"})
                 continue
-            fills, _, method = name.removesuffix("+stats").partition("-")
+            fills, _, method = name.replace("+written", "").removesuffix("+stats").partition("-")
             firsts = [r for r in results if r["seqs"] == seqs and r.get("method") == method and "mean_tokens" in r
                       and r["fills"] != "free"]
             cfg = {"name": name, "seqs": seqs, "model": args.model, "task": args.task, "rows": args.rows,

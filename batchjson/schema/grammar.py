@@ -52,6 +52,17 @@ ENFORCED = {
         anyOf oneOf allOf $ref $defs definitions minProperties maxProperties multipleOf""".split()),
 }
 ENFORCED["outlines"] = ENFORCED["xgrammar"]
+# xgrammar (0.2.8 and 0.2.9) decodes a string with minLength or maxLength as characters other than ", \ and line
+# breaks: no escape (\", \\, \n, \u) can be written in it, while raw control characters (a tab), which JSON forbids,
+# can. Such a string also costs more to fill: task C's schema, 1,024 requests, Qwen's tokenizer, one thread, 110 ms a
+# step against 7 without its minLength on 0.2.8, 13.7 against 7.8 on 0.2.9 (BENCHMARKS.md, "What the JSON constraint
+# costs a step"). minLength is given to validation: in the grammar it only forbids short values, which validation
+# finds. maxLength stays in the grammar, hole and all, because it ends a string a model would otherwise write until
+# max_tokens; `batchjson check` names the hole (a pattern has it too: xgrammar matches it on the string's raw text).
+XGRAMMAR_MIN_LENGTH = ("xgrammar's bounded strings take no escapes (\\\", \\\\, \\n) and let raw control characters "
+                       "through, and cost up to 15x to fill: the minimum length is validation's")
+XGRAMMAR_BOUNDED_HOLE = ("a string with maxLength or a pattern: xgrammar's grammar lets no escape into it (\\\", "
+                         "\\\\, \\n, \\u)")
 _WHY_HOLE = {"oneOf": "oneOf is decoded as anyOf (no 'exactly one')", "format": "format not in the grammar",
              "uniqueItems": "unique items", "not": "not", "if": "if/then/else", "then": "if/then/else",
              "else": "if/then/else", "multipleOf": "multipleOf", "allOf": "allOf of several branches"}
@@ -99,6 +110,8 @@ def relax(schema: dict, backend: str, disable_any_whitespace: bool = True) -> Re
                 drop(path, node, key, "a bound beyond 2^53 has no grammar")
         if backend in ("xgrammar", "outlines"):
             _relax_xgrammar(path, node, drop)
+        if backend == "xgrammar":
+            drop(path, node, "minLength", XGRAMMAR_MIN_LENGTH)
         else:
             _relax_guidance(path, node, drop)
     if backend == "guidance":
@@ -321,6 +334,8 @@ def coverage(schema: dict | None, choice: Choice) -> Coverage:
                     and "patternProperties" not in node:
                 over.append((path or "/", "undeclared properties (additionalProperties unset: xgrammar's strict "
                                            "mode forbids them; set it to true in the schema to allow them)"))
+            if "maxLength" in node or "pattern" in node:
+                over.append((path or "/", XGRAMMAR_BOUNDED_HOLE))
     return Coverage(backend, kept, tuple(only.items()), tuple(over))
 
 

@@ -49,6 +49,24 @@ def test_coverage_names_holes_and_over_constraint():
     assert not any("over-constrained" in line for line in coverage(PERSON, choose(PERSON, "guidance")).lines())
 
 
+def test_xgrammar_gets_no_minimum_length_and_the_bounded_strings_hole_is_named():
+    """xgrammar's length-bounded strings take no escape and let a raw tab through: with minLength given to
+    validation, an escaped quote or a newline can be decoded; maxLength stays (it ends a string) and check names its
+    hole. The second assertion fails once xgrammar mends its strings: then minLength can go back in the grammar."""
+    name = {"type": "object", "properties": {"a": {"type": "string", "minLength": 1}}, "required": ["a"]}
+    choice = choose(name, "xgrammar")
+    assert choice.relaxed.schema["properties"]["a"] == {"type": "string"}
+    assert grammar_accepts(choice.relaxed, '{"a":"say \\"hi\\"\\nbye"}')
+    assert not grammar_accepts(grammar.Relaxed("xgrammar", name), '{"a":"say \\"hi\\""}')
+    assert grammar_accepts(grammar.Relaxed("xgrammar", name), '{"a":"x\ty"}')  # not JSON
+    lines = coverage(name, choice).lines()
+    assert "minLength (xgrammar's bounded strings take no escapes" in lines[1]
+    bounded = {"type": "object", "properties": {"a": {"type": "string", "maxLength": 9}}, "required": ["a"]}
+    lines = coverage(bounded, choose(bounded, "xgrammar")).lines()
+    assert "maxLength" in lines[0] and "/properties/a a string with maxLength or a pattern" in lines[-1]
+    assert "minLength" in choose(name, "guidance").relaxed.schema["properties"]["a"]  # llguidance keeps it
+
+
 @pytest.mark.parametrize("schema, good, bad", [
     ({"type": "array", "items": {"type": "string", "enum": ["a", "b"]}}, '["a","b"]', '["c"]'),
     ({"type": "string", "enum": ["yes", "no"]}, '"yes"', '"maybe"'),
