@@ -9,7 +9,8 @@ measures). It is vLLM's own number for the same settings, vLLM version and GPU m
 replicas start together from its second night on.
 
 Kept in `$BATCHJSON_CACHE/kv-sizes.json` (default `~/.cache/batchjson/`), one entry per configuration: a digest of the
-vLLM version, the GPU's name and memory and every keyword argument of the engine. A start that fails with a kept size
+vLLM version, the GPU's name and memory, every keyword argument of the engine, and its model's (and draft's)
+config.json and weights' bytes (a model replaced in place at the same path is another configuration). A start that fails with a kept size
 forgets it (`forget`), and the next measures again. A job that sets `[model.engine] kv_cache_memory_bytes` itself
 measures nothing and needs none of this. Only on a GPU: a CPU engine's cache has the size VLLM_CPU_KVCACHE_SPACE says.
 """
@@ -25,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from batchjson.engine import devices
-from batchjson.engine.models import cache_home
+from batchjson.engine.models import cache_home, weight_bytes
 
 GIVEN = "kv_cache_memory_bytes"  # vLLM's keyword: the KV cache's bytes, given rather than measured
 
@@ -47,8 +48,21 @@ def key(kwargs: dict[str, Any]) -> str | None:
         return None
     if not gpus:
         return None
-    config = {"vllm": vllm.__version__, "gpus": gpus, "engine": {k: v for k, v in kwargs.items() if k != GIVEN}}
+    models = [kwargs.get("model"), (kwargs.get("speculative_config") or {}).get("model")]
+    config = {"vllm": vllm.__version__, "gpus": gpus, "engine": {k: v for k, v in kwargs.items() if k != GIVEN},
+              "models": [_identity(m) for m in models if isinstance(m, str)]}
     return hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()[:32]
+
+
+def _identity(model: str) -> list:
+    """What of a model folder sizes its engine's memory: its config.json and its weights' bytes (a folder whose
+    model was replaced in place is another configuration)."""
+    folder = Path(model)
+    try:
+        config = hashlib.sha256((folder / "config.json").read_bytes()).hexdigest()[:16]
+    except OSError:
+        config = None
+    return [model, config, weight_bytes(model) if folder.is_dir() else None]
 
 
 def _read() -> dict[str, int]:

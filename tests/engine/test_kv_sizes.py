@@ -37,6 +37,21 @@ def test_a_size_is_kept_per_configuration_and_gpu_and_forgotten_on_demand(gpus):
     assert kv_sizes.kept(kv_sizes.key(half)) is None
 
 
+def test_a_model_replaced_at_the_same_path_is_another_configuration(gpus, tmp_path):
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text('{"hidden_size": 64}')
+    (model / "model.safetensors").write_bytes(b"\0" * 64)
+    kwargs = {"model": str(model), "gpu_memory_utilization": 0.45}
+    kv_sizes.keep(kv_sizes.key(kwargs), 4 << 30)
+    assert kv_sizes.kept(kv_sizes.key(kwargs)) == 4 << 30
+    (model / "model.safetensors").write_bytes(b"\0" * 128)  # larger weights: another KV cache would fit
+    assert kv_sizes.kept(kv_sizes.key(kwargs)) is None
+    (model / "model.safetensors").write_bytes(b"\0" * 64)
+    (model / "config.json").write_text('{"hidden_size": 128}')
+    assert kv_sizes.kept(kv_sizes.key(kwargs)) is None
+
+
 def test_no_size_without_a_gpu_nvidia_smi_names_and_a_damaged_file_is_an_empty_one(gpus, monkeypatch):
     config = kv_sizes.key({"model": "/m"})
     kv_sizes.keep(config, 3 << 30)
