@@ -60,8 +60,8 @@ ENFORCED["outlines"] = ENFORCED["xgrammar"]
 # finds. maxLength stays in the grammar, hole and all, because it ends a string a model would otherwise write until
 # max_tokens; `batchjson check` names the hole (a pattern has it too: xgrammar matches it on the string's raw text).
 XGRAMMAR_MIN_LENGTH = ("xgrammar's bounded strings take no escapes (\\\", \\\\, \\n) and let raw control characters "
-                       "through, and cost up to 15x to fill: the minimum length is validation's")
-XGRAMMAR_BOUNDED_HOLE = ("a string with maxLength or a pattern: xgrammar's grammar lets no escape into it (\\\", "
+                       "through, and cost up to 13x to fill: the minimum length is validation's")
+XGRAMMAR_BOUNDED_HOLE = ("a string with maxLength or a pattern, where xgrammar's grammar lets no escape in (\\\", "
                          "\\\\, \\n, \\u)")
 _WHY_HOLE = {"oneOf": "oneOf is decoded as anyOf (no 'exactly one')", "format": "format not in the grammar",
              "uniqueItems": "unique items", "not": "not", "if": "if/then/else", "then": "if/then/else",
@@ -299,9 +299,12 @@ class Coverage:
             out.append("validation only (the grammar lets these through; failures go to the fallback pass): "
                        + ", ".join(f"{k} ({why})" if why else k for k, why in self.validation_only))
         if self.over_constrained:
-            shown = ", ".join(f"{p} {what}" for p, what in self.over_constrained[:limit])
-            more = f" and {len(self.over_constrained) - limit} more" if len(self.over_constrained) > limit else ""
-            out.append(f"over-constrained (the grammar may block a correct answer): {shown}{more}")
+            where: dict[str, list[str]] = {}
+            for p, what in self.over_constrained:
+                where.setdefault(what, []).append(p)
+            shown = "; ".join(", ".join(paths[:limit]) + (f" and {len(paths) - limit} more" if len(paths) > limit
+                                                           else "") + f": {what}" for what, paths in where.items())
+            out.append(f"over-constrained (the grammar may block a correct answer): {shown}")
         return out
 
 

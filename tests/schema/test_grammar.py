@@ -63,7 +63,7 @@ def test_xgrammar_gets_no_minimum_length_and_the_bounded_strings_hole_is_named()
     assert "minLength (xgrammar's bounded strings take no escapes" in lines[1]
     bounded = {"type": "object", "properties": {"a": {"type": "string", "maxLength": 9}}, "required": ["a"]}
     lines = coverage(bounded, choose(bounded, "xgrammar")).lines()
-    assert "maxLength" in lines[0] and "/properties/a a string with maxLength or a pattern" in lines[-1]
+    assert "maxLength" in lines[0] and "/properties/a: a string with maxLength or a pattern" in lines[-1]
     assert "minLength" in choose(name, "guidance").relaxed.schema["properties"]["a"]  # llguidance keeps it
 
 
