@@ -327,15 +327,15 @@ class Worker:
                     engine.use(self.sampling[q.stage], q.stage, draft=q is self.passes[0])
             stats.engine_starts += 1
             stats.engine_start_s += seconds
+            if engine.kv_kept:
+                stats.event("kv-size-kept", f"the engine's KV cache took the {engine.kv_kept / 2**30:.2f} GiB vLLM "
+                            "measured at an earlier start of these settings on this kind of GPU: it started without "
+                            "measuring the GPU's memory, beside any other replica on its GPU")
             for policy in self.policies:
                 policy.engine_started(engine, stage, seconds)
         if not stats.grammar and self.engine.choice:
             fills = self.engine.fills
             stats.grammar = self.engine.choice.summary + (f"; masks: {fills}" if fills else "")
-        if self.engine.kv_kept:
-            stats.event("kv-size-kept", f"the engine's KV cache took the {self.engine.kv_kept / 2**30:.2f} GiB vLLM "
-                        "measured at an earlier start of these settings on this kind of GPU: it started without "
-                        "measuring, beside the other replicas on its GPU")
         if self.engine.notice and not stats.notice:
             stats.notice = stats.event(self.engine.notice_code or "engine-notice", self.engine.notice)
         return self.engine

@@ -42,6 +42,17 @@ def gpu_memory() -> int | None:
     return min(sizes) if sizes else None
 
 
+def visible_models() -> list[str]:
+    """Each visible GPU's model and memory ("NVIDIA H200 143771 MiB"), as nvidia-smi names them; empty where it
+    does not answer."""
+    try:
+        seen = set(visible_gpus())  # indices or UUIDs
+        return [f"{name} {total} MiB" for index, uuid, name, total in _smi("gpu=index,uuid,name,memory.total")
+                if index in seen or uuid in seen]
+    except (OSError, subprocess.SubprocessError, ValueError):
+        return []
+
+
 def memory_taken(utilization: float) -> str:
     """Why an engine that wants `utilization` of its GPU's memory could not start, where nvidia-smi shows it: each
     visible GPU with less free than that, and the processes holding its memory. vLLM's own check says only that the

@@ -142,8 +142,8 @@ class FakeEngines(EngineFactory):
     `start_delay`: seconds an engine start takes (signals arrive meanwhile); `start_marker`: a file created when a
     start begins, so a test can signal the runner inside it. `spec_delay`: the delay of a speculative engine
     (faster or slower than without). `schema_drafts`: whether its engines say they can run the schema drafter;
-`measures`: whether their starts say they measure the GPU's memory (as a vLLM engine's first start of its settings).
-    """
+    `measures`: whether their starts say they measure the GPU's memory (as a vLLM engine's first start of its
+    settings)."""
 
     def __init__(self, start_delay: float = 0.0, start_marker: str | None = None, spec_delay: float | None = None,
                  schema_drafts: bool = False, measures: bool = True, **kwargs):

@@ -1,7 +1,8 @@
 """Everything that touches vLLM's internals: three scheduler patches, two model-runner patches, the grammar's batch
-fills, the KV cache's size report, the step profiler's timers, the engine-process watcher, the engine's shutdown and the plugin flag of a forked engine process, each with
-its check. It is long on purpose: every line that reads or changes vLLM's internals is here, so that this one file
-says what a vLLM upgrade must read again (each part's READ_ON names the versions it was read on).
+fills, the KV cache's size report, the step profiler's timers, the engine-process watcher, the engine's shutdown and
+the plugin flag of a forked engine process, each with its check. It is long on purpose: every line that reads or
+changes vLLM's internals is here, so that this one file says what a vLLM upgrade must read again (each part's READ_ON
+names the versions it was read on).
 
 The scheduler patches are installed by the plugin (plugin.py) in each vLLM process of a run, and in the runner by
 VllmEngine (no_draft_ready).

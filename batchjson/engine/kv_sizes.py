@@ -10,8 +10,8 @@ replicas start together from its second night on.
 
 Kept in `$BATCHJSON_CACHE/kv-sizes.json` (default `~/.cache/batchjson/`), one entry per configuration: a digest of the
 vLLM version, the GPU's name and memory, every keyword argument of the engine, and its model's (and draft's)
-config.json and weights' bytes (a model replaced in place at the same path is another configuration). A start that fails with a kept size
-forgets it (`forget`), and the next measures again. A job that sets `[model.engine] kv_cache_memory_bytes` itself
+config.json and weights' bytes (a model replaced in place at the same path is another configuration). A start that
+fails with a kept size forgets it (`forget`), and the next measures again. A job that sets `[model.engine] kv_cache_memory_bytes` itself
 measures nothing and needs none of this. Only on a GPU: a CPU engine's cache has the size VLLM_CPU_KVCACHE_SPACE says.
 """
 
@@ -20,7 +20,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import subprocess
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -35,17 +34,21 @@ def path() -> Path:
     return cache_home() / "kv-sizes.json"
 
 
+def sized(kwargs: dict[str, Any], cpu: bool) -> tuple[str | None, int | None]:
+    """An engine's configuration key (`key`), where a size can be kept for it, and the bytes kept for it: neither
+    on a CPU, nor where its arguments give the size already."""
+    if cpu or GIVEN in kwargs:
+        return None, None
+    config = key(kwargs)
+    return config, kept(config)
+
+
 def key(kwargs: dict[str, Any]) -> str | None:
-    """The configuration's key: vLLM's version, the visible GPUs' names and memory, the engine's keyword arguments;
-    None where nvidia-smi does not name the GPUs (no size is kept or used then)."""
+    """The configuration's key: vLLM's version, the visible GPUs' models and memory, the engine's keyword arguments
+    and its models' identity; None where nvidia-smi does not name the GPUs (no size is kept or used then)."""
     import vllm
 
-    try:
-        seen = set(devices.visible_gpus())
-        gpus = [f"{name} {total} MiB" for index, uuid, name, total in devices._smi("gpu=index,uuid,name,memory.total")
-                if index in seen or uuid in seen]
-    except (OSError, subprocess.SubprocessError, ValueError):
-        return None
+    gpus = devices.visible_models()
     if not gpus:
         return None
     models = [kwargs.get("model"), (kwargs.get("speculative_config") or {}).get("model")]
@@ -91,8 +94,9 @@ def kept(config: str | None) -> int | None:
 
 
 def keep(config: str | None, size: int) -> None:
-    if config and size > 0 and _read().get(config) != size:
-        _write(_read() | {config: size})
+    kept_now = _read()
+    if config and size > 0 and kept_now.get(config) != size:
+        _write(kept_now | {config: size})
 
 
 def forget(config: str | None) -> None:

@@ -194,8 +194,7 @@ class VllmEngine(Engine):
         self.fills = internals.grammar_fills(model.grammar_fills)
         # The KV cache's size vLLM measured for these settings before, if it did (kv_sizes.py): given, vLLM skips the
         # measurement; else the engine core reports what it measures, kept for the next start.
-        config = None if self._cpu or kv_sizes.GIVEN in kwargs else kv_sizes.key(kwargs)
-        self.kv_kept = kv_sizes.kept(config)
+        config, self.kv_kept = kv_sizes.sized(kwargs, self._cpu)
         if self.kv_kept:
             kwargs[kv_sizes.GIVEN] = self.kv_kept
         report = Path(tempfile.mkdtemp(prefix="batchjson-kv-")) / "bytes" if config and not self.kv_kept else None
@@ -429,14 +428,12 @@ class VllmEngines(EngineFactory):
         kind of GPU (kv_sizes.py), nor where the job gives the KV cache's size."""
         from vllm.platforms import current_platform
 
+        cpu = current_platform.is_cpu()
         try:
-            choice, kwargs = engine_settings(spec.model, decoding, spec.schema_doc, speculative,
-                                             current_platform.is_cpu())
+            choice, kwargs = engine_settings(spec.model, decoding, spec.schema_doc, speculative, cpu)
         except EngineError:
             return True
-        if not choice.backend or kv_sizes.GIVEN in kwargs:
-            return not choice.backend
-        return not kv_sizes.kept(kv_sizes.key(kwargs))
+        return not choice.backend or (kv_sizes.GIVEN not in kwargs and not kv_sizes.sized(kwargs, cpu)[1])
 
     @property
     def drafts_optional(self) -> bool:

@@ -54,9 +54,9 @@ ENFORCED = {
 ENFORCED["outlines"] = ENFORCED["xgrammar"]
 # xgrammar (0.2.8 and 0.2.9) decodes a string with minLength or maxLength as characters other than ", \ and line
 # breaks: no escape (\", \\, \n, \u) can be written in it, while raw control characters (a tab), which JSON forbids,
-# can. Such a string also costs more to fill: task C's schema, 1,024 requests, Qwen's tokenizer, one thread, 110 ms a
-# step against 7 without its minLength on 0.2.8, 13.7 against 7.8 on 0.2.9 (BENCHMARKS.md, "What the JSON constraint
-# costs a step"). minLength is given to validation: in the grammar it only forbids short values, which validation
+# can. Such a string also costs more to fill: task C's schema, 1,024 requests, Qwen's tokenizer, one thread, 195.6 ms
+# a step against 14.9 without its minLength on 0.2.8, 22.2 against 17.0 on 0.2.9 (BENCHMARKS.md, "What the JSON
+# constraint costs a step", `bench grammar --matchers`). minLength is given to validation: in the grammar it only forbids short values, which validation
 # finds. maxLength stays in the grammar, hole and all, because it ends a string a model would otherwise write until
 # max_tokens; `batchjson check` names the hole (a pattern has it too: xgrammar matches it on the string's raw text).
 XGRAMMAR_MIN_LENGTH = ("xgrammar's bounded strings take no escapes (\\\", \\\\, \\n) and let raw control characters "
@@ -110,8 +110,8 @@ def relax(schema: dict, backend: str, disable_any_whitespace: bool = True) -> Re
                 drop(path, node, key, "a bound beyond 2^53 has no grammar")
         if backend in ("xgrammar", "outlines"):
             _relax_xgrammar(path, node, drop)
-        if backend == "xgrammar":
-            drop(path, node, "minLength", XGRAMMAR_MIN_LENGTH)
+            if backend == "xgrammar":
+                drop(path, node, "minLength", XGRAMMAR_MIN_LENGTH)
         else:
             _relax_guidance(path, node, drop)
     if backend == "guidance":

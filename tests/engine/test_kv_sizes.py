@@ -63,7 +63,9 @@ def test_no_size_without_a_gpu_nvidia_smi_names_and_a_damaged_file_is_an_empty_o
     assert kv_sizes.key({"model": "/m"}) is None and kv_sizes.kept(None) is None
 
 
-def test_the_factory_says_a_start_measures_until_a_size_is_kept_or_the_job_gives_one(gpus, tmp_path, tiny_model):
+def test_the_factory_says_a_start_measures_until_a_size_is_kept_or_the_job_gives_one(gpus, tmp_path, tiny_model,
+                                                                                      monkeypatch):
+    """On a GPU (the platform's answer faked: this machine's vLLM is the CPU build); a CPU engine keeps no size."""
     import dataclasses
 
     from vllm.platforms import current_platform
@@ -71,17 +73,19 @@ def test_the_factory_says_a_start_measures_until_a_size_is_kept_or_the_job_gives
     from batchjson.engine import VllmEngines
     from batchjson.engine.vllm_engine import engine_settings
 
+    monkeypatch.setattr(current_platform, "is_cpu", lambda: False)
     write_rows(tmp_path / "in.parquet", 4)
     spec = load_spec(write_job(tmp_path, tiny_model, tmp_path / "in.parquet", speculative="none"))
     engines, decoding = VllmEngines(), spec.sampling
     assert engines.measures(spec, decoding, None)
-    _, kwargs = engine_settings(spec.model, decoding, spec.schema_doc, None, current_platform.is_cpu())
+    _, kwargs = engine_settings(spec.model, decoding, spec.schema_doc, None, False)
     kv_sizes.keep(kv_sizes.key(kwargs), 2 << 30)
     assert not engines.measures(spec, decoding, None)
     assert engines.measures(spec, dataclasses.replace(decoding, structured_output_backend="guidance"), None)
     given = dataclasses.replace(spec, model=dataclasses.replace(spec.model, engine={kv_sizes.GIVEN: 1 << 30}))
     kv_sizes.forget(kv_sizes.key(kwargs))
     assert not engines.measures(given, decoding, None)
+    assert kv_sizes.sized(kwargs, cpu=True) == (None, None)
 
 
 @pytest.mark.engine

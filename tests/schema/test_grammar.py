@@ -65,6 +65,9 @@ def test_xgrammar_gets_no_minimum_length_and_the_bounded_strings_hole_is_named()
     lines = coverage(bounded, choose(bounded, "xgrammar")).lines()
     assert "maxLength" in lines[0] and "/properties/a: a string with maxLength or a pattern" in lines[-1]
     assert "minLength" in choose(name, "guidance").relaxed.schema["properties"]["a"]  # llguidance keeps it
+    assert relax(name, "outlines").schema["properties"]["a"] == {"type": "string", "minLength": 1}  # xgrammar's hole
+    counted = {"type": "object", "properties": {"a": {"type": "string"}}, "minProperties": 1}
+    assert relax(counted, "outlines").schema["minProperties"] == 1  # llguidance's relaxation is llguidance's alone
 
 
 @pytest.mark.parametrize("schema, good, bad", [
