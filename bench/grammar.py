@@ -6,7 +6,11 @@ mask fills and with batchjson's (engine/internals.py, BatchFills), each in its o
 
 Configurations, run in the order given, for each --seqs (vLLM's max_num_seqs, its batch):
   vllm, batch   the task's JSON Schema (xgrammar, no whitespace, greedy, --max-tokens), the masks filled by vLLM
-                (grammar_fills = "vllm") or by batchjson's batch fills ("batch", engine/internals.py BatchFills).
+                (grammar_fills = "vllm") or by batchjson's batch fills when vLLM asks for them ("batch",
+                engine/internals.py BatchFills).
+  ahead         batchjson's default: the batch fills and the grammars' advance on a thread beside the forward's
+                launch, where vLLM schedules ahead without drafts (engine/internals.py GrammarAhead); "batch" otherwise.
+  <cfg>@N       the same with N fill threads (BATCHJSON_FILL_THREADS; default vLLM's own count, min(cores/2, 8)).
                 "batch" gives xgrammar the grammar schema batchjson's engine gives it (schema/grammar.py: without
                 minLength); batch+written the schema as written, as "vllm" does (token-exactness of the fills).
                 batchjson's vLLM plugin is loaded into the engine process for the step profiler and the fills.
@@ -49,7 +53,7 @@ from pathlib import Path
 
 from bench.common import ROOT, SPECULATIVE, dump, run_group, table
 
-PARTS = ("schedule", "update_from_output", "advance", "grammar_bitmask", "get_grammar_bitmask", "forward",
+PARTS = ("schedule", "update_from_output", "advance", "grammar_bitmask", "get_grammar_bitmask", "ahead", "forward",
          "sample_tokens", "propose", "drafts", "engine_step")  # propose: a runner-side drafter; drafts: the
 # scheduler's (schema); advance: the grammars' advance by vLLM's call per request (most of it in update_from_output)
 GRAMMAR_FRAMES = ("grammar_bitmask", "accept_tokens", "fill_next_token_bitmask", "batch_fill", "apply_grammar_bitmask",
@@ -64,9 +68,14 @@ def one(cfg: dict) -> dict:
     profile = Path(cfg["profile"])
     as_written = "+written" in cfg["name"]
     name, stats = cfg["name"].replace("+written", "").removesuffix("+stats"), cfg["name"].endswith("+stats")
+    name, _, threads = name.partition("@")
     fills, _, method = name.partition("-")
+    ours = fills in ("batch", "ahead")
     os.environ.update({"BATCHJSON_RUNNER_PID": str(os.getpid()), ENV_PROFILE: str(profile), ENV_PROFILE_SYNC: "0",
-                       internals.GRAMMAR_FILLS_ENV: "batch" if fills == "batch" else "vllm"})
+                       internals.GRAMMAR_FILLS_ENV: "batch" if ours else "vllm",
+                       internals.AHEAD_ENV: "1" if fills == "ahead" else "0"})
+    if threads:
+        os.environ[internals.FILL_THREADS_ENV] = threads
     from batchjson.engine.vllm_engine import _vllm
 
     vllm = _vllm()  # imported as batchjson imports it: a CPU build's KV cache size and threads set the same way
@@ -94,7 +103,7 @@ def one(cfg: dict) -> dict:
         from batchjson.schema.grammar import choose
 
         written = schema(cfg["task"])
-        given = choose(written, "xgrammar").grammar_schema if fills == "batch" and not as_written else written
+        given = choose(written, "xgrammar").grammar_schema if ours and not as_written else written
         params = vllm.SamplingParams(temperature=0.0, max_tokens=cfg["max_tokens"],
                                      structured_outputs=StructuredOutputsParams(json=given))
     flush = vllm.SamplingParams(temperature=0.0, max_tokens=1)
@@ -126,6 +135,7 @@ def one(cfg: dict) -> dict:
               "output_tokens": sum(map(len, tokens)), "mean_tokens": round(sum(map(len, tokens)) / len(tokens), 1),
               "parts_ms_per_step": parts, **scheduled, "gpu_busy": host["gpu_util_mean"], "cpu_busy": host["cpu_busy_mean"],
               "batch_fill_calls": after["parts"].get("batch_fills", {}).get("count", 0),  # 0: vLLM's fills ran
+              "ahead_calls": after["parts"].get("ahead", {}).get("count", 0),  # steps whose grammar work went ahead
               "digests": [hashlib.md5(json.dumps(t).encode()).hexdigest()[:12] for t in tokens]}
     if drafted:
         d, a = drafted.get("vllm:spec_decode_num_draft_tokens", 0), drafted.get("vllm:spec_decode_num_accepted_tokens", 0)
@@ -515,7 +525,7 @@ def main(argv: list[str]) -> int:
             if args.budget and time.monotonic() - began > args.budget:
                 results.append({"name": name, "seqs": seqs, "error": "budget spent"})
                 continue
-            fills, _, method = name.replace("+written", "").removesuffix("+stats").partition("-")
+            fills, _, method = name.replace("+written", "").removesuffix("+stats").partition("@")[0].partition("-")
             firsts = [r for r in results if r["seqs"] == seqs and r.get("method") == method and "mean_tokens" in r
                       and r["fills"] != "free"]
             cfg = {"name": name, "seqs": seqs, "model": args.model, "task": args.task, "rows": args.rows,
@@ -547,7 +557,8 @@ def main(argv: list[str]) -> int:
     print(table(results, [("seqs", "seqs"), ("name", "config"), ("generate_s", "generate s"), ("steps", "steps"),
                           ("ms_per_step", "ms/step"), ("schedule_ms", "schedule"), ("update_from_output_ms", "update"),
                           ("advance_ms", "advance"),
-                          ("get_grammar_bitmask_ms", "masks"), ("scheduled_requests_per_step", "requests"),
+                          ("get_grammar_bitmask_ms", "masks"), ("ahead_ms", "ahead"),
+                          ("scheduled_requests_per_step", "requests"),
                           ("drafted_tokens_per_step", "drafted"),
                           ("forward_ms", "forward"), ("sample_tokens_ms", "sample"), ("propose_ms", "propose"),
                           ("drafts_ms", "drafts"), ("gpu_busy", "GPU %"),

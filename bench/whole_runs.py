@@ -21,6 +21,8 @@ Runs, in the order given (compare only runs of one call: machines differ by +-30
   <run>-noguard           the same with the loop guard off in both passes (repetition_detection = false).
   <run>-noadapt           the same with [sampling] adapt = false (pass 1 keeps its own settings however its rows do).
   <run>-nofills           the same with [model] grammar_fills = "vllm" (vLLM's own mask fills, not batchjson's).
+  <run>-noahead           the same with the grammars' work made when vLLM asks for it, not beside the forward's
+                          launch (BATCHJSON_GRAMMAR_AHEAD=0; engine/internals.py GrammarAhead).
   <run>+p2                pass 1 stops every row at 8 tokens, so pass 2 (max_tokens as given, no drafts) decodes all
                           rows on pass 1's engine: draft+p2 against none+p2 is what the drafter costs requests
                           without drafts (draft+p2-noadapt: not with -noguard).
@@ -77,6 +79,7 @@ import time
 from pathlib import Path
 
 from batchjson.engine.devices import visible_gpus
+from batchjson.engine.internals import AHEAD_ENV
 from bench.common import P1, P2, ROOT, SPECULATIVE, cli, run_group
 from bench.replicas import HostSampler
 from bench.tasks import TASKS, schema, score, write_task
@@ -172,6 +175,8 @@ def batchjson_run(name: str, args, rows: int, work: Path, t_launch: float, timeo
     job.write_text(text)
     out = folder / "out"
     env = os.environ | {"PYTHONUNBUFFERED": "1"}
+    if "ahead" in flags:
+        env[AHEAD_ENV] = "0"
     if measured:  # batchjson's own cache empty: no KV cache size kept from an earlier start (engine/kv_sizes.py)
         shutil.rmtree(folder / "cache", ignore_errors=True)
         env["BATCHJSON_CACHE"] = str(folder / "cache")

@@ -34,9 +34,15 @@ of threads that take turns at the GIL between rows; serially with drafts). `inst
 StructuredOutputManager.grammar_bitmask with BatchFills: the same rows from one call to xgrammar's batch matcher (C++
 threads), into pinned buffers the GPU runner copies as they are (H200, the 1.5B at 1,024 in flight: 62.4-71.2 ms a
 step against vLLM's 81.4-98.8; BENCHMARKS.md, "What the JSON constraint costs a step"). Checked against
-FILLS_READ_ON; `[model] grammar_fills = "vllm"` (GRAMMAR_FILLS_ENV) keeps vLLM's fills. The grammars' advance
-(update_from_output's accept_tokens, a call per request) stays vLLM's: xgrammar's batch accept runs the same C++
-per matcher, and a patch that keeps vLLM's loop saved nothing (measured, same section: `bench grammar --matchers`).
+FILLS_READ_ON; `[model] grammar_fills = "vllm"` (GRAMMAR_FILLS_ENV) keeps vLLM's fills.
+
+**The grammars' work beside the forward's launch.** Under async scheduling vLLM launches step n+1's forward, then
+waits for step n's tokens, advances every grammar by its token (a few Python calls per request in
+update_from_output) and fills n+1's masks, all on the engine core's one thread while the GPU waits for the masks.
+`install_grammar_ahead` moves both onto a thread that starts as soon as n+1 is scheduled (GrammarAhead): n's tokens
+are on the host by then, xgrammar's batch accept and batch fill run in C++ without the GIL, and the engine core's
+thread only skips the grammars already advanced and takes the masks. Checked against AHEAD_READ_ON (vLLM 0.26, Model
+Runner V2, no drafts); elsewhere the masks are made when vLLM asks for them.
 
 **The schema drafts made where the grammar already is.** `[speculative] method = "schema"` drafts what each
 request's grammar forces next, else a copy from its prompt (schema/drafts.py). vLLM asks a custom drafter in the model
@@ -146,6 +152,8 @@ def install() -> None:
     install_kv_size_report()
     if fills_wanted():
         install_batch_fills()
+        if ahead_wanted():
+            install_grammar_ahead()
 
 
 def install_in_runner() -> None:
@@ -164,6 +172,8 @@ def install_in_runner() -> None:
         install_kv_size_report()
         if fills_wanted():
             install_batch_fills()
+            if ahead_wanted():
+                install_grammar_ahead()
 
 
 def no_draft_ready() -> bool:
@@ -290,10 +300,14 @@ GRAMMAR_FILLS_ENV = "BATCHJSON_GRAMMAR_FILLS"  # "batch" (the default) or "vllm"
 MASK_BUFFERS = 3  # a buffer is filled again 3 steps later: vLLM keeps at most 2 steps in flight (its batch queue)
 
 
+FILL_THREADS_ENV = "BATCHJSON_FILL_THREADS"  # a count of xgrammar's fill threads (the benchmarks' comparisons)
+
+
 def fill_threads() -> int:
     """xgrammar's threads for one engine's fills: vLLM's own count, min(cores/2, 8), of the cores this process may
-    use (an engine replica's share of the host)."""
-    return max(1, min(len(os.sched_getaffinity(0)) // 2, 8))
+    use (an engine replica's share of the host), unless FILL_THREADS_ENV gives one."""
+    given = os.environ.get(FILL_THREADS_ENV, "")
+    return int(given) if given.isdigit() and int(given) > 0 else max(1, min(len(os.sched_getaffinity(0)) // 2, 8))
 
 
 class BatchFills:
@@ -332,23 +346,23 @@ class BatchFills:
         vLLM)."""
         if drafts and any(drafts.get(r) for r in ids):
             return self._drafted(requests, ids, drafts) if self.drafted else None
-        mask, matchers, rows = self._rows(requests, ids)
-        if matchers:
-            self.batch.batch_fill_next_token_bitmask(matchers, mask, rows)
-        return mask[:len(ids)].numpy()
+        return self.fill([requests[r].structured_output_request.grammar for r in ids])[:len(ids)].numpy()
 
-    def _rows(self, requests, ids):
-        """The next buffer with the rows of terminated grammars set to -1, and the matchers to fill with their rows."""
-        mask = self._next()
-        matchers, rows = [], []
-        for row, req_id in enumerate(ids):
-            grammar = requests[req_id].structured_output_request.grammar
+    def fill(self, grammars, mask=None, rows=None):
+        """The masks of `grammars` (vLLM's XgrammarGrammar) in the next buffer, a row each in order, or into `mask`
+        at `rows`: -1 for a terminated grammar, as vLLM fills. Returns the buffer."""
+        if mask is None:
+            mask, rows = self._next(), range(len(grammars))
+        matchers, at = [], []
+        for row, grammar in zip(rows, grammars):
             if grammar.is_terminated():
                 mask[row] = -1
             else:
                 matchers.append(grammar.matcher)
-                rows.append(row)
-        return mask, matchers, rows
+                at.append(row)
+        if matchers:
+            self.batch.batch_fill_next_token_bitmask(matchers, mask, at)
+        return mask
 
     def _next(self):
         mask = self.buffers[self.turn]
@@ -420,7 +434,9 @@ def grammar_fills(setting: str) -> str:
     if why:
         return f"vllm ({why})"
     threads = fill_threads()
-    return f"batch (xgrammar's batch matcher, {threads} thread{'s' if threads > 1 else ''})"
+    ahead = ("" if unread_here(AHEAD_READ_ON) or not ahead_wanted()
+             else "; beside the forward's launch where vLLM schedules ahead without drafts")
+    return f"batch (xgrammar's batch matcher, {threads} thread{'s' if threads > 1 else ''}{ahead})"
 
 
 def fills_wanted() -> bool:
@@ -484,6 +500,250 @@ def install_batch_fills() -> str:
         return own(self, requests, structured_output_request_ids, scheduled_spec_decode_tokens)
 
     StructuredOutputManager.grammar_bitmask = grammar_bitmask
+    return "ok"
+
+
+# ---------------------------------------------------------------- the grammars' work beside the forward's launch
+# Read on: vllm/v1/engine/core.py, v1/core/sched/scheduler.py and async_scheduler.py, v1/structured_output/__init__.py,
+# v1/executor/uniproc_executor.py, v1/worker/gpu/async_utils.py and structured_outputs.py of 0.26. Under async
+# scheduling EngineCore.step_with_batch_queue begins with at most one step in its batch_queue, the oldest ([-1]):
+# (the future of step n's sampled tokens, n's SchedulerOutput, ...). It schedules step n+1 and launches n+1's forward
+# (execute_model); where n+1 holds structured requests still waiting for tokens (SchedulerOutput.
+# pending_structured_output_tokens, set inside schedule()), it then takes n's output (future.result()), runs
+# Scheduler.update_from_output(n), and only then Scheduler.get_grammar_bitmask(n+1) and sample_tokens(n+1).
+# update_from_output advances the grammar of each request n scheduled that is still in self.requests and not
+# finished, whose tokens AsyncScheduler._update_request_with_output keeps (it drops them while
+# async_tokens_to_discard > 0) and that got a token (one token is never trimmed at a stop), where
+# StructuredOutputManager.should_advance(request) says so (always without a reasoning parser); XgrammarGrammar.
+# accept_tokens refuses a terminated grammar untouched, else matcher.accept_token, num_processed_tokens += 1 and
+# _is_terminated; a refused token ends the request with an error. Nothing else touches a grammar between n+1's schedule
+# and its mask without drafts (preemption leaves grammars as they are). get_grammar_bitmask(n+1)'s ids: the requests
+# n+1 scheduled, in order, still in self.requests, structured and not a prefill chunk. Model Runner V2 masks one logits
+# row per id (StructuredOutputsWorker.apply_grammar_bitmask), and n+1's forward holds every request n+1 scheduled.
+# With one process (UniProcExecutor) n's future is an AsyncOutputFuture whose async_output (Model Runner V2's
+# AsyncOutput) holds pinned copies of the sampled tokens (sampled_token_ids: rows x 1 without drafts,
+# num_sampled_tokens_np), complete once its copy_event is, and model_runner_output.req_id_to_index.
+AHEAD_READ_ON = ("0.26.",)
+AHEAD_ENV = "BATCHJSON_GRAMMAR_AHEAD"  # "0": the masks made when vLLM asks for them (bench grammar's "batch")
+
+
+def ahead_wanted() -> bool:
+    """Whether batch fills go ahead of the step where they can (GrammarAhead): unless AHEAD_ENV is "0"."""
+    return os.environ.get(AHEAD_ENV, "1") != "0"
+
+
+class GrammarAhead:
+    """One engine core's grammar work for step n+1 moved beside the launch of n+1's forward, under async scheduling
+    with no drafts: on a thread, as soon as step n's tokens reach the host, every structured request's grammar takes its
+    token (xgrammar's batch accept) and n+1's masks are filled (BatchFills), while the engine core's own thread
+    launches the forward. vLLM does both on that one thread, after the launch and after waiting for n's tokens.
+    update_from_output(n) then skips the requests advanced here (should_advance), and get_grammar_bitmask(n+1) gets
+    the masks. The rows are those vLLM would make plus any request that finishes at step n (still in n+1's forward;
+    its next token is dropped, so its row changes nothing); a request vLLM advances itself after the masks were made
+    (none is expected: the conditions are vLLM's own) gets its row filled again."""
+
+    def __init__(self, fills: BatchFills, requests: dict):
+        from concurrent.futures import ThreadPoolExecutor
+
+        import torch
+
+        self.fills, self.requests = fills, requests
+        device = torch.cuda.current_device() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+        self.thread = ThreadPoolExecutor(1, thread_name_prefix="batchjson-grammar",  # waits on the engine's GPU
+                                         initializer=None if device is None else torch.cuda.set_device,
+                                         initargs=() if device is None else (device,))
+        self.waiting = None  # the batch queue's oldest step (n) as a step begins
+        self.last = None  # (SchedulerOutput, ids) of the latest step whose masks were made
+        self.job = None  # (SchedulerOutput n, SchedulerOutput n+1, future of work())
+        self.grammars: dict = {}  # request id -> its grammar, for the requests of the latest masks
+        self.moved: set = set()  # requests vLLM advanced itself while a job's masks stood
+
+    @classmethod
+    def for_scheduler(cls, scheduler) -> "GrammarAhead | None":
+        """The scheduler's GrammarAhead, made once its grammars are known to be ours (BatchFills: xgrammar, no
+        reasoning parser) on an engine without drafts, a KV connector or async scheduling off; None until then, or
+        for good."""
+        ahead = scheduler.__dict__.get("_batchjson_ahead")
+        if ahead is None:
+            manager = scheduler.structured_output_manager
+            if manager.backend is None:
+                return None  # no grammar yet: asked again at the next step
+            fills = fills_for(manager)
+            usable = (fills and not scheduler.num_spec_tokens and scheduler.connector is None
+                      and manager.vllm_config.scheduler_config.async_scheduling)
+            ahead = cls(fills, scheduler.requests) if usable else False
+            scheduler.__dict__["_batchjson_ahead"] = ahead
+        return ahead or None
+
+    def start(self, scheduled) -> None:
+        """After step n+1 (`scheduled`) is scheduled: start its grammar work on the thread, where this step is one
+        read (n's masks were made by this object or noted, n's tokens come as Model Runner V2's AsyncOutput)."""
+        waiting, self.waiting = self.waiting, None
+        if (waiting is None or self.last is None or waiting[1] is not self.last[0]
+                or not scheduled.pending_structured_output_tokens or scheduled.scheduled_spec_decode_tokens
+                or not scheduled.total_num_scheduled_tokens):
+            return
+        output = getattr(waiting[0], "async_output", None)
+        if output is None or not hasattr(output, "num_sampled_tokens_np"):
+            return
+        self.job = (waiting[1], scheduled, self.thread.submit(self.work, output, self.last[1], scheduled))
+
+    def work(self, output, ids: list[str], scheduled):
+        """On the thread: advance the grammars of `ids` (step n's masked requests) by n's tokens in `output`, as
+        update_from_output would, then fill the masks of `scheduled` (n+1). (advanced ids, n+1's ids, mask), or None
+        where the step is not one this reads (nothing advanced: vLLM does all of it)."""
+        requests, known = self.requests, self.grammars
+        try:
+            output.copy_event.synchronize()
+            index = output.model_runner_output.req_id_to_index
+            rows = [index[r] for r in ids]
+            counts = output.num_sampled_tokens_np[rows].tolist()
+            tokens = output.sampled_token_ids[rows, 0].tolist()
+            matchers, moves, movers = [], [], []
+            for req_id, count, token in zip(ids, counts, tokens):
+                if not count:
+                    continue
+                request = requests.get(req_id)
+                if count != 1:
+                    return None
+                if request is None or request.is_finished() or request.async_tokens_to_discard:
+                    continue
+                grammar = known.get(req_id) or request.structured_output_request.grammar
+                if not grammar.is_terminated():
+                    matchers.append(grammar.matcher)
+                    moves.append(token)
+                    movers.append((req_id, grammar))
+        except Exception:  # noqa: BLE001 - nothing advanced yet: this step is vLLM's own
+            return None
+        accepted = self.fills.xgr.BatchGrammarMatcher.batch_accept_token(matchers, moves) if matchers else []
+        advanced = set()
+        for (req_id, grammar), ok in zip(movers, accepted):
+            if ok:  # a refused token is left to vLLM, which refuses it too and ends the request
+                grammar.num_processed_tokens += 1
+                grammar._is_terminated = grammar.matcher.is_terminated()
+                advanced.add(req_id)
+        upcoming, grammars = [], {}
+        for req_id in scheduled.num_scheduled_tokens:
+            request = requests.get(req_id)
+            if request is not None and request.use_structured_output and not request.is_prefill_chunk:
+                upcoming.append(req_id)
+                grammars[req_id] = known.get(req_id) or request.structured_output_request.grammar
+        self.grammars = grammars
+        return advanced, upcoming, self.fills.fill(list(grammars.values()))
+
+    def advanced(self, updated):
+        """In update_from_output(n): the ids advanced for it (waiting for the thread), or None."""
+        if self.job is None or self.job[0] is not updated:
+            return None
+        done = self.job[2].result()
+        if done is None:
+            self.job = None
+            return None
+        self.moved = set()
+        return done[0]
+
+    def masks(self, scheduled):
+        """In get_grammar_bitmask(n+1): its GrammarOutput from the thread's work, or None (vLLM's own)."""
+        job, self.job = self.job, None
+        if job is None or job[1] is not scheduled:
+            return None
+        done = job[2].result()
+        if done is None:
+            return None
+        from vllm.v1.core.sched.output import GrammarOutput
+
+        _, ids, mask = done
+        if self.moved:
+            again = [row for row, req_id in enumerate(ids) if req_id in self.moved]
+            if again:
+                self.fills.fill([self.grammars[ids[row]] for row in again], mask, again)
+            self.moved = set()
+        self.last = (scheduled, ids)
+        return GrammarOutput(ids, mask[:len(ids)].numpy())
+
+    def note(self, scheduled, out) -> None:
+        """In get_grammar_bitmask when vLLM made the masks: the step and its ids, for the next step's work."""
+        self.last = (scheduled, out.structured_output_request_ids) if out is not None else None
+        self.grammars = {}
+
+
+@installs_once
+def install_grammar_ahead() -> str:
+    """Patch EngineCore.step_with_batch_queue (to note the step waiting in its queue), Scheduler.schedule (to start
+    GrammarAhead's work), Scheduler.update_from_output and StructuredOutputManager.should_advance (to skip the grammars
+    advanced there) and Scheduler.get_grammar_bitmask (to hand over its masks). "ok" or why not (then the masks are
+    made when vLLM asks for them). Installed with BatchFills, unless AHEAD_ENV is "0"."""
+    import inspect
+
+    if why := unread_here(AHEAD_READ_ON) or _batch_fills_unready():
+        return why
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.engine.core import EngineCore
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    step, schedule = EngineCore.step_with_batch_queue, Scheduler.schedule
+    update, masks, advance = Scheduler.update_from_output, Scheduler.get_grammar_bitmask, StructuredOutputManager.should_advance
+    if (list(inspect.signature(update).parameters) != ["self", "scheduler_output", "model_runner_output"]
+            or list(inspect.signature(masks).parameters) != ["self", "scheduler_output"]
+            or list(inspect.signature(advance).parameters) != ["self", "request"]
+            or list(inspect.signature(step).parameters) != ["self"]):
+        return "EngineCore.step_with_batch_queue, Scheduler.update_from_output/get_grammar_bitmask or should_advance changed"
+
+    @functools.wraps(step)
+    def step_with_batch_queue(self):
+        ahead = GrammarAhead.for_scheduler(self.scheduler)
+        if ahead is not None:
+            ahead.waiting = self.batch_queue[-1] if self.batch_queue else None
+        return step(self)
+
+    @functools.wraps(schedule)
+    def schedule_ahead(self, *args, **kwargs):
+        out = schedule(self, *args, **kwargs)
+        ahead = self.__dict__.get("_batchjson_ahead")
+        if ahead:
+            ahead.start(out)
+        return out
+
+    @functools.wraps(update)
+    def update_from_output(self, scheduler_output, model_runner_output):
+        ahead = self.__dict__.get("_batchjson_ahead")
+        advanced = ahead.advanced(scheduler_output) if ahead else None
+        if advanced is None:
+            return update(self, scheduler_output, model_runner_output)
+        manager = self.structured_output_manager
+        manager.__dict__["_batchjson_advanced"] = (advanced, ahead.moved)
+        try:
+            return update(self, scheduler_output, model_runner_output)
+        finally:
+            manager.__dict__["_batchjson_advanced"] = None
+
+    @functools.wraps(advance)
+    def should_advance(self, request):
+        skip = self.__dict__.get("_batchjson_advanced")
+        if skip is None:
+            return advance(self, request)
+        if request.request_id in skip[0]:
+            return False  # advanced already, beside the forward's launch
+        answer = advance(self, request)
+        if answer:
+            skip[1].add(request.request_id)
+        return answer
+
+    @functools.wraps(masks)
+    def get_grammar_bitmask(self, scheduler_output):
+        ahead = self.__dict__.get("_batchjson_ahead")
+        if ahead:
+            made = ahead.masks(scheduler_output)
+            if made is not None:
+                return made
+        out = masks(self, scheduler_output)
+        if ahead:
+            ahead.note(scheduler_output, out)
+        return out
+
+    EngineCore.step_with_batch_queue, Scheduler.schedule = step_with_batch_queue, schedule_ahead
+    Scheduler.update_from_output, Scheduler.get_grammar_bitmask = update_from_output, get_grammar_bitmask
+    StructuredOutputManager.should_advance = should_advance
     return "ok"
 
 
@@ -844,6 +1104,7 @@ TIMED = (
     ("vllm.v1.core.sched.scheduler", "Scheduler", "update_from_output", "update_from_output", False),
     ("vllm.v1.structured_output", "StructuredOutputManager", "grammar_bitmask", "grammar_bitmask", False),
     ("batchjson.engine.internals", "BatchFills", "bitmask", "batch_fills", False),
+    ("batchjson.engine.internals", "GrammarAhead", "work", "ahead", False),
     ("vllm.v1.core.sched.scheduler", "Scheduler", "get_grammar_bitmask", "get_grammar_bitmask", False),
     ("vllm.v1.core.sched.scheduler", "Scheduler", "update_draft_token_ids", "drafts", False),
     ("vllm.v1.structured_output.backend_xgrammar", "XgrammarGrammar", "accept_tokens", "advance", False),

@@ -41,6 +41,8 @@
 #   (run21: 6.1 s against 3.7 without): both runs with the front end's and the engine's stacks sampled.
 # PLAN schemaab: none and schema alternating, bare vLLM between them, after schemaprof's warm-ups (run20).
 # PLAN schemap2: what the schema engine costs requests that opt out of drafts (schema+p2 against none+p2, 6,000 rows).
+# PLAN ahead15 (issue 46): the 1.5B's step with the grammars' work beside the forward's launch (GrammarAhead) against
+#   the batch fills at the step and no grammar, twice each, then the default with and without it against bare vLLM.
 # PLAN smol46: SmolLM2's step (vLLM's fills, batchjson's, no grammar), then the default against bare vLLM at 30,000 rows.
 # PLAN replicas15mps: the 1.5B with 2 replicas against 1, warm, then both under CUDA MPS.
 # PLAN replicas15ab: the 1.5B at 30,000 rows, all warm, one call: 2 replicas against 1 and bare vLLM's one engine
@@ -236,6 +238,14 @@ run_plan() {
     # where a drafted engine's longer start goes: vLLM's INFO log of warm starts with and without the schema drafter
     smolstart) need smol && wr smol-C64-start --task C --rows 6000 --model $smol --timeout 200 \
                  --runs schema+warm,schema+warm+log,none+warm+log ;;
+    # issue 46: the grammars' work beside the forward's launch (GrammarAhead) against the batch fills at the step and
+    # no grammar, two of each alternating, then the default with and without it against bare vLLM at 6,000 rows
+    ahead15) need q15 && gb g15-C6000-ahead --task C --rows 6000 --model $q15 --seqs 1024 \
+               --configs ahead,batch,free,ahead,batch,free --timeout 200
+             need q15 && wr t15-C6000-ahead --task C --rows 6000 --model $q15 --timeout 200 \
+               --runs auto+warm,auto,auto-noahead,bare-none,auto,auto-noahead ;;
+    ahead15more) need q15 && gb g15-C6000-ahead-more --task C --rows 6000 --model $q15 --seqs 1024 \
+               --configs ahead@4,ahead,vllm,ahead@4 --timeout 200 ;;
     t30kschema) need q15 && wr t15-C30000-schema --task C --rows 30000 --model $q15 --timeout 300 --runs schema,auto ;;
   esac
 }

@@ -189,3 +189,154 @@ def test_batch_fills_decode_what_vllms_fills_decode(tiny_model, monkeypatch, tmp
     for path in profiles.values():
         parts = read_profile(path)["parts"]
         assert 0 < parts["advance"]["seconds"] < parts["update_from_output"]["seconds"]
+
+
+class Request(SimpleNamespace):
+    """What GrammarAhead reads of vLLM's Request."""
+
+    def is_finished(self) -> bool:
+        return self.finished
+
+
+def ahead_requests(gs) -> dict:
+    return {str(i): Request(structured_output_request=SimpleNamespace(grammar=g), use_structured_output=True,
+                            is_prefill_chunk=False, async_tokens_to_discard=0, finished=False)
+            for i, g in enumerate(gs)}
+
+
+def sampled(tokens: dict, order: list[str]):
+    """Model Runner V2's AsyncOutput of a step: one token (or none: -1) per request, in the runner's `order`."""
+    import numpy as np
+
+    return SimpleNamespace(
+        copy_event=SimpleNamespace(synchronize=lambda: None),
+        model_runner_output=SimpleNamespace(req_id_to_index={r: i for i, r in enumerate(order)}),
+        sampled_token_ids=np.array([[tokens.get(r, -1)] for r in order], dtype=np.int32),
+        num_sampled_tokens_np=np.array([0 if tokens.get(r, -1) == -1 else 1 for r in order], dtype=np.int32))
+
+
+def scheduled(ids) -> SimpleNamespace:
+    return SimpleNamespace(num_scheduled_tokens={r: 1 for r in ids}, pending_structured_output_tokens=True,
+                           scheduled_spec_decode_tokens={}, total_num_scheduled_tokens=len(ids))
+
+
+def vllm_update(requests, ids, tokens, skip=frozenset()) -> list[str]:
+    """update_from_output's advance (vLLM 0.26, no reasoning parser), for the requests not in `skip`: the ids it
+    advanced itself (refused ones included: vLLM ends those with an error)."""
+    moved = []
+    for req_id in ids:
+        request = requests.get(req_id)
+        if request is None or request.finished or req_id not in tokens or req_id in skip:
+            continue
+        if request.async_tokens_to_discard:
+            continue
+        request.structured_output_request.grammar.accept_tokens(req_id, [tokens[req_id]])
+        moved.append(req_id)
+    return moved
+
+
+def test_grammar_work_ahead_of_the_step_is_vllms_step_after_step(grammar_kit):
+    """Twelve requests through their answers, each step's tokens taken and the next step's masks made on the thread
+    (GrammarAhead), requests finishing as their grammar ends: every mask and every grammar's count is what vLLM's
+    update_from_output and its fill give, and update_from_output is left nothing to advance."""
+    tokenizer, compiled, vocab = grammar_kit
+    answers = [answer_tokens(tokenizer, compiled, f'{{"name": "w{i % 5}x{"y" * (i % 4)}", "n": {i % 10}}}') for i in range(12)]
+    gs, mine = grammars(compiled, vocab, 12), grammars(compiled, vocab, 12)
+    theirs, ours = ahead_requests(gs), ahead_requests(mine)
+    words = xgr.allocate_token_bitmask(1, vocab).shape[1]
+    ahead = internals.GrammarAhead(internals.BatchFills(rows=16, words=words, drafted=True), ours)
+    ids = list(ours)
+    step = scheduled(ids)
+    ahead.note(step, SimpleNamespace(structured_output_request_ids=ids))  # the first step's masks were vLLM's
+    for position in range(max(map(len, answers))):
+        tokens = {r: answers[int(r)][position] for r in ids}
+        following = scheduled(ids)  # the runner's batch: every request the step scheduled, in its own order
+        ahead.waiting = (SimpleNamespace(async_output=sampled(tokens, list(step.num_scheduled_tokens)[::-1])), step, None)
+        ahead.start(following)
+        advanced = ahead.advanced(step)
+        assert advanced == set(ids)
+        assert vllm_update(ours, ids, tokens, skip=advanced) == []
+        vllm_update(theirs, ids, tokens)
+        made = ahead.masks(following)
+        expected = xgr.allocate_token_bitmask(len(ids), vocab)
+        vllm_rows([theirs[r].structured_output_request.grammar for r in ids], [()] * len(ids), expected)
+        assert made.structured_output_request_ids == ids
+        assert (made.grammar_bitmask == expected.numpy()).all(), f"position {position}"
+        assert [m.num_processed_tokens for m in mine] == [g.num_processed_tokens for g in gs]
+        assert [m.is_terminated() for m in mine] == [g.is_terminated() for g in gs]
+        for r in [r for r in ids if gs[int(r)].is_terminated()]:  # the end token stops the request
+            del theirs[r], ours[r]
+        ids, step = [r for r in ids if r in ours], following
+    assert not ids and all(m.is_terminated() for m in mine)
+
+
+def test_grammar_work_ahead_skips_what_vllm_skips_and_refills_what_vllm_moved(grammar_kit):
+    """One step with every case update_from_output treats apart: a request finished (aborted) and one gone, one whose
+    tokens are dropped (async_tokens_to_discard), one still in its prefill (no token), a terminated grammar, a token
+    the grammar refuses. Only the plain requests are advanced ahead; vLLM's own update then advances the refused one
+    (and ends it), whose row is filled again; the masks and counts are vLLM's. A step with two tokens for a request is
+    left to vLLM whole."""
+    tokenizer, compiled, vocab = grammar_kit
+    answer = answer_tokens(tokenizer, compiled, '{"name": "abc", "n": 7}')
+    gs, mine = grammars(compiled, vocab, 8), grammars(compiled, vocab, 8)
+    for g, m in zip(gs[6:7], mine[6:7]):  # request 6 is at its end: terminated
+        assert g.accept_tokens("r", answer) and m.accept_tokens("r", answer)
+    theirs, ours = ahead_requests(gs), ahead_requests(mine)
+    for requests in (theirs, ours):
+        requests["1"].finished = True
+        del requests["2"]
+        requests["3"].async_tokens_to_discard = 1
+    ids = [str(i) for i in range(8)]
+    tokens = {r: answer[0] for r in ids if r != "4"}  # 4: a prefill chunk, no token
+    refused = tokenizer.encode("}", add_special_tokens=False)[0]
+    tokens["5"] = refused
+    words = xgr.allocate_token_bitmask(1, vocab).shape[1]
+    ahead = internals.GrammarAhead(internals.BatchFills(rows=16, words=words, drafted=True), ours)
+    step, following = scheduled(ids), scheduled(ids)
+    ahead.note(step, SimpleNamespace(structured_output_request_ids=ids))
+    ahead.waiting = (SimpleNamespace(async_output=sampled(tokens, ids)), step, None)
+    ahead.start(following)
+    advanced = ahead.advanced(step)
+    assert advanced == {"0", "7"}
+    ahead.moved |= set(vllm_update(ours, ids, tokens, skip=advanced))  # as should_advance notes them
+    assert ahead.moved == {"5", "6"}  # vLLM's accept_tokens refuses both (and ends both requests)
+    vllm_update(theirs, ids, tokens)
+    made = ahead.masks(following)
+    kept = [r for r in ids if r in ours]
+    assert made.structured_output_request_ids == kept
+    expected = xgr.allocate_token_bitmask(len(kept), vocab)
+    vllm_rows([theirs[r].structured_output_request.grammar for r in kept], [()] * len(kept), expected)
+    assert (made.grammar_bitmask == expected.numpy()).all()
+    assert [m.num_processed_tokens for m in mine] == [g.num_processed_tokens for g in gs]
+
+    output = sampled(tokens, ids)
+    output.num_sampled_tokens_np[0] = 2  # drafts' tokens: not a step this reads
+    before = [m.num_processed_tokens for m in mine]
+    ahead.waiting = (SimpleNamespace(async_output=output), following, None)
+    again = scheduled(ids)
+    ahead.start(again)
+    assert ahead.advanced(following) is None and ahead.masks(again) is None
+    assert [m.num_processed_tokens for m in mine] == before
+
+
+def test_grammar_work_ahead_starts_only_on_a_step_it_reads(grammar_kit):
+    """No work without the masks of the step waiting in the queue, without tokens pending, with drafts, or with an
+    output that is not Model Runner V2's; on this vLLM (the CPU build schedules without async) it is not installed."""
+    _, compiled, vocab = grammar_kit
+    words = xgr.allocate_token_bitmask(1, vocab).shape[1]
+    ahead = internals.GrammarAhead(internals.BatchFills(rows=4, words=words, drafted=True), {})
+    step, ids = scheduled(["0"]), ["0"]
+    output = SimpleNamespace(async_output=sampled({"0": 1}, ids))
+    for last, waiting, following, why in (
+            (None, (output, step, None), scheduled(ids), "no masks noted"),
+            ((scheduled(ids), ids), (output, step, None), scheduled(ids), "another step's masks"),
+            ((step, ids), (output, step, None), SimpleNamespace(**{**vars(scheduled(ids)),
+                                                                  "pending_structured_output_tokens": False}), "none pending"),
+            ((step, ids), (output, step, None), SimpleNamespace(**{**vars(scheduled(ids)),
+                                                                  "scheduled_spec_decode_tokens": {"0": [1]}}), "drafts"),
+            ((step, ids), (SimpleNamespace(), step, None), scheduled(ids), "not an AsyncOutput")):
+        ahead.last, ahead.waiting, ahead.job = last, waiting, None
+        ahead.start(following)
+        assert ahead.job is None, why
+    assert internals.install_grammar_ahead().startswith("vLLM 0.32")
+    assert "beside the forward" not in internals.grammar_fills("batch")
