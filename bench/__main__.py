@@ -30,6 +30,7 @@ COMMANDS = {
     "schemas": ("schemas", "the SchemaStore corpus through the spec loader, grammar backends and Validator"),
     "extract-schemastore": ("extract_schemastore", "build bench/corpus/schemastore.jsonl.gz from SchemaStore"),
     "grammar": ("grammar", "what the JSON constraint costs a step: no grammar, vLLM's mask fills, batchjson's"),
+    "ahead": ("ahead", "the grammars' work beside the forward's launch, on vLLM 0.26's own scheduler, no GPU"),
     "drafts": ("drafts", "the schema drafter's proposals on ground-truth answers, offline: tokens per step, acceptance"),
     "spec-profile": ("spec_profile", "where a speculative step's time goes, per in-flight size (vLLM plugin)"),
     "validators": ("validators", "validation's cost per row: Validator.check against other validators"),

@@ -42,7 +42,8 @@ update_from_output) and fills n+1's masks, all on the engine core's one thread w
 `install_grammar_ahead` moves both onto a thread that starts as soon as n+1 is scheduled (GrammarAhead): n's tokens
 are on the host by then, xgrammar's batch accept and batch fill run in C++ without the GIL, and the engine core's
 thread only skips the grammars already advanced and takes the masks. Checked against AHEAD_READ_ON (vLLM 0.26, Model
-Runner V2, no drafts); elsewhere the masks are made when vLLM asks for them.
+Runner V2, no drafts); elsewhere the masks are made when vLLM asks for them. Off unless AHEAD_ENV is "1" until a GPU
+has measured it (BENCHMARKS.md, "The grammars' work beside the forward's launch").
 
 **The schema drafts made where the grammar already is.** `[speculative] method = "schema"` drafts what each
 request's grammar forces next, else a copy from its prompt (schema/drafts.py). vLLM asks a custom drafter in the model
@@ -524,12 +525,13 @@ def install_batch_fills() -> str:
 # AsyncOutput) holds pinned copies of the sampled tokens (sampled_token_ids: rows x 1 without drafts,
 # num_sampled_tokens_np), complete once its copy_event is, and model_runner_output.req_id_to_index.
 AHEAD_READ_ON = ("0.26.",)
-AHEAD_ENV = "BATCHJSON_GRAMMAR_AHEAD"  # "0": the masks made when vLLM asks for them (bench grammar's "batch")
+AHEAD_ENV = "BATCHJSON_GRAMMAR_AHEAD"  # "1": GrammarAhead on (the benchmarks' "ahead"); off until measured on a GPU
 
 
 def ahead_wanted() -> bool:
-    """Whether batch fills go ahead of the step where they can (GrammarAhead): unless AHEAD_ENV is "0"."""
-    return os.environ.get(AHEAD_ENV, "1") != "0"
+    """Whether batch fills go ahead of the step where they can (GrammarAhead): where AHEAD_ENV is "1". Off by
+    default until a GPU has measured it against the batch fills at the step (BENCHMARKS.md, plan ahead15)."""
+    return os.environ.get(AHEAD_ENV, "0") == "1"
 
 
 class GrammarAhead:
@@ -672,7 +674,7 @@ def install_grammar_ahead() -> str:
     """Patch EngineCore.step_with_batch_queue (to note the step waiting in its queue), Scheduler.schedule (to start
     GrammarAhead's work), Scheduler.update_from_output and StructuredOutputManager.should_advance (to skip the grammars
     advanced there) and Scheduler.get_grammar_bitmask (to hand over its masks). "ok" or why not (then the masks are
-    made when vLLM asks for them). Installed with BatchFills, unless AHEAD_ENV is "0"."""
+    made when vLLM asks for them). Installed with BatchFills where AHEAD_ENV is "1"."""
     import inspect
 
     if why := unread_here(AHEAD_READ_ON) or _batch_fills_unready():

@@ -6,6 +6,9 @@ apply_mask_rows) as vLLM's V1 model runner places them."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -340,3 +343,25 @@ def test_grammar_work_ahead_starts_only_on_a_step_it_reads(grammar_kit):
         assert ahead.job is None, why
     assert internals.install_grammar_ahead().startswith("vLLM 0.32")
     assert "beside the forward" not in internals.grammar_fills("batch")
+
+
+VLLM_026 = Path(sys.prefix) / "vllm-0.26"  # vLLM 0.26's Python files: make install puts them there
+
+
+def test_grammar_work_ahead_on_vllm_026s_own_scheduler(tiny_model, tmp_path):
+    """vLLM 0.26's own AsyncScheduler, StructuredOutputManager (xgrammar) and EngineCore.step_with_batch_queue, their
+    Python on this CPU, with a model runner that answers every request with its ground truth and checks each mask row
+    it is given against a matcher of its own (bench/ahead.py): with GrammarAhead the thread serves every step after the
+    first few and vLLM advances no grammar itself; with the masks made when vLLM asks, the same answers and rows."""
+    assert (VLLM_026 / "vllm").is_dir(), f"{VLLM_026} is missing: `make install` fetches vLLM 0.26's Python files"
+    proc = subprocess.run([sys.executable, "-m", "bench", "ahead", "--vllm-src", str(VLLM_026), "--configs",
+                           "ahead,batch", "--rows", "120", "--seqs", "32", "--model", tiny_model, "--out", str(tmp_path)],
+                          cwd=Path(__file__).parents[2], capture_output=True, text=True, timeout=500)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    ahead, batch = json.loads((tmp_path / "ahead.json").read_text())
+    assert ahead["installed"] == {"fills": "ok", "ahead": "ok"} and batch["installed"]["ahead"] == "off"
+    for run in (ahead, batch):
+        assert run["right"] == 120 and run["checked_rows"] > 120 * 10
+    assert ahead["checked_rows"] == batch["checked_rows"] and ahead["steps"] == batch["steps"]
+    assert ahead["served"] == ahead["work"] >= ahead["steps"] - 4 and ahead["moved"] == 0
+    assert batch["work"] == 0

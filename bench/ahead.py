@@ -1,0 +1,281 @@
+"""The grammars' work beside the forward's launch (engine/internals.py GrammarAhead) on vLLM 0.26's own scheduler,
+with no GPU: vLLM 0.26's Python (its AsyncScheduler, StructuredOutputManager with the xgrammar backend, and
+EngineCore.step_with_batch_queue, which runs as it does in the engine process) drives a fake model runner on this
+CPU. The runner answers each request with its ground-truth JSON, token by token, and checks every mask row it is
+given against a matcher of its own; a run passes when every answer comes back whole and every row matched.
+
+    python -m bench ahead --fetch DIR          # vLLM 0.26's Python files from the package index (CUDA code unused)
+    python -m bench ahead --vllm-src DIR --configs ahead,batch,free --rows 2048 --seqs 1024 --launch-ms 25 \\
+        --check 0 --repeat 2 --out OUT
+
+Configurations, each in its own process with DIR first on its path: `ahead` (GrammarAhead on), `batch` (batchjson's
+batch fills when vLLM asks for the masks), `free` (no grammar, the same tokens: ignore_eos, max_tokens = the answer's
+length). `--launch-ms` spends that much of the engine core thread's time in Python in each forward's launch, as Model
+Runner V2's input preparation does (24 ms a step for the 1.5B at 1,024 in flight on the H200 host): the window the
+grammar work can go beside. ms per step is the loop's wall time over its steps. Results: OUT/ahead.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from bench.common import ROOT, dump, run_group, table
+
+VERSION = "0.26.0"
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "city": {"type": "string"},
+                                           "n": {"type": "integer"}, "tags": {"type": "array", "items": {"type": "string"}}},
+          "required": ["name", "city", "n", "tags"], "additionalProperties": False}
+WORDS = [("ann", "oslo"), ("bo", "rome"), ("cy", 'new "york"'), ("dee\\x", "lima"), ("e", "a\nb")]  # escapes too
+
+
+def fetch(folder: Path) -> Path:
+    """vLLM 0.26's Python files (no compiled module is imported on this path) into `folder`, from its wheel."""
+    import glob
+    import tempfile
+    import zipfile
+
+    if (folder / "vllm" / "v1" / "engine" / "core.py").exists():
+        return folder
+    with tempfile.TemporaryDirectory() as tmp:
+        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", f"vllm=={VERSION}", "-d", tmp],
+                       check=True)
+        with zipfile.ZipFile(glob.glob(f"{tmp}/vllm-{VERSION}-*.whl")[0]) as wheel:
+            names = [n for n in wheel.namelist() if n.startswith("vllm/") and n.endswith(".py")]
+            wheel.extractall(folder.with_name(folder.name + ".part"), names)
+    folder.with_name(folder.name + ".part").rename(folder)
+    return folder
+
+
+def answers_for(tokenizer, compiled, rows: int) -> dict[str, list[int]]:
+    """Each row's answer as tokens the grammar takes (the tokenizer's own split), then the end token."""
+    import xgrammar as xgr
+
+    out = {}
+    for i in range(rows):
+        name, city = WORDS[i % len(WORDS)]
+        text = json.dumps({"name": name * (1 + i % 3), "city": city, "n": i, "tags": ["t"] * (i % 4)})
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        probe = xgr.GrammarMatcher(compiled)
+        assert all(probe.accept_token(t) for t in ids), text
+        out[str(i)] = ids + [tokenizer.eos_token_id]
+    return out
+
+
+def one(cfg: dict) -> dict:
+    """One configuration in this process (vLLM 0.26's Python first on the path)."""
+    import queue
+    from collections import deque
+    from concurrent.futures import Future
+    from types import SimpleNamespace
+
+    import numpy as np
+    import torch
+    import xgrammar as xgr
+
+    os.environ["BATCHJSON_GRAMMAR_AHEAD"] = "1" if cfg["name"] == "ahead" else "0"
+    os.environ["BATCHJSON_GRAMMAR_FILLS"] = "batch"
+    import vllm
+    from transformers import AutoTokenizer
+    from vllm.config import (CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig, StructuredOutputsConfig,
+                             VllmConfig)
+    from vllm.sampling_params import SamplingParams, StructuredOutputsParams
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+    from vllm.v1.engine.core import EngineCore
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.outputs import ModelRunnerOutput
+    from vllm.v1.request import Request
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    from batchjson.engine import internals
+
+    assert vllm.__version__ == VERSION, vllm.__version__
+    installed = {"fills": internals.install_batch_fills(),
+                 "ahead": internals.install_grammar_ahead() if cfg["name"] == "ahead" else "off"}
+    jobs = {"work": 0, "served": 0, "moved": 0}
+    work, masks = internals.GrammarAhead.work, internals.GrammarAhead.masks
+
+    def counted_work(self, *args):
+        got = work(self, *args)
+        jobs["work"] += 1
+        jobs["served"] += got is not None
+        return got
+
+    def counted_masks(self, scheduled):
+        jobs["moved"] += len(self.moved)
+        return masks(self, scheduled)
+
+    internals.GrammarAhead.work, internals.GrammarAhead.masks = counted_work, counted_masks
+
+    free, rows, check = cfg["name"] == "free", cfg["rows"], cfg["check"]
+    tok = AutoTokenizer.from_pretrained(cfg["model"])
+    config = VllmConfig(
+        scheduler_config=SchedulerConfig(max_num_seqs=cfg["seqs"], max_num_batched_tokens=65536, max_model_len=4096,
+                                         enable_chunked_prefill=True, async_scheduling=True,
+                                         is_encoder_decoder=False),
+        model_config=ModelConfig(model=cfg["model"], dtype="float16", seed=42),
+        cache_config=CacheConfig(block_size=16, gpu_memory_utilization=0.9, cache_dtype="auto",
+                                 enable_prefix_caching=False),
+        device_config=DeviceConfig(device="cpu"),
+        structured_outputs_config=StructuredOutputsConfig(backend="xgrammar", disable_any_whitespace=True))
+    config.cache_config.num_gpu_blocks = 100_000
+    kv = KVCacheConfig(num_blocks=100_000, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(
+        ["layer"], FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=1, dtype=torch.float32))])
+    manager = StructuredOutputManager(config)
+    scheduler = AsyncScheduler(vllm_config=config, kv_cache_config=kv, structured_output_manager=manager,
+                               block_size=16)
+    info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=config.model_config.get_vocab_size())
+    compiled = xgr.GrammarCompiler(info).compile_json_schema(json.dumps(SCHEMA), any_whitespace=False)
+    answers = answers_for(tok, compiled, rows)
+    twins = {r: xgr.GrammarMatcher(compiled) for r in answers}
+    twin_mask = xgr.allocate_token_bitmask(1, info.vocab_size)
+    checked = [0]
+
+    class Output:  # Model Runner V2's AsyncOutput, as vLLM and GrammarAhead read it
+        def __init__(self, req_ids, tokens):
+            self.model_runner_output = ModelRunnerOutput(req_ids=req_ids,
+                                                         req_id_to_index={r: i for i, r in enumerate(req_ids)})
+            self.sampled_token_ids = np.array(tokens, dtype=np.int64).reshape(len(tokens), 1)
+            self.num_sampled_tokens_np = np.ones(len(tokens), dtype=np.int32)
+            self.copy_event = SimpleNamespace(synchronize=lambda: None)
+
+        def get_output(self):
+            self.model_runner_output.sampled_token_ids = self.sampled_token_ids.tolist()
+            return self.model_runner_output
+
+    class OutputFuture(Future):  # UniProcExecutor's AsyncOutputFuture
+        def __init__(self, output):
+            super().__init__()
+            self.async_output = output
+
+        def result(self, timeout=None):
+            if not self.done():
+                self.set_result(self.async_output.get_output())
+            return super().result()
+
+    class Runner:
+        """The model runner: each request's next answer token, its mask row checked first."""
+
+        def __init__(self):
+            self.sampled: dict[str, list[int]] = {}
+            self.step = None
+
+        def execute_model(self, scheduler_output, non_block=False):
+            self.step = scheduler_output
+            end = time.perf_counter() + cfg["launch_ms"] / 1000
+            while time.perf_counter() < end:  # the forward's launch: Python on the engine core's thread
+                sum(range(200))
+            done = Future()
+            done.set_result(None if scheduler_output.total_num_scheduled_tokens
+                            else ModelRunnerOutput(req_ids=[], req_id_to_index={}))
+            return done
+
+        def sample_tokens(self, grammar_output, non_block=False):
+            step, self.step = self.step, None
+            req_ids = list(step.num_scheduled_tokens)[::-1]  # the runner's own order
+            at = {} if grammar_output is None else {
+                r: i for i, r in enumerate(grammar_output.structured_output_request_ids)}
+            tokens = []
+            for req_id in req_ids:
+                got, answer = self.sampled.setdefault(req_id, []), answers[req_id]
+                if len(got) >= len(answer):  # it finished at the step before: its token is dropped
+                    tokens.append(0)
+                    continue
+                token = answer[len(got)]
+                if check and not free:
+                    assert req_id in at, f"request {req_id}: no mask row at token {len(got)}"
+                    twins[req_id].fill_next_token_bitmask(twin_mask)
+                    row = torch.from_numpy(np.ascontiguousarray(grammar_output.grammar_bitmask[at[req_id]]))
+                    assert torch.equal(row, twin_mask[0]), f"request {req_id}: its mask differs at token {len(got)}"
+                    assert twins[req_id].accept_token(token)
+                    checked[0] += 1
+                got.append(token)
+                tokens.append(token)
+            return OutputFuture(Output(req_ids, tokens))
+
+    core = object.__new__(EngineCore)  # its step_with_batch_queue as the engine process runs it
+    core.vllm_config, core.scheduler, core.model_executor = config, scheduler, Runner()
+    core.structured_output_manager = manager
+    core.batch_queue_size, core.batch_queue = 2, deque(maxlen=2)
+    core.is_ec_consumer, core.is_pooling_model, core.log_stats, core.check_for_draft_tokens = True, False, False, False
+    core.aborts_queue = queue.Queue()
+
+    for i in range(rows):
+        if free:
+            params = SamplingParams(temperature=0.0, max_tokens=len(answers[str(i)]), ignore_eos=True)
+        else:
+            params = SamplingParams(temperature=0.0, max_tokens=200,
+                                    structured_outputs=StructuredOutputsParams(json=SCHEMA))
+            params.update_from_generation_config({}, eos_token_id=tok.eos_token_id)
+            params.structured_outputs._backend = "xgrammar"  # as vLLM's input processing sets it
+        request = Request(str(i), tok.encode(f"row {i}: the JSON", add_special_tokens=False), params, None)
+        if not free:
+            manager.grammar_init(request)
+        scheduler.add_request(request)
+    texts: dict[str, list[int]] = {}
+    steps, start = 0, time.perf_counter()
+    while scheduler.has_requests() or core.batch_queue:
+        outputs, _ = core.step_with_batch_queue()
+        steps += 1
+        for eco in (outputs or {}).values():
+            for o in eco.outputs:
+                texts.setdefault(o.request_id, []).extend(o.new_token_ids)
+    seconds = time.perf_counter() - start
+    return {"installed": installed, "steps": steps, "ms_per_step": round(1000 * seconds / steps, 2),
+            "right": sum(texts.get(r) == a for r, a in answers.items()), "checked_rows": checked[0], **jobs}
+
+
+def main(argv: list[str]) -> int:
+    if argv[:1] == ["_one"]:
+        cfg = json.loads(argv[1])
+        Path(cfg["result"]).write_text(json.dumps(one(cfg)))
+        return 0
+    ap = argparse.ArgumentParser(prog="python -m bench ahead", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--fetch", type=Path, help="put vLLM 0.26's Python files in this folder, then stop")
+    ap.add_argument("--vllm-src", type=Path, help="a folder --fetch filled")
+    ap.add_argument("--configs", default="ahead,batch")
+    ap.add_argument("--repeat", type=int, default=1, help="the configurations in turn, this many times")
+    ap.add_argument("--rows", type=int, default=300)
+    ap.add_argument("--seqs", type=int, default=64, help="vLLM's max_num_seqs")
+    ap.add_argument("--launch-ms", type=float, default=0.0)
+    ap.add_argument("--check", type=int, default=1, help="1: check every mask row (0 for timings)")
+    ap.add_argument("--model", default=None, help="a model folder for its tokenizer and config (default SmolLM2)")
+    ap.add_argument("--timeout", type=float, default=600)
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args(argv)
+    if args.fetch:
+        print(fetch(args.fetch.resolve()))
+        return 0
+    if not args.vllm_src or not (args.vllm_src / "vllm").is_dir():
+        ap.error("--vllm-src: a folder `python -m bench ahead --fetch DIR` filled")
+    if args.model is None:
+        from batchjson.engine.models import default_model_dir, resolve_model
+
+        args.model = resolve_model(str(default_model_dir()))
+    out = args.out or Path(os.environ.get("TMPDIR", "/tmp")) / "bench-ahead"
+    out.mkdir(parents=True, exist_ok=True)
+    env = os.environ | {"PYTHONPATH": os.pathsep.join([str(args.vllm_src.resolve()), str(ROOT)]),
+                        "PYTHONUNBUFFERED": "1", "VLLM_LOGGING_LEVEL": "ERROR"}
+    results = []
+    for turn in range(args.repeat):
+        for name in args.configs.split(","):
+            cfg = {"name": name, "rows": args.rows, "seqs": args.seqs, "launch_ms": args.launch_ms,
+                   "check": args.check, "model": args.model, "result": str(out / f"result-{name}.json")}
+            Path(cfg["result"]).unlink(missing_ok=True)
+            proc = run_group([sys.executable, "-m", "bench", "ahead", "_one", json.dumps(cfg)], args.timeout,
+                             cwd=ROOT, env=env)
+            row = (json.loads(Path(cfg["result"]).read_text()) if proc.returncode == 0
+                   else {"error": f"rc {proc.returncode}: {(proc.stderr or proc.stdout)[-1500:]}"})
+            row |= {"name": name, "turn": turn, "rows": args.rows, "seqs": args.seqs, "launch_ms": args.launch_ms}
+            results.append(row)
+            dump(out / "ahead.json", results)
+            print(json.dumps(row), flush=True)
+    print(table(results, [(k, k) for k in ("name", "turn", "seqs", "launch_ms", "steps", "ms_per_step", "right",
+                                           "checked_rows", "work", "served", "moved", "error")]))
+    return 1 if any("error" in r or r["right"] != args.rows for r in results) else 0
