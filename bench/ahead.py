@@ -10,9 +10,12 @@ given against a matcher of its own; a run passes when every answer comes back wh
 
 Configurations, each in its own process with DIR first on its path: `ahead` (GrammarAhead on), `batch` (batchjson's
 batch fills when vLLM asks for the masks), `free` (no grammar, the same tokens: ignore_eos, max_tokens = the answer's
-length). `--launch-ms` spends that much of the engine core thread's time in Python in each forward's launch, as Model
+length). `--launch-ms` spends that much of the engine core thread's CPU time in Python in each forward's launch, as Model
 Runner V2's input preparation does (24 ms a step for the 1.5B at 1,024 in flight on the H200 host): the window the
-grammar work can go beside. ms per step is the loop's wall time over its steps. Results: OUT/ahead.json.
+grammar work can go beside. ms per step: the loop's wall time over its steps; core_cpu: the CPU time of the engine
+core's thread (the launch's busy wait included), which bounds the step where a spare core runs the grammar's thread;
+ahead_cpu: that thread's CPU time (GrammarAhead.work); wait: the engine core thread's wait for that thread in
+update_from_output. Results: OUT/ahead.json.
 """
 
 from __future__ import annotations
@@ -97,13 +100,21 @@ def one(cfg: dict) -> dict:
     assert vllm.__version__ == VERSION, vllm.__version__
     installed = {"fills": internals.install_batch_fills(),
                  "ahead": internals.install_grammar_ahead() if cfg["name"] == "ahead" else "off"}
-    jobs = {"work": 0, "served": 0, "moved": 0}
-    work, masks = internals.GrammarAhead.work, internals.GrammarAhead.masks
+    jobs = {"work": 0, "served": 0, "moved": 0, "thread_s": 0.0, "wait_s": 0.0}
+    work, masks, advanced = internals.GrammarAhead.work, internals.GrammarAhead.masks, internals.GrammarAhead.advanced
 
     def counted_work(self, *args):
+        began = time.thread_time()
         got = work(self, *args)
+        jobs["thread_s"] += time.thread_time() - began
         jobs["work"] += 1
         jobs["served"] += got is not None
+        return got
+
+    def timed_advanced(self, updated):
+        began = time.perf_counter()
+        got = advanced(self, updated)
+        jobs["wait_s"] += time.perf_counter() - began
         return got
 
     def counted_masks(self, scheduled):
@@ -111,6 +122,7 @@ def one(cfg: dict) -> dict:
         return masks(self, scheduled)
 
     internals.GrammarAhead.work, internals.GrammarAhead.masks = counted_work, counted_masks
+    internals.GrammarAhead.advanced = timed_advanced
 
     free, rows, check = cfg["name"] == "free", cfg["rows"], cfg["check"]
     tok = AutoTokenizer.from_pretrained(cfg["model"])
@@ -167,8 +179,8 @@ def one(cfg: dict) -> dict:
 
         def execute_model(self, scheduler_output, non_block=False):
             self.step = scheduler_output
-            end = time.perf_counter() + cfg["launch_ms"] / 1000
-            while time.perf_counter() < end:  # the forward's launch: Python on the engine core's thread
+            end = time.thread_time() + cfg["launch_ms"] / 1000
+            while time.thread_time() < end:  # the forward's launch: this much CPU of the engine core's thread
                 sum(range(200))
             done = Future()
             done.set_result(None if scheduler_output.total_num_scheduled_tokens
@@ -218,15 +230,18 @@ def one(cfg: dict) -> dict:
             manager.grammar_init(request)
         scheduler.add_request(request)
     texts: dict[str, list[int]] = {}
-    steps, start = 0, time.perf_counter()
+    steps, start, cpu = 0, time.perf_counter(), time.thread_time()
     while scheduler.has_requests() or core.batch_queue:
         outputs, _ = core.step_with_batch_queue()
         steps += 1
         for eco in (outputs or {}).values():
             for o in eco.outputs:
                 texts.setdefault(o.request_id, []).extend(o.new_token_ids)
-    seconds = time.perf_counter() - start
+    seconds, cpu = time.perf_counter() - start, time.thread_time() - cpu
+    thread_s, wait_s = jobs.pop("thread_s"), jobs.pop("wait_s")
     return {"installed": installed, "steps": steps, "ms_per_step": round(1000 * seconds / steps, 2),
+            "core_cpu_ms_per_step": round(1000 * cpu / steps, 2), "ahead_cpu_ms_per_step": round(1000 * thread_s / steps, 2),
+            "wait_ms_per_step": round(1000 * wait_s / steps, 2),
             "right": sum(texts.get(r) == a for r, a in answers.items()), "checked_rows": checked[0], **jobs}
 
 
@@ -276,6 +291,8 @@ def main(argv: list[str]) -> int:
             results.append(row)
             dump(out / "ahead.json", results)
             print(json.dumps(row), flush=True)
-    print(table(results, [(k, k) for k in ("name", "turn", "seqs", "launch_ms", "steps", "ms_per_step", "right",
-                                           "checked_rows", "work", "served", "moved", "error")]))
+    print(table(results, [(k, k) for k in ("name", "turn", "seqs", "launch_ms", "steps", "ms_per_step",
+                                           "core_cpu_ms_per_step", "ahead_cpu_ms_per_step", "wait_ms_per_step", "right",
+                                           "checked_rows",
+                                           "work", "served", "moved", "error")]))
     return 1 if any("error" in r or r["right"] != args.rows for r in results) else 0
