@@ -123,6 +123,8 @@ def one(cfg: dict) -> dict:
 
     internals.GrammarAhead.work, internals.GrammarAhead.masks = counted_work, counted_masks
     internals.GrammarAhead.advanced = timed_advanced
+    if cfg["min_requests"]:
+        internals.GrammarAhead.min_requests = cfg["min_requests"]
 
     free, rows, check = cfg["name"] == "free", cfg["rows"], cfg["check"]
     tok = AutoTokenizer.from_pretrained(cfg["model"])
@@ -261,6 +263,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--launch-ms", type=float, default=0.0)
     ap.add_argument("--check", type=int, default=1, help="1: check every mask row (0 for timings)")
     ap.add_argument("--model", default=None, help="a model folder for its tokenizer and config (default SmolLM2)")
+    ap.add_argument("--min-requests", type=int, default=0, help="GrammarAhead.min_requests (0: its own)")
     ap.add_argument("--timeout", type=float, default=600)
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
@@ -281,6 +284,7 @@ def main(argv: list[str]) -> int:
     for turn in range(args.repeat):
         for name in args.configs.split(","):
             cfg = {"name": name, "rows": args.rows, "seqs": args.seqs, "launch_ms": args.launch_ms,
+                   "min_requests": args.min_requests,
                    "check": args.check, "model": args.model, "result": str(out / f"result-{name}.json")}
             Path(cfg["result"]).unlink(missing_ok=True)
             proc = run_group([sys.executable, "-m", "bench", "ahead", "_one", json.dumps(cfg)], args.timeout,

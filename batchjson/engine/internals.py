@@ -542,7 +542,11 @@ class GrammarAhead:
     update_from_output(n) then skips the requests advanced here (should_advance), and get_grammar_bitmask(n+1) gets
     the masks. The rows are those vLLM would make plus any request that finishes at step n (still in n+1's forward;
     its next token is dropped, so its row changes nothing); a request vLLM advances itself after the masks were made
-    (none is expected: the conditions are vLLM's own) gets its row filled again."""
+    (none is expected: the conditions are vLLM's own) gets its row filled again. A step of fewer than `min_requests`
+    requests stays vLLM's: there the grammar's work is under a millisecond and the thread's hand-off costs about as
+    much (bench/ahead.py on vLLM 0.26's scheduler, CPU: no gain at 16 and 64 in flight, 2-13 ms a step at 256-1,024)."""
+
+    min_requests = 128
 
     def __init__(self, fills: BatchFills, requests: dict):
         from concurrent.futures import ThreadPoolExecutor
@@ -583,7 +587,7 @@ class GrammarAhead:
         waiting, self.waiting = self.waiting, None
         if (waiting is None or self.last is None or waiting[1] is not self.last[0]
                 or not scheduled.pending_structured_output_tokens or scheduled.scheduled_spec_decode_tokens
-                or not scheduled.total_num_scheduled_tokens):
+                or len(scheduled.num_scheduled_tokens) < self.min_requests):
             return
         output = getattr(waiting[0], "async_output", None)
         if output is None or not hasattr(output, "num_sampled_tokens_np"):

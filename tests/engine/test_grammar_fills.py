@@ -248,6 +248,7 @@ def test_grammar_work_ahead_of_the_step_is_vllms_step_after_step(grammar_kit):
     theirs, ours = ahead_requests(gs), ahead_requests(mine)
     words = xgr.allocate_token_bitmask(1, vocab).shape[1]
     ahead = internals.GrammarAhead(internals.BatchFills(rows=16, words=words, drafted=True), ours)
+    ahead.min_requests = 1
     ids = list(ours)
     step = scheduled(ids)
     ahead.note(step, SimpleNamespace(structured_output_request_ids=ids))  # the first step's masks were vLLM's
@@ -295,6 +296,7 @@ def test_grammar_work_ahead_skips_what_vllm_skips_and_refills_what_vllm_moved(gr
     tokens["5"] = refused
     words = xgr.allocate_token_bitmask(1, vocab).shape[1]
     ahead = internals.GrammarAhead(internals.BatchFills(rows=16, words=words, drafted=True), ours)
+    ahead.min_requests = 1
     step, following = scheduled(ids), scheduled(ids)
     ahead.note(step, SimpleNamespace(structured_output_request_ids=ids))
     ahead.waiting = (SimpleNamespace(async_output=sampled(tokens, ids)), step, None)
@@ -323,11 +325,13 @@ def test_grammar_work_ahead_skips_what_vllm_skips_and_refills_what_vllm_moved(gr
 
 
 def test_grammar_work_ahead_starts_only_on_a_step_it_reads(grammar_kit):
-    """No work without the masks of the step waiting in the queue, without tokens pending, with drafts, or with an
-    output that is not Model Runner V2's; on this vLLM (the CPU build schedules without async) it is not installed."""
+    """No work without the masks of the step waiting in the queue, without tokens pending, with drafts, with an output
+    that is not Model Runner V2's, or for a step of fewer than min_requests requests; work for a step it reads. On this
+    vLLM (the CPU build schedules without async) it is not installed."""
     _, compiled, vocab = grammar_kit
     words = xgr.allocate_token_bitmask(1, vocab).shape[1]
     ahead = internals.GrammarAhead(internals.BatchFills(rows=4, words=words, drafted=True), {})
+    ahead.min_requests = 1
     step, ids = scheduled(["0"]), ["0"]
     output = SimpleNamespace(async_output=sampled({"0": 1}, ids))
     for last, waiting, following, why in (
@@ -341,6 +345,15 @@ def test_grammar_work_ahead_starts_only_on_a_step_it_reads(grammar_kit):
         ahead.last, ahead.waiting, ahead.job = last, waiting, None
         ahead.start(following)
         assert ahead.job is None, why
+    ahead.min_requests = 2  # a step of fewer requests stays vLLM's
+    ahead.last, ahead.waiting = (step, ids), (output, step, None)
+    ahead.start(scheduled(ids))
+    assert ahead.job is None
+    ahead.min_requests = 1  # the same step, read: its work starts
+    ahead.last, ahead.waiting = (step, ids), (output, step, None)
+    ahead.start(scheduled(ids))
+    assert ahead.job is not None and ahead.job[0] is step
+    ahead.job[2].result()
     assert internals.install_grammar_ahead().startswith("vLLM 0.32")
     assert "beside the forward" not in internals.grammar_fills("batch")
 
@@ -355,7 +368,8 @@ def test_grammar_work_ahead_on_vllm_026s_own_scheduler(tiny_model, tmp_path):
     first few and vLLM advances no grammar itself; with the masks made when vLLM asks, the same answers and rows."""
     assert (VLLM_026 / "vllm").is_dir(), f"{VLLM_026} is missing: `make install` fetches vLLM 0.26's Python files"
     proc = subprocess.run([sys.executable, "-m", "bench", "ahead", "--vllm-src", str(VLLM_026), "--configs",
-                           "ahead,batch", "--rows", "120", "--seqs", "32", "--model", tiny_model, "--out", str(tmp_path)],
+                           "ahead,batch", "--rows", "120", "--seqs", "32", "--min-requests", "1", "--model", tiny_model,
+                           "--out", str(tmp_path)],
                           cwd=Path(__file__).parents[2], capture_output=True, text=True, timeout=500)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     ahead, batch = json.loads((tmp_path / "ahead.json").read_text())
