@@ -28,7 +28,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench.common import ROOT, dump, run_group, table
+from bench.common import ROOT, answer_one, dump, one_process, table
 
 VERSION = "0.26.0"
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "city": {"type": "string"},
@@ -248,9 +248,7 @@ def one(cfg: dict) -> dict:
 
 
 def main(argv: list[str]) -> int:
-    if argv[:1] == ["_one"]:
-        cfg = json.loads(argv[1])
-        Path(cfg["result"]).write_text(json.dumps(one(cfg)))
+    if answer_one(argv, one):
         return 0
     ap = argparse.ArgumentParser(prog="python -m bench ahead", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -286,12 +284,7 @@ def main(argv: list[str]) -> int:
             cfg = {"name": name, "rows": args.rows, "seqs": args.seqs, "launch_ms": args.launch_ms,
                    "min_requests": args.min_requests,
                    "check": args.check, "model": args.model, "result": str(out / f"result-{name}.json")}
-            Path(cfg["result"]).unlink(missing_ok=True)
-            proc = run_group([sys.executable, "-m", "bench", "ahead", "_one", json.dumps(cfg)], args.timeout,
-                             cwd=ROOT, env=env)
-            row = (json.loads(Path(cfg["result"]).read_text()) if proc.returncode == 0
-                   else {"error": f"rc {proc.returncode}: {(proc.stderr or proc.stdout)[-1500:]}"})
-            row |= {"name": name, "turn": turn, "rows": args.rows, "seqs": args.seqs, "launch_ms": args.launch_ms}
+            row = one_process("ahead", cfg, args.timeout, env=env) | {"name": name, "turn": turn, "rows": args.rows, "seqs": args.seqs, "launch_ms": args.launch_ms}
             results.append(row)
             dump(out / "ahead.json", results)
             print(json.dumps(row), flush=True)

@@ -256,6 +256,30 @@ def run_group(command: list[str], timeout: float | None, **kwargs) -> subprocess
     return subprocess.CompletedProcess(command, p.returncode, out, err)
 
 
+def one_process(subcommand: str, cfg: dict, timeout: float, **kwargs) -> dict:
+    """One configuration of a benchmark in a process of its own: `python -m bench SUBCOMMAND _one CFG`, whose module
+    answers it with `answer_one`. Its result, or {"error": ...} (its exit code and output's end, or its timeout)."""
+    Path(cfg["result"]).unlink(missing_ok=True)
+    try:
+        proc = run_group([sys.executable, "-m", "bench", subcommand, "_one", json.dumps(cfg)], timeout, cwd=ROOT,
+                         **kwargs)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timeout after {timeout:.0f} s"}
+    if proc.returncode != 0:
+        return {"error": f"rc {proc.returncode}: {(proc.stderr or proc.stdout)[-1500:]}"}
+    return json.loads(Path(cfg["result"]).read_text())
+
+
+def answer_one(argv: list[str], one) -> bool:
+    """In a benchmark's main: where `argv` is one_process's call, run `one(cfg)` in this process and write its result
+    where cfg["result"] says. Whether it was that call."""
+    if argv[:1] != ["_one"]:
+        return False
+    cfg = json.loads(argv[1])
+    Path(cfg["result"]).write_text(json.dumps(one(cfg)))
+    return True
+
+
 def run_isolated(argv: list[str], timeout: float, log: Path, label: str) -> int | None:
     """Run `python -m bench ARGV` in a fresh process group, its output appended to `log`; a timeout (None back)
     or the end of the run kills the whole group, the engine core with it. The exit code back, else None."""

@@ -47,12 +47,11 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 
-from bench.common import ROOT, SPECULATIVE, dump, run_group, table
+from bench.common import SPECULATIVE, answer_one, dump, one_process, table
 
 PARTS = ("schedule", "update_from_output", "advance", "grammar_bitmask", "get_grammar_bitmask", "ahead", "forward",
          "sample_tokens", "propose", "drafts", "engine_step")  # propose: a runner-side drafter; drafts: the
@@ -432,7 +431,6 @@ def masks(in_flight: int, drafts: int, vocab: int, repeat: int) -> dict:
     the batch's, bfloat16 logits on a GPU (float32 on a CPU)."""
     from types import SimpleNamespace
 
-    import numpy as np
     import torch
     from vllm.v1.structured_output.utils import apply_grammar_bitmask
 
@@ -478,9 +476,7 @@ def masks(in_flight: int, drafts: int, vocab: int, repeat: int) -> dict:
 
 
 def main(argv: list[str]) -> int:
-    if argv[:1] == ["_one"]:
-        cfg = json.loads(argv[1])
-        Path(cfg["result"]).write_text(json.dumps(one(cfg)))
+    if answer_one(argv, one):
         return 0
     ap = argparse.ArgumentParser(prog="python -m bench grammar", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -534,16 +530,9 @@ def main(argv: list[str]) -> int:
                    "free_tokens": max(1, round(firsts[0]["mean_tokens"])) if firsts else args.max_tokens,
                    "profile": str(args.out / f"profile-{name}-{seqs}.json"),
                    "result": str(args.out / f"result-{name}-{seqs}.json")}
-            for stale in (cfg["profile"], cfg["result"]):
-                Path(stale).unlink(missing_ok=True)
+            Path(cfg["profile"]).unlink(missing_ok=True)
             t0 = time.monotonic()
-            try:
-                proc = run_group([sys.executable, "-m", "bench", "grammar", "_one", json.dumps(cfg)], args.timeout,
-                                 cwd=ROOT, env=os.environ | {"PYTHONUNBUFFERED": "1"})
-                row = (json.loads(Path(cfg["result"]).read_text()) if proc.returncode == 0
-                       else {"error": f"rc {proc.returncode}: {(proc.stderr or proc.stdout)[-1500:]}"})
-            except subprocess.TimeoutExpired:
-                row = {"error": f"timeout after {args.timeout:.0f} s"}
+            row = one_process("grammar", cfg, args.timeout, env=os.environ | {"PYTHONUNBUFFERED": "1"})
             row |= {"name": name, "seqs": seqs, "fills": fills, "method": method, "wall_s": round(time.monotonic() - t0, 1)}
             same = [r for r in results if r["seqs"] == seqs and "digests" in r
                     and (r["fills"] == "free") == (fills == "free")]

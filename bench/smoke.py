@@ -197,7 +197,7 @@ def plan(w: Path, model: Path) -> list[tuple]:
         ("grammar", ["--masks", "--seqs", "8", "--drafts", "0,3", "--vocab", "1000", "--repeat", "2",
                      "--out", str(w / "masks")]),
         ("ahead", ["--vllm-src", str(Path(sys.prefix) / "vllm-0.26"), "--configs", "ahead,free", "--rows", "24",
-                   "--seqs", "8", "--out", str(w / "ahead")]),  # vLLM 0.26's Python: make install fetched it
+                   "--seqs", "8", "--min-requests", "1", "--out", str(w / "ahead")]),  # make install fetched vLLM 0.26
         ("drafts", ["--tasks", "C", "--rows", "6", "--ks", "4", "--tokenizer", str(byte_tokenizer(w / "bytes-drafts")),
                     "--out", str(w / "drafts")]),
         ("drafts", ["--cost", "--tasks", "C", "--rows", "6", "--ks", "4", "--tokenizer",
