@@ -607,11 +607,9 @@ class GrammarAhead:
             tokens = output.sampled_token_ids[rows, 0].tolist()
             matchers, moves, movers = [], [], []
             for req_id, count, token in zip(ids, counts, tokens):
-                if not count:
-                    continue
-                request = requests.get(req_id)
-                if count != 1:
+                if count > 1:  # drafted tokens: not a step this reads
                     return None
+                request = requests.get(req_id) if count else None
                 if request is None or request.is_finished() or request.async_tokens_to_discard:
                     continue
                 grammar = known.get(req_id) or request.structured_output_request.grammar
