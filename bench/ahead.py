@@ -14,8 +14,11 @@ length). `--launch-ms` spends that much of the engine core thread's CPU time in 
 Runner V2's input preparation does (24 ms a step for the 1.5B at 1,024 in flight on the H200 host): the window the
 grammar work can go beside. ms per step: the loop's wall time over its steps; core_cpu: the CPU time of the engine
 core's thread (the launch's busy wait included), which bounds the step where a spare core runs the grammar's thread;
-ahead_cpu: that thread's CPU time (GrammarAhead.work); wait: the engine core thread's wait for that thread in
-update_from_output. Results: OUT/ahead.json.
+ahead_cpu: that thread's CPU time (GrammarAhead.work, fill_beside); wait: the engine core thread's wait for that
+thread (in update_from_output and get_grammar_bitmask). `--sync` schedules one step at a time (EngineCore.step, as
+vLLM 0.26 does with n-gram, suffix or draft-model drafts), where only the fill goes on the thread; `--drafts K` then
+proposes the answer's next K tokens (one request in three with a wrong second token) for vLLM to cut and verify.
+Results: OUT/ahead.json.
 """
 
 from __future__ import annotations
@@ -88,10 +91,12 @@ def one(cfg: dict) -> dict:
     from vllm.config import (CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig, StructuredOutputsConfig,
                              VllmConfig)
     from vllm.sampling_params import SamplingParams, StructuredOutputsParams
+    from vllm.config import SpeculativeConfig
     from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+    from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.engine.core import EngineCore
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
-    from vllm.v1.outputs import ModelRunnerOutput
+    from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput
     from vllm.v1.request import Request
     from vllm.v1.structured_output import StructuredOutputManager
 
@@ -119,30 +124,46 @@ def one(cfg: dict) -> dict:
 
     def counted_masks(self, scheduled):
         jobs["moved"] += len(self.moved)
-        return masks(self, scheduled)
+        began = time.perf_counter()
+        got = masks(self, scheduled)
+        jobs["wait_s"] += time.perf_counter() - began
+        return got
+
+    fill_beside = internals.GrammarAhead.fill_beside
+
+    def counted_fill(self, *args):
+        began = time.thread_time()
+        got = fill_beside(self, *args)
+        jobs["thread_s"] += time.thread_time() - began
+        jobs["work"] += 1
+        jobs["served"] += got is not None
+        return got
 
     internals.GrammarAhead.work, internals.GrammarAhead.masks = counted_work, counted_masks
+    internals.GrammarAhead.fill_beside = counted_fill
     internals.GrammarAhead.advanced = timed_advanced
     if cfg["min_requests"]:
         internals.GrammarAhead.min_requests = cfg["min_requests"]
 
-    free, rows, check = cfg["name"] == "free", cfg["rows"], cfg["check"]
+    free, rows, check, sync, k = cfg["name"] == "free", cfg["rows"], cfg["check"], cfg["sync"], cfg["drafts"]
     tok = AutoTokenizer.from_pretrained(cfg["model"])
     config = VllmConfig(
         scheduler_config=SchedulerConfig(max_num_seqs=cfg["seqs"], max_num_batched_tokens=65536, max_model_len=4096,
-                                         enable_chunked_prefill=True, async_scheduling=True,
+                                         enable_chunked_prefill=True, async_scheduling=not sync,
                                          is_encoder_decoder=False),
         model_config=ModelConfig(model=cfg["model"], dtype="float16", seed=42),
         cache_config=CacheConfig(block_size=16, gpu_memory_utilization=0.9, cache_dtype="auto",
                                  enable_prefix_caching=False),
         device_config=DeviceConfig(device="cpu"),
-        structured_outputs_config=StructuredOutputsConfig(backend="xgrammar", disable_any_whitespace=True))
+        structured_outputs_config=StructuredOutputsConfig(backend="xgrammar", disable_any_whitespace=True),
+        speculative_config=SpeculativeConfig(method="ngram", num_speculative_tokens=k, prompt_lookup_max=4,
+                                             prompt_lookup_min=2) if k else None)
     config.cache_config.num_gpu_blocks = 100_000
     kv = KVCacheConfig(num_blocks=100_000, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(
         ["layer"], FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=1, dtype=torch.float32))])
     manager = StructuredOutputManager(config)
-    scheduler = AsyncScheduler(vllm_config=config, kv_cache_config=kv, structured_output_manager=manager,
-                               block_size=16)
+    scheduler = (Scheduler if sync else AsyncScheduler)(vllm_config=config, kv_cache_config=kv,
+                                                         structured_output_manager=manager, block_size=16)
     info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=config.model_config.get_vocab_size())
     compiled = xgr.GrammarCompiler(info).compile_json_schema(json.dumps(SCHEMA), any_whitespace=False)
     answers = answers_for(tok, compiled, rows)
@@ -189,34 +210,79 @@ def one(cfg: dict) -> dict:
                             else ModelRunnerOutput(req_ids=[], req_id_to_index={}))
             return done
 
+        def check_rows(self, req_id, bitmask, first, drafts, at):
+            """The request's mask rows (one per drafted position, then the bonus one) against its twin matcher
+            advanced through the drafts before each (vLLM 0.26's rows: -1 once the grammar has ended)."""
+            twin, moved = twins[req_id], 0
+            for j in range(len(drafts) + 1):
+                if twin.is_terminated():
+                    twin_mask.fill_(-1)
+                else:
+                    twin.fill_next_token_bitmask(twin_mask)
+                row = torch.from_numpy(np.ascontiguousarray(bitmask[first + j]))
+                assert torch.equal(row, twin_mask[0]), f"request {req_id}: its mask differs at token {at}+{j}"
+                checked[0] += 1
+                if j < len(drafts) and not twin.is_terminated():
+                    assert twin.accept_token(drafts[j]), (req_id, at, j)
+                    moved += 1
+            if moved:
+                twin.rollback(moved)
+
         def sample_tokens(self, grammar_output, non_block=False):
             step, self.step = self.step, None
             req_ids = list(step.num_scheduled_tokens)[::-1]  # the runner's own order
-            at = {} if grammar_output is None else {
-                r: i for i, r in enumerate(grammar_output.structured_output_request_ids)}
-            tokens = []
+            drafted = step.scheduled_spec_decode_tokens
+            first, row = {}, 0
+            for r in ([] if grammar_output is None else grammar_output.structured_output_request_ids):
+                first[r] = row
+                row += 1 + len(drafted.get(r, ()))
+            sampled = []
             for req_id in req_ids:
                 got, answer = self.sampled.setdefault(req_id, []), answers[req_id]
-                if len(got) >= len(answer):  # it finished at the step before: its token is dropped
-                    tokens.append(0)
+                if len(got) >= len(answer):  # it finished at the step before: its tokens are dropped
+                    sampled.append([0])
                     continue
-                token = answer[len(got)]
+                drafts = list(drafted.get(req_id, ()))
+                assert -1 not in drafts  # one step at a time, drafts are the runner's own
                 if check and not free:
-                    assert req_id in at, f"request {req_id}: no mask row at token {len(got)}"
-                    twins[req_id].fill_next_token_bitmask(twin_mask)
-                    row = torch.from_numpy(np.ascontiguousarray(grammar_output.grammar_bitmask[at[req_id]]))
-                    assert torch.equal(row, twin_mask[0]), f"request {req_id}: its mask differs at token {len(got)}"
-                    assert twins[req_id].accept_token(token)
-                    checked[0] += 1
-                got.append(token)
-                tokens.append(token)
-            return OutputFuture(Output(req_ids, tokens))
+                    assert req_id in first, f"request {req_id}: no mask row at token {len(got)}"
+                    self.check_rows(req_id, grammar_output.grammar_bitmask, first[req_id], drafts, len(got))
+                taken = 0  # greedy verification: drafts kept while they are the answer's next tokens
+                while taken < len(drafts) and len(got) + taken < len(answer) and drafts[taken] == answer[len(got) + taken]:
+                    taken += 1
+                new = answer[len(got):len(got) + taken + 1] or [0]
+                if check and not free:
+                    for t in new:
+                        if not twins[req_id].is_terminated():
+                            assert twins[req_id].accept_token(t)
+                got.extend(new)
+                sampled.append(new)
+            if k or not non_block:  # one step at a time: the tokens as they are
+                return ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
+                                         sampled_token_ids=sampled)
+            return OutputFuture(Output(req_ids, [t[0] for t in sampled]))
+
+        def take_draft_token_ids(self):
+            """The next k tokens of each answer, one in three with its second token changed (a draft the target
+            refuses there, or the grammar cuts)."""
+            req_ids, drafts = [], []
+            for req_id, got in self.sampled.items():
+                answer = answers[req_id]
+                if len(got) >= len(answer):
+                    continue
+                d = list(answer[len(got):len(got) + k])
+                if int(req_id) % 3 == 0 and len(d) > 1:
+                    d[1] = answer[0]  # "{": wrong inside a value
+                req_ids.append(req_id)
+                drafts.append(d)
+            return DraftTokenIds(req_ids, drafts) if req_ids else None
 
     core = object.__new__(EngineCore)  # its step_with_batch_queue as the engine process runs it
     core.vllm_config, core.scheduler, core.model_executor = config, scheduler, Runner()
     core.structured_output_manager = manager
     core.batch_queue_size, core.batch_queue = 2, deque(maxlen=2)
-    core.is_ec_consumer, core.is_pooling_model, core.log_stats, core.check_for_draft_tokens = True, False, False, False
+    core.is_ec_consumer, core.is_pooling_model, core.log_stats = True, False, False
+    core.async_scheduling, core.check_for_draft_tokens = not sync, bool(k)
     core.aborts_queue = queue.Queue()
 
     for i in range(rows):
@@ -234,7 +300,11 @@ def one(cfg: dict) -> dict:
     texts: dict[str, list[int]] = {}
     steps, start, cpu = 0, time.perf_counter(), time.thread_time()
     while scheduler.has_requests() or core.batch_queue:
-        outputs, _ = core.step_with_batch_queue()
+        if sync:
+            outputs, executed = core.step()
+            core.post_step(executed)  # the drafts for the next step (take_draft_token_ids)
+        else:
+            outputs, _ = core.step_with_batch_queue()
         steps += 1
         for eco in (outputs or {}).values():
             for o in eco.outputs:
@@ -262,6 +332,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--check", type=int, default=1, help="1: check every mask row (0 for timings)")
     ap.add_argument("--model", default=None, help="a model folder for its tokenizer and config (default SmolLM2)")
     ap.add_argument("--min-requests", type=int, default=0, help="GrammarAhead.min_requests (0: its own)")
+    ap.add_argument("--sync", action="store_true", help="one step at a time (vLLM's EngineCore.step, as with drafts)")
+    ap.add_argument("--drafts", type=int, default=0, help="k drafted tokens a step (with --sync): the answer's next k")
     ap.add_argument("--timeout", type=float, default=600)
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
@@ -270,6 +342,8 @@ def main(argv: list[str]) -> int:
         return 0
     if not args.vllm_src or not (args.vllm_src / "vllm").is_dir():
         ap.error("--vllm-src: a folder `python -m bench ahead --fetch DIR` filled")
+    if args.drafts and not args.sync:
+        ap.error("--drafts: with --sync (vLLM 0.26 schedules one step at a time with n-gram drafts)")
     if args.model is None:
         from batchjson.engine.models import default_model_dir, resolve_model
 
@@ -282,13 +356,13 @@ def main(argv: list[str]) -> int:
     for turn in range(args.repeat):
         for name in args.configs.split(","):
             cfg = {"name": name, "rows": args.rows, "seqs": args.seqs, "launch_ms": args.launch_ms,
-                   "min_requests": args.min_requests,
+                   "min_requests": args.min_requests, "sync": args.sync, "drafts": args.drafts,
                    "check": args.check, "model": args.model, "result": str(out / f"result-{name}.json")}
-            row = one_process("ahead", cfg, args.timeout, env=env) | {"name": name, "turn": turn, "rows": args.rows, "seqs": args.seqs, "launch_ms": args.launch_ms}
+            row = one_process("ahead", cfg, args.timeout, env=env) | {"sync": args.sync, "drafts": args.drafts,"name": name, "turn": turn, "rows": args.rows, "seqs": args.seqs, "launch_ms": args.launch_ms}
             results.append(row)
             dump(out / "ahead.json", results)
             print(json.dumps(row), flush=True)
-    print(table(results, [(k, k) for k in ("name", "turn", "seqs", "launch_ms", "steps", "ms_per_step",
+    print(table(results, [(k, k) for k in ("name", "turn", "seqs", "drafts", "launch_ms", "steps", "ms_per_step",
                                            "core_cpu_ms_per_step", "ahead_cpu_ms_per_step", "wait_ms_per_step", "right",
                                            "checked_rows",
                                            "work", "served", "moved", "error")]))

@@ -41,8 +41,9 @@ waits for step n's tokens, advances every grammar by its token (a few Python cal
 update_from_output) and fills n+1's masks, all on the engine core's one thread while the GPU waits for the masks.
 `install_grammar_ahead` moves both onto a thread that starts as soon as n+1 is scheduled (GrammarAhead): n's tokens
 are on the host by then, xgrammar's batch accept and batch fill run in C++ without the GIL, and the engine core's
-thread only skips the grammars already advanced and takes the masks. Checked against AHEAD_READ_ON (vLLM 0.26, Model
-Runner V2, no drafts); elsewhere the masks are made when vLLM asks for them. Off unless AHEAD_ENV is "1" until a GPU
+thread only skips the grammars already advanced and takes the masks. One step at a time (vLLM 0.26 with drafts) the
+thread fills the step's masks, every drafted position's, while the forward launches. Checked against AHEAD_READ_ON
+(vLLM 0.26; Model Runner V2 without drafts); elsewhere the masks are made when vLLM asks for them. Off unless AHEAD_ENV is "1" until a GPU
 has measured it (BENCHMARKS.md, "The grammars' work beside the forward's launch").
 
 **The schema drafts made where the grammar already is.** `[speculative] method = "schema"` drafts what each
@@ -435,8 +436,7 @@ def grammar_fills(setting: str) -> str:
     if why:
         return f"vllm ({why})"
     threads = fill_threads()
-    ahead = ("" if unread_here(AHEAD_READ_ON) or not ahead_wanted()
-             else "; beside the forward's launch where vLLM schedules ahead without drafts")
+    ahead = "" if unread_here(AHEAD_READ_ON) or not ahead_wanted() else "; beside the forward's launch"
     return f"batch (xgrammar's batch matcher, {threads} thread{'s' if threads > 1 else ''}{ahead})"
 
 
@@ -524,6 +524,11 @@ def install_batch_fills() -> str:
 # With one process (UniProcExecutor) n's future is an AsyncOutputFuture whose async_output (Model Runner V2's
 # AsyncOutput) holds pinned copies of the sampled tokens (sampled_token_ids: rows x 1 without drafts,
 # num_sampled_tokens_np), complete once its copy_event is, and model_runner_output.req_id_to_index.
+# One step at a time (async scheduling off: every n-gram, suffix and draft-model engine of 0.26) EngineCore.step runs
+# schedule(), execute_model (the forward's launch), get_grammar_bitmask, sample_tokens, update_from_output; drafts come
+# after (post_step: update_draft_token_ids, where vLLM cuts them with validate_tokens). Between schedule() and
+# get_grammar_bitmask nothing touches a grammar or the scheduler's requests, so the step's masks (its drafted
+# positions' too) can be filled on a thread from the moment it is scheduled.
 AHEAD_READ_ON = ("0.26.",)
 AHEAD_ENV = "BATCHJSON_GRAMMAR_AHEAD"  # "1": GrammarAhead on (the benchmarks' "ahead"); off until measured on a GPU
 
@@ -535,10 +540,12 @@ def ahead_wanted() -> bool:
 
 
 class GrammarAhead:
-    """One engine core's grammar work for step n+1 moved beside the launch of n+1's forward, under async scheduling
+    """One engine core's grammar work for a step moved beside the launch of the step's forward. Under async scheduling
     with no drafts: on a thread, as soon as step n's tokens reach the host, every structured request's grammar takes its
     token (xgrammar's batch accept) and n+1's masks are filled (BatchFills), while the engine core's own thread
-    launches the forward. vLLM does both on that one thread, after the launch and after waiting for n's tokens.
+    launches the forward. vLLM does both on that one thread, after the launch and after waiting for n's tokens. One
+    step at a time (`sync`, as with drafts in vLLM 0.26), the grammars are ready when the step is scheduled: the
+    thread fills its masks, drafted positions included, during the launch.
     update_from_output(n) then skips the requests advanced here (should_advance), and get_grammar_bitmask(n+1) gets
     the masks. The rows are those vLLM would make plus any request that finishes at step n (still in n+1's forward;
     its next token is dropped, so its row changes nothing); a request vLLM advances itself after the masks were made
@@ -548,12 +555,12 @@ class GrammarAhead:
 
     min_requests = 128
 
-    def __init__(self, fills: BatchFills, requests: dict):
+    def __init__(self, fills: BatchFills, requests: dict, sync: bool = False):
         from concurrent.futures import ThreadPoolExecutor
 
         import torch
 
-        self.fills, self.requests = fills, requests
+        self.fills, self.requests, self.sync = fills, requests, sync
         device = torch.cuda.current_device() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
         self.thread = ThreadPoolExecutor(1, thread_name_prefix="batchjson-grammar",  # waits on the engine's GPU
                                          initializer=None if device is None else torch.cuda.set_device,
@@ -567,23 +574,27 @@ class GrammarAhead:
     @classmethod
     def for_scheduler(cls, scheduler) -> "GrammarAhead | None":
         """The scheduler's GrammarAhead, made once its grammars are known to be ours (BatchFills: xgrammar, no
-        reasoning parser) on an engine without drafts, a KV connector or async scheduling off; None until then, or
-        for good."""
+        reasoning parser) on an engine without a KV connector, and without drafts where it schedules ahead; None until
+        then, or for good."""
         ahead = scheduler.__dict__.get("_batchjson_ahead")
         if ahead is None:
             manager = scheduler.structured_output_manager
             if manager.backend is None:
                 return None  # no grammar yet: asked again at the next step
             fills = fills_for(manager)
-            usable = (fills and not scheduler.num_spec_tokens and scheduler.connector is None
-                      and manager.vllm_config.scheduler_config.async_scheduling)
-            ahead = cls(fills, scheduler.requests) if usable else False
+            sync = not manager.vllm_config.scheduler_config.async_scheduling
+            usable = fills and scheduler.connector is None and (sync or not scheduler.num_spec_tokens)
+            ahead = cls(fills, scheduler.requests, sync) if usable else False
             scheduler.__dict__["_batchjson_ahead"] = ahead
         return ahead or None
 
     def start(self, scheduled) -> None:
         """After step n+1 (`scheduled`) is scheduled: start its grammar work on the thread, where this step is one
-        read (n's masks were made by this object or noted, n's tokens come as Model Runner V2's AsyncOutput)."""
+        read (n's masks were made by this object or noted, n's tokens come as Model Runner V2's AsyncOutput). Where
+        vLLM schedules one step at a time, the grammars are already where n+1's masks need them: only the fill (with
+        its drafted positions) goes on the thread."""
+        if self.sync:
+            return self._start_fill(scheduled)
         waiting, self.waiting = self.waiting, None
         if (waiting is None or self.last is None or waiting[1] is not self.last[0]
                 or not scheduled.pending_structured_output_tokens or scheduled.scheduled_spec_decode_tokens
@@ -593,6 +604,22 @@ class GrammarAhead:
         if output is None or not hasattr(output, "num_sampled_tokens_np"):
             return
         self.job = (waiting[1], scheduled, self.thread.submit(self.work, output, self.last[1], scheduled))
+
+    def _start_fill(self, scheduled) -> None:
+        if not scheduled.has_structured_output_requests or len(scheduled.num_scheduled_tokens) < self.min_requests:
+            return
+        requests = self.requests
+        ids = [req_id for req_id in scheduled.num_scheduled_tokens
+               if (request := requests.get(req_id)) and request.use_structured_output and not request.is_prefill_chunk]
+        if ids:  # get_grammar_bitmask's ids: nothing between here and there changes them one step at a time
+            drafts = scheduled.scheduled_spec_decode_tokens
+            self.job = (None, scheduled, self.thread.submit(self.fill_beside, ids, drafts))
+
+    def fill_beside(self, ids: list[str], drafts: dict):
+        """On the thread, one step at a time: the step's masks, drafted positions included, as BatchFills makes them
+        when vLLM asks. (no ids advanced, the ids, mask), or None where this step is vLLM's own."""
+        mask = self.fills.bitmask(self.requests, ids, drafts)
+        return None if mask is None else (set(), ids, mask)
 
     def work(self, output, ids: list[str], scheduled):
         """On the thread: advance the grammars of `ids` (step n's masked requests) by n's tokens in `output`, as
@@ -633,7 +660,7 @@ class GrammarAhead:
                 upcoming.append(req_id)
                 grammars[req_id] = known.get(req_id) or request.structured_output_request.grammar
         self.grammars = grammars
-        return advanced, upcoming, self.fills.fill(list(grammars.values()))
+        return advanced, upcoming, self.fills.fill(list(grammars.values()))[:len(upcoming)].numpy()
 
     def advanced(self, updated):
         """In update_from_output(n): the ids advanced for it (waiting for the thread), or None."""
@@ -658,12 +685,14 @@ class GrammarAhead:
 
         _, ids, mask = done
         if self.moved:
+            import torch
+
             again = [row for row, req_id in enumerate(ids) if req_id in self.moved]
             if again:
-                self.fills.fill([self.grammars[ids[row]] for row in again], mask, again)
+                self.fills.fill([self.grammars[ids[row]] for row in again], torch.from_numpy(mask), again)
             self.moved = set()
         self.last = (scheduled, ids)
-        return GrammarOutput(ids, mask[:len(ids)].numpy())
+        return GrammarOutput(ids, mask)
 
     def note(self, scheduled, out) -> None:
         """In get_grammar_bitmask when vLLM made the masks: the step and its ids, for the next step's work."""
@@ -695,16 +724,16 @@ def install_grammar_ahead() -> str:
 
     @functools.wraps(step)
     def step_with_batch_queue(self):
-        ahead = GrammarAhead.for_scheduler(self.scheduler)
-        if ahead is not None:
+        ahead = self.scheduler.__dict__.get("_batchjson_ahead")
+        if ahead:
             ahead.waiting = self.batch_queue[-1] if self.batch_queue else None
         return step(self)
 
     @functools.wraps(schedule)
     def schedule_ahead(self, *args, **kwargs):
         out = schedule(self, *args, **kwargs)
-        ahead = self.__dict__.get("_batchjson_ahead")
-        if ahead:
+        ahead = GrammarAhead.for_scheduler(self)
+        if ahead is not None:
             ahead.start(out)
         return out
 
@@ -1109,6 +1138,7 @@ TIMED = (
     ("vllm.v1.structured_output", "StructuredOutputManager", "grammar_bitmask", "grammar_bitmask", False),
     ("batchjson.engine.internals", "BatchFills", "bitmask", "batch_fills", False),
     ("batchjson.engine.internals", "GrammarAhead", "work", "ahead", False),
+    ("batchjson.engine.internals", "GrammarAhead", "fill_beside", "ahead", False),
     ("vllm.v1.core.sched.scheduler", "Scheduler", "get_grammar_bitmask", "get_grammar_bitmask", False),
     ("vllm.v1.core.sched.scheduler", "Scheduler", "update_draft_token_ids", "drafts", False),
     ("vllm.v1.structured_output.backend_xgrammar", "XgrammarGrammar", "accept_tokens", "advance", False),
