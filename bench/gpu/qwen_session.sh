@@ -43,7 +43,8 @@
 # PLAN schemap2: what the schema engine costs requests that opt out of drafts (schema+p2 against none+p2, 6,000 rows).
 # PLAN ahead15 (issue 46): the 1.5B's step with the grammars' work beside the forward's launch (GrammarAhead) against
 #   the batch fills at the step and no grammar, twice, and with the schema drafts (one step at a time, the drafted
-#   positions' fills beside the launch); then the default with and without it against bare vLLM
+#   positions' fills beside the launch), with 4 fill threads (run17's fills on a thread slowed the launch beside 8);
+#   then the default with and without it against bare vLLM
 #   (off by default until this plan has measured it).
 # PLAN smol46: SmolLM2's step (vLLM's fills, batchjson's, no grammar), then the default against bare vLLM at 30,000 rows.
 # PLAN replicas15mps: the 1.5B with 2 replicas against 1, warm, then both under CUDA MPS.
@@ -243,11 +244,11 @@ run_plan() {
     # issue 46: the grammars' work beside the forward's launch (GrammarAhead) against the batch fills at the step and
     # no grammar, two of each alternating, then the default with and without it against bare vLLM at 6,000 rows
     ahead15) need q15 && gb g15-C6000-ahead --task C --rows 6000 --model $q15 --seqs 1024 \
-               --configs ahead,batch,free,ahead-schema,batch-schema,ahead,batch --timeout 200
+               --configs ahead,batch,free,ahead-schema,batch-schema,ahead@4,batch --timeout 200
              need q15 && wr t15-C6000-ahead --task C --rows 6000 --model $q15 --timeout 200 \
                --runs auto+ahead+warm,auto+warm,auto+ahead,auto,bare-none,auto+ahead,auto ;;
     ahead15more) need q15 && gb g15-C6000-ahead-more --task C --rows 6000 --model $q15 --seqs 1024 \
-               --configs ahead@4,ahead,vllm,ahead@4 --timeout 200 ;;
+               --configs ahead,batch,ahead@2,ahead@4,vllm --timeout 200 ;;
     t30kschema) need q15 && wr t15-C30000-schema --task C --rows 30000 --model $q15 --timeout 300 --runs schema,auto ;;
   esac
 }
