@@ -10,8 +10,8 @@ given against a matcher of its own; a run passes when every answer comes back wh
 
 Configurations, each in its own process with DIR first on its path: `ahead` (GrammarAhead on), `batch` (batchjson's
 batch fills when vLLM asks for the masks), `free` (no grammar, the same tokens: ignore_eos, max_tokens = the answer's
-length). `--launch-ms` spends that much of the engine core thread's CPU time in Python in each forward's launch, as Model
-Runner V2's input preparation does (24 ms a step for the 1.5B at 1,024 in flight on the H200 host): the window the
+length). `--launch-ms` spends that much of the engine core thread's CPU time in Python in each forward's launch, as
+Model Runner V2's input preparation does (24 ms a step for the 1.5B at 1,024 in flight on the H200 host): the window the
 grammar work can go beside. ms per step: the loop's wall time over its steps; core_cpu: the CPU time of the engine
 core's thread (the launch's busy wait included), which bounds the step where a spare core runs the grammar's thread;
 ahead_cpu: that thread's CPU time (GrammarAhead.work, fill_beside); wait: the engine core thread's wait for that
@@ -35,7 +35,8 @@ from bench.common import ROOT, answer_one, dump, one_process, table
 
 VERSION = "0.26.0"
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "city": {"type": "string"},
-                                           "n": {"type": "integer"}, "tags": {"type": "array", "items": {"type": "string"}}},
+                                           "n": {"type": "integer"},
+                                           "tags": {"type": "array", "items": {"type": "string"}}},
           "required": ["name", "city", "n", "tags"], "additionalProperties": False}
 WORDS = [("ann", "oslo"), ("bo", "rome"), ("cy", 'new "york"'), ("dee\\x", "lima"), ("e", "a\nb")]  # escapes too
 
@@ -248,7 +249,8 @@ def one(cfg: dict) -> dict:
                     assert req_id in first, f"request {req_id}: no mask row at token {len(got)}"
                     self.check_rows(req_id, grammar_output.grammar_bitmask, first[req_id], drafts, len(got))
                 taken = 0  # greedy verification: drafts kept while they are the answer's next tokens
-                while taken < len(drafts) and len(got) + taken < len(answer) and drafts[taken] == answer[len(got) + taken]:
+                ahead_of = answer[len(got):]
+                while taken < min(len(drafts), len(ahead_of)) and drafts[taken] == ahead_of[taken]:
                     taken += 1
                 new = answer[len(got):len(got) + taken + 1] or [0]
                 if check and not free:
@@ -312,7 +314,8 @@ def one(cfg: dict) -> dict:
     seconds, cpu = time.perf_counter() - start, time.thread_time() - cpu
     thread_s, wait_s = jobs.pop("thread_s"), jobs.pop("wait_s")
     return {"installed": installed, "steps": steps, "ms_per_step": round(1000 * seconds / steps, 2),
-            "core_cpu_ms_per_step": round(1000 * cpu / steps, 2), "ahead_cpu_ms_per_step": round(1000 * thread_s / steps, 2),
+            "core_cpu_ms_per_step": round(1000 * cpu / steps, 2),
+            "ahead_cpu_ms_per_step": round(1000 * thread_s / steps, 2),
             "wait_ms_per_step": round(1000 * wait_s / steps, 2),
             "right": sum(texts.get(r) == a for r, a in answers.items()), "checked_rows": checked[0], **jobs}
 
@@ -358,7 +361,9 @@ def main(argv: list[str]) -> int:
             cfg = {"name": name, "rows": args.rows, "seqs": args.seqs, "launch_ms": args.launch_ms,
                    "min_requests": args.min_requests, "sync": args.sync, "drafts": args.drafts,
                    "check": args.check, "model": args.model, "result": str(out / f"result-{name}.json")}
-            row = one_process("ahead", cfg, args.timeout, env=env) | {"sync": args.sync, "drafts": args.drafts,"name": name, "turn": turn, "rows": args.rows, "seqs": args.seqs, "launch_ms": args.launch_ms}
+            row = one_process("ahead", cfg, args.timeout, env=env) | {
+                "name": name, "turn": turn, "rows": args.rows, "seqs": args.seqs, "launch_ms": args.launch_ms,
+                "sync": args.sync, "drafts": args.drafts}
             results.append(row)
             dump(out / "ahead.json", results)
             print(json.dumps(row), flush=True)

@@ -43,8 +43,8 @@ update_from_output) and fills n+1's masks, all on the engine core's one thread w
 are on the host by then, xgrammar's batch accept and batch fill run in C++ without the GIL, and the engine core's
 thread only skips the grammars already advanced and takes the masks. One step at a time (vLLM 0.26 with drafts) the
 thread fills the step's masks, every drafted position's, while the forward launches. Checked against AHEAD_READ_ON
-(vLLM 0.26; Model Runner V2 without drafts); elsewhere the masks are made when vLLM asks for them. Off unless AHEAD_ENV is "1" until a GPU
-has measured it (BENCHMARKS.md, "The grammars' work beside the forward's launch").
+(vLLM 0.26; Model Runner V2 without drafts); elsewhere the masks are made when vLLM asks for them. Off unless
+AHEAD_ENV is "1" until a GPU has measured it (BENCHMARKS.md, "The grammars' work beside the forward's launch").
 
 **The schema drafts made where the grammar already is.** `[speculative] method = "schema"` drafts what each
 request's grammar forces next, else a copy from its prompt (schema/drafts.py). vLLM asks a custom drafter in the model
@@ -715,12 +715,14 @@ def install_grammar_ahead() -> str:
     from vllm.v1.structured_output import StructuredOutputManager
 
     step, schedule = EngineCore.step_with_batch_queue, Scheduler.schedule
-    update, masks, advance = Scheduler.update_from_output, Scheduler.get_grammar_bitmask, StructuredOutputManager.should_advance
+    update, masks = Scheduler.update_from_output, Scheduler.get_grammar_bitmask
+    advance = StructuredOutputManager.should_advance
     if (list(inspect.signature(update).parameters) != ["self", "scheduler_output", "model_runner_output"]
             or list(inspect.signature(masks).parameters) != ["self", "scheduler_output"]
             or list(inspect.signature(advance).parameters) != ["self", "request"]
             or list(inspect.signature(step).parameters) != ["self"]):
-        return "EngineCore.step_with_batch_queue, Scheduler.update_from_output/get_grammar_bitmask or should_advance changed"
+        return ("EngineCore.step_with_batch_queue, Scheduler.update_from_output/get_grammar_bitmask or "
+                "should_advance changed")
 
     @functools.wraps(step)
     def step_with_batch_queue(self):
