@@ -85,7 +85,7 @@ def one(cfg: dict) -> dict:
     import torch
     import xgrammar as xgr
 
-    os.environ["BATCHJSON_GRAMMAR_AHEAD"] = "1" if cfg["name"] == "ahead" else "0"
+    os.environ["BATCHJSON_GRAMMAR_AHEAD"] = "1" if cfg["name"] == "ahead" else "0"  # internals.AHEAD_ENV
     os.environ["BATCHJSON_GRAMMAR_FILLS"] = "batch"
     import vllm
     from transformers import AutoTokenizer
@@ -107,15 +107,18 @@ def one(cfg: dict) -> dict:
     installed = {"fills": internals.install_batch_fills(),
                  "ahead": internals.install_grammar_ahead() if cfg["name"] == "ahead" else "off"}
     jobs = {"work": 0, "served": 0, "moved": 0, "thread_s": 0.0, "wait_s": 0.0}
-    work, masks, advanced = internals.GrammarAhead.work, internals.GrammarAhead.masks, internals.GrammarAhead.advanced
+    ahead = internals.GrammarAhead
+    masks, advanced = ahead.masks, ahead.advanced
 
-    def counted_work(self, *args):
-        began = time.thread_time()
-        got = work(self, *args)
-        jobs["thread_s"] += time.thread_time() - began
-        jobs["work"] += 1
-        jobs["served"] += got is not None
-        return got
+    def counted(method):  # the thread's work: its CPU time, and whether it served the step
+        def call(self, *args):
+            began = time.thread_time()
+            got = method(self, *args)
+            jobs["thread_s"] += time.thread_time() - began
+            jobs["work"] += 1
+            jobs["served"] += got is not None
+            return got
+        return call
 
     def timed_advanced(self, updated):
         began = time.perf_counter()
@@ -130,21 +133,10 @@ def one(cfg: dict) -> dict:
         jobs["wait_s"] += time.perf_counter() - began
         return got
 
-    fill_beside = internals.GrammarAhead.fill_beside
-
-    def counted_fill(self, *args):
-        began = time.thread_time()
-        got = fill_beside(self, *args)
-        jobs["thread_s"] += time.thread_time() - began
-        jobs["work"] += 1
-        jobs["served"] += got is not None
-        return got
-
-    internals.GrammarAhead.work, internals.GrammarAhead.masks = counted_work, counted_masks
-    internals.GrammarAhead.fill_beside = counted_fill
-    internals.GrammarAhead.advanced = timed_advanced
+    ahead.work, ahead.fill_beside = counted(ahead.work), counted(ahead.fill_beside)
+    ahead.masks, ahead.advanced = counted_masks, timed_advanced
     if cfg["min_requests"]:
-        internals.GrammarAhead.min_requests = cfg["min_requests"]
+        ahead.min_requests = cfg["min_requests"]
 
     free, rows, check, sync, k = cfg["name"] == "free", cfg["rows"], cfg["check"], cfg["sync"], cfg["drafts"]
     tok = AutoTokenizer.from_pretrained(cfg["model"])
