@@ -298,8 +298,8 @@ def one(cfg: dict) -> dict:
             outputs, executed = core.step()
             core.post_step(executed)  # the drafts for the next step (take_draft_token_ids)
         else:
-            outputs, _ = core.step_with_batch_queue()
-        steps += 1
+            outputs, executed = core.step_with_batch_queue()
+        steps += bool(executed)  # a step that ran the model (not one that waited for a grammar's compile)
         for eco in (outputs or {}).values():
             for o in eco.outputs:
                 texts.setdefault(o.request_id, []).extend(o.new_token_ids)

@@ -380,7 +380,7 @@ def test_grammar_work_ahead_on_vllm_026s_own_scheduler(tiny_model, tmp_path, ste
     assert ahead["installed"] == {"fills": "ok", "ahead": "ok"} and batch["installed"]["ahead"] == "off"
     for run in (ahead, batch):
         assert run["right"] == 120 and run["checked_rows"] > 120 * 10
-    assert ahead["checked_rows"] == batch["checked_rows"] and ahead["steps"] == batch["steps"]
+    assert ahead["checked_rows"] == batch["checked_rows"]  # each request its own steps (when it starts varies)
     assert ahead["served"] == ahead["work"] >= ahead["steps"] - 4 and ahead["moved"] == 0
     assert batch["work"] == 0
     if mode:  # the drafts were verified and taken: 65 steps where the same answers take 185 without them
