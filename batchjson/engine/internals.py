@@ -574,16 +574,18 @@ class GrammarAhead:
     @classmethod
     def for_scheduler(cls, scheduler) -> "GrammarAhead | None":
         """The scheduler's GrammarAhead, made once its grammars are known to be ours (BatchFills: xgrammar, no
-        reasoning parser) on an engine without a KV connector, and without drafts where it schedules ahead; None until
-        then, or for good."""
+        reasoning parser) on an engine without a KV connector or pipeline stages (one step in flight), and without
+        drafts where it schedules ahead; None until then, or for good."""
         ahead = scheduler.__dict__.get("_batchjson_ahead")
         if ahead is None:
             manager = scheduler.structured_output_manager
             if manager.backend is None:
                 return None  # no grammar yet: asked again at the next step
             fills = fills_for(manager)
-            sync = not manager.vllm_config.scheduler_config.async_scheduling
-            usable = fills and scheduler.connector is None and (sync or not scheduler.num_spec_tokens)
+            config = manager.vllm_config
+            sync = not config.scheduler_config.async_scheduling
+            usable = (fills and scheduler.connector is None and config.parallel_config.pipeline_parallel_size == 1
+                      and (sync or not scheduler.num_spec_tokens))
             ahead = cls(fills, scheduler.requests, sync) if usable else False
             scheduler.__dict__["_batchjson_ahead"] = ahead
         return ahead or None
