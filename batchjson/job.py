@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 
 from tqdm import tqdm
 
@@ -85,8 +88,10 @@ class JobRun:
                 storage.keep_scan(scan.kept)
             if self.shard[1] == 1:  # the records fold into the index as the run goes (storage/index.py)
                 commits.fold_every = max(FOLD_MIN, len(self.refs) // FOLD_PARTS)
-            with signals(self.stop):
-                survey = commits.survey(list(self.refs), self.spec.input.id_column)
+            with signals(self.stop), self._early(layout, report.resumed, scan.repeated) as early:
+                commits.recover()  # what a killed run left staged is published, beside the replicas' start
+                # The units no pass hands out are surveyed beside the run (`survey.later`, `_redo`).
+                survey = commits.survey(list(self.refs), self.spec.input.id_column, defer=True)
                 for key, why in survey.damaged.items():
                     commits.drop(key)
                     report.note("unit-redone", f"unit {key}: {why}; the unit was redone")
@@ -104,9 +109,15 @@ class JobRun:
                     # the progress file says "running", or "failed" and why
                     with self.watch.running(self.refs, survey.passes):
                         todo = self._todo()
+                        later, survey.later = _Later(survey.later), None  # its tables go once it has answered
+                        if not any(todo.values()):  # nothing to hand out before the survey has answered
+                            todo[Stage.FIRST] = self._redo(later.take(wait=True), report, todo)
                         if any(todo.values()):
-                            with self._pool(todo, layout, report.resumed) as pool:
-                                self._run_passes(report, todo, pool)
+                            with early.pop() if early else self._pool(todo, layout, report.resumed) as pool:
+                                self._run_passes(report, todo, pool, later)
+                        # A survey that answered after the last hand-out (a stop, the deadline): its damaged units
+                        # are uncommitted, left for the next run.
+                        self._redo(later.take(wait=True), report, todo, redone=False)
                 except BaseException:
                     self.checks.close(wait=False)  # a failing store would keep the failed run (and its lease) here
                     raise
@@ -144,10 +155,46 @@ class JobRun:
         units meanwhile. A unit not listed is not looked up on its own: on object storage that was a HEAD and a
         LIST per unit before the first prompt (3,118 requests for a first run of 1,000 units, BENCHMARKS.md)."""
         commits = self.storage.commits
-        todo = {Stage.FIRST: [k for k in self.refs if not commits.listed(Stage.FIRST, k)]}
+        todo = {Stage.FIRST: commits.left(Stage.FIRST, self.refs)}
         if len(self.passes) > 1:  # the start's survey found them (Commits.survey): no record is looked up again
             todo[Stage.SECOND] = [k for k in self.refs if k in self.second]
         return todo
+
+    @contextmanager
+    def _early(self, layout: Layout | None, resumed: bool, repeated: dict) -> Iterator[list[Pool]]:
+        """The local replicas started before the survey, where pass 1 has units left (so the pool will be used) and
+        nothing the survey finds changes how they are laid out or what they are handed at their start (a layout
+        given, or a first run's; no repeated ids, whose owners the survey's drops decide): their start (spawned
+        processes importing) goes on beside `recover` and the survey. Yields [the pool] or []: the passes take it out
+        (`pop`) and close it; one not taken is stopped. (The units left are looked for from the end: the last units
+        are the ones a killed run had not reached.)"""
+        commits, early = self.storage.commits, []
+        if layout is not None and len(layout.placements) > 1 and (self.replicas is not None or not resumed) \
+                and not repeated and any(not commits.listed(Stage.FIRST, key) for key in reversed(self.refs)):
+            early.append(self._pool({}, layout, resumed))
+        try:
+            yield early
+        finally:
+            for pool in early:  # not taken: an error before the passes
+                pool.stop()
+                pool.close()
+
+    def _redo(self, later: tuple[dict[str, str], dict] | None, report: RunReport, todo: dict[Stage, list[str]],
+              redone: bool = True) -> list[str]:
+        """The survey beside the run has answered (`Survey.later`): the others' records join the progress file's
+        counts, and the units it found damaged, which no pass had been handed, are uncommitted, each named in the
+        report. Returns them, for pass 1 (`redone`; else the next run redoes them)."""
+        damaged, passes = later or ({}, {})
+        if passes:
+            self.watch.progress.join(passes)
+        keys = [key for key in damaged if key in self.refs]
+        commits = self.storage.commits
+        for key in keys:
+            commits.drop(key)
+            self.second.pop(key, None)
+            report.note("unit-redone", f"unit {key}: {damaged[key]}; the unit was "
+                        + ("redone" if redone else "uncommitted for the next run to redo"))
+        return [*todo.get(Stage.FIRST, []), *keys] if redone else keys
 
     def _left(self, todo: dict[Stage, list[str]]) -> dict[Stage, int]:
         """The rows each pass has left to decode."""
@@ -161,15 +208,19 @@ class JobRun:
         all. A resumed run with replicas_per_gpu "auto" lays its replicas out by the rows it has left."""
         if layout is not None and resumed and self.replicas is None:
             layout = local_layout(None, self.spec.model, sum(self._left(todo).values()))
+        first = todo.get(Stage.FIRST)  # none yet before the survey (`_early`): the units not committed
+        left = sum(self.refs[k].rows for k in (self.storage.commits.left(Stage.FIRST, self.refs) if first is None
+                                                 else first))
         worker = lambda channel: Worker(self.spec, self.storage, self.source, self.refs, self.owners,  # noqa: E731
-                                        self.engines, self.stop, started=self.started).serve(channel)
-        args = (self.spec, self.output, self.shard, self.engines, self.owners, self.source.stamps)
+                                        self.engines, self.stop, started=self.started, left=left).serve(channel)
+        args = (self.spec, self.output, self.shard, self.engines, self.owners, self.source.stamps, left)
         return make_pool(layout, worker, serve_replica, args, self.ray, self.replicas, self.spec.model)
 
-    def _run_passes(self, report: RunReport, todo: dict[Stage, list[str]], pool: Pool) -> None:
-        """Both passes through one queue, on the pool it is handed: the same worker body wherever it runs."""
-        work = Queue(todo, {Stage.FIRST: Stage.SECOND} if len(self.passes) > 1 else {},
-                     expired=lambda: self.watch.expired)
+    def _run_passes(self, report: RunReport, todo: dict[Stage, list[str]], pool: Pool, later: _Later) -> None:
+        """Both passes through one queue, on the pool it is handed: the same worker body wherever it runs. The queue
+        stays open until the survey beside the run has answered (`_Later`); the damaged units it finds join pass 1."""
+        work = _Checked(todo, {Stage.FIRST: Stage.SECOND} if len(self.passes) > 1 else {},
+                        lambda: self.watch.expired, later, lambda answer: self._redo(answer, report, {}))
         stats = {p.stage: PassStats() for p in self.passes}
         bars: dict[Stage, tqdm] = {}
 
@@ -180,6 +231,12 @@ class JobRun:
 
         for stage, rows in self._left(todo).items():
             bar(stage).total = rows
+
+        def added(keys: list[str]) -> None:  # damaged units the survey beside the run found, redone by pass 1
+            bar(Stage.FIRST).total += sum(self.refs[k].rows for k in keys)
+            bar(Stage.FIRST).refresh()
+
+        work.added = added
 
         def on_done(stage: Stage, key: str, rows: int, requeued: int) -> None:
             self.watch.committed(stage, key)
@@ -210,6 +267,72 @@ class JobRun:
                     s.seconds = work.seconds(p.stage)
                     s.replicas = report.replicas
                     report.passes[p.stage.label] = s
+
+
+class _Later:
+    """The survey of the units no pass hands out (`Survey.later`) on a thread of its own, started once the first
+    unit is handed out (`start`): its listings would otherwise take the cores the replicas start on. `take` gives
+    its answer once (the damaged units, the others' tally), then None."""
+
+    def __init__(self, check: Callable[[], tuple[dict[str, str], dict]] | None):
+        self.check, self.future = check, None
+
+    def start(self) -> None:
+        if self.check is not None and self.future is None:
+            pool = ThreadPoolExecutor(1, thread_name_prefix="batchjson-survey")
+            self.future = pool.submit(self.check)
+            pool.shutdown(wait=False)
+
+    def take(self, wait: bool = False) -> tuple[dict[str, str], dict] | None:
+        """The check's answer if it has come (`wait`: started if it was not, once it has), the first time asked; a
+        failure raises here."""
+        if wait:
+            self.start()
+        future = self.future
+        if future is None or not (wait or future.done()):
+            return None
+        self.check, self.future = None, None
+        return future.result()
+
+    @property
+    def pending(self) -> bool:
+        return self.check is not None
+
+
+class _Checked(Queue):
+    """The run's queue, open until the survey beside the run has answered (`_Later`): till then a worker that finds
+    nothing to do waits rather than ends; the units it finds damaged are uncommitted (`redo`) and join pass 1. Its
+    answer is taken in the driver's thread, between hand-outs; the units it surveys are none of those handed out
+    (they are committed, and wait for no pass), so none is dropped while a worker holds it."""
+
+    def __init__(self, todo: dict[Stage, list[str]], follows: dict[Stage, Stage], expired: Callable[[], bool],
+                 later: _Later, redo: Callable[[tuple[dict[str, str], dict]], list[str]]):
+        super().__init__(todo, follows, expired)
+        self.later, self.redo = later, redo
+        self.added: Callable[[list[str]], None] = lambda keys: None  # the progress bar's total grows by their rows
+
+    def _settled(self) -> bool:
+        """Whether the survey has answered, its damaged units queued for pass 1."""
+        answer = self.later.take()
+        keys = self.redo(answer) if answer is not None else []
+        if keys:
+            with self.lock:
+                self.pending.setdefault(Stage.FIRST, deque()).extend(keys)
+                self.left.update((Stage.FIRST, key) for key in keys)
+            self.added(keys)
+        return not self.later.pending
+
+    def want(self, slot: int, stages: Iterable[str]) -> tuple:
+        settled = self._settled()
+        reply = super().want(slot, stages)
+        if reply[0] == "unit" or not self.left:
+            self.later.start()
+        return ("idle", False) if reply[0] == "end" and not settled and not self.expired() else reply
+
+    @property
+    def finished(self) -> bool:
+        settled = self._settled()  # first: the units it queues are left to do
+        return super().finished and (settled or self.expired())
 
 
 def run_job(spec: JobSpec, output: str | None = None, **kwargs) -> RunReport:

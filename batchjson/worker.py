@@ -158,8 +158,9 @@ class Worker:
 
     def __init__(self, spec: JobSpec, storage: Storage, source: ParquetSource, refs: dict[str, UnitRef],
                  owners: dict, engines: EngineFactory, stop: threading.Event, *, slot: int | None = None,
-                 share: int = 1, started: float | None = None):
+                 share: int = 1, started: float | None = None, left: int = 0):
         self.spec, self.storage, self.source, self.refs, self.owners = spec, storage, source, refs, owners
+        self.left = left  # the rows pass 1 has left in the run (the driver's count), for speculation's auto policy
         self.engines, self.stop, self.slot, self.share = engines, stop, slot, share
         # The run's start (a replica's: its own), for first_request_s.
         self.started = time.monotonic() if started is None else started
@@ -290,8 +291,7 @@ class Worker:
                 "auto-no-speculation", "auto: no speculation: this vLLM cannot decode pass 2 without a draft on a "
                 "speculative engine, so pass 2 shares pass 1's engine without one")
             return None
-        todo = (r.rows for key, r in self.refs.items() if not self.storage.commits.listed(Stage.FIRST, key))
-        rows = sum(todo) // self.share
+        rows = self.left // self.share
         from batchjson.engine import resolve_model, weight_bytes
 
         weights = weight_bytes(resolve_model(self.spec.model.path))
@@ -496,18 +496,20 @@ def _first(pairs: Iterator[Work]) -> Work | None:
 
 
 def serve_replica(spec: JobSpec, output: str | None, shard: tuple[int, int], engines: EngineFactory, owners: dict,
-                  stamps: dict, placement: Placement, slot: int, count: int, inbox, outbox) -> None:
+                  stamps: dict, left: int, placement: Placement, slot: int, count: int, inbox, outbox) -> None:
     """The body of replica `slot` of `count` (a local process or a Ray actor) at `placement`: a worker on the
-    driver's queue. The driver holds the folder; a replica never claims it."""
+    driver's queue. The driver holds the folder; a replica never claims it, and neither plans the input nor lists
+    the records: it makes the units it is handed from the footers (`ParquetSource.refs`), and is told the rows
+    pass 1 has left (`left`)."""
     channel = queue_channel(slot, inbox, outbox)
     spec = placement.applied(spec)  # its share of the GPUs' memory
     try:
         source, storage = run_ends(spec, output, shard)
         source.stamps.update(stamps)  # the input as the driver found it: a change since is refused at the commit
-        refs = {r.key: r for r in source.plan(shard)}
         stop = threading.Event()
         with signals(stop):
-            Worker(spec, storage, source, refs, owners, engines, stop, slot=slot, share=count).serve(channel)
+            Worker(spec, storage, source, source.refs(shard), owners, engines, stop, slot=slot, share=count,
+                   left=left).serve(channel)
     except BatchjsonError as e:
         channel.send("error", str(e))
     except BaseException as e:

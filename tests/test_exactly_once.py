@@ -209,6 +209,64 @@ def test_a_deleted_output_part_is_found_and_redone(tmp_path, tiny_model):
     assert_exactly_once([f"r{i:05d}" for i in range(12)], tmp_path / "out", tmp_path / "out" / "_rejects")
 
 
+@pytest.mark.parametrize("replicas", [None, 2])
+def test_a_unit_damaged_between_runs_is_found_beside_the_resume_and_redone(tmp_path, tiny_model, monkeypatch,
+                                                                           replicas):
+    """A resume with work left surveys the units it does not hand out beside its passes (Commits.survey's `defer`),
+    not before its first prompt: a finished unit whose output file was cut short between runs is still found, once
+    every unit handed out is done (the survey answers late here), uncommitted and redone; the end check passes with
+    each row once, and the progress file counts the unit once. With two local replicas, started before the survey
+    (job.py's `_early`), too."""
+    from batchjson.storage.commits import Commits
+    from batchjson.storage.progress import add_record
+
+    write_rows(tmp_path / "in.parquet", 24)
+    job = write_job(tmp_path, tiny_model, tmp_path / "in.parquet", batch_size=4)
+    run(job, engine_factory=FakeEngines(valid=1.0))
+    out, units = tmp_path / "out", tmp_path / "out" / "_batchjson" / "units"
+    left, damaged = (json.loads(p.read_text()) for p in sorted(units.glob("p1-*.json"))[1:3])
+    (units / f"p1-{left['key']}.json").unlink()  # a unit left to do: the resume hands it out
+    (out / left["files"]["output"]).unlink()
+    victim = out / damaged["files"]["output"]
+    victim.write_bytes(victim.read_bytes()[:-10])
+    found, check = [], Commits._survey_later
+
+    def late(self, *args):  # the survey answers after the unit handed out is done
+        time.sleep(1.0)
+        damaged, passes = check(self, *args)
+        found.append(damaged)
+        return damaged, passes
+
+    monkeypatch.setattr(Commits, "_survey_later", late)
+    report = run(job, engine_factory=FakeEngines(valid=1.0), replicas=replicas)
+    assert len(found) == 1 and list(found[0]) == [damaged["key"]] and victim.name in found[0][damaged["key"]], found
+    assert codes(report) == ["unit-redone"] and report.events[0]["text"].startswith(f"unit {damaged['key']}: ")
+    assert report.passes["pass1"].rows == 8 and report.verified["complete"], report.verified
+    assert verify_cli(job).exit_code == 0
+    assert_exactly_once([f"r{i:05d}" for i in range(24)], out, out / "_rejects")
+    passes = {}
+    for path in sorted(units.glob("p[12]-*.json")):
+        add_record(passes, json.loads(path.read_text()))
+    progress = json.loads((out / "_batchjson" / "progress-0of1.json").read_text())
+    assert progress["passes"] == passes, progress["passes"]
+
+
+def test_a_unit_redone_for_a_damaged_record_is_not_taken_back_by_the_deferred_check(tmp_path, tiny_model):
+    """A unit whose pass-2 commit record was cut short is redone from scratch; its pass-1 record, which the index
+    answers for, is not left to the check beside the run (`Survey.later`), which would find the files the redo
+    removed or rewrote and uncommit the unit a second time."""
+    write_rows(tmp_path / "in.parquet", 24)
+    job = write_job(tmp_path, tiny_model, tmp_path / "in.parquet", batch_size=4)
+    run(job, engine_factory=FakeEngines(valid=0.5, seed=3))
+    units = tmp_path / "out" / "_batchjson" / "units"
+    record = sorted(units.glob("p2-*.json"))[0]
+    record.write_bytes(record.read_bytes()[:30])
+    report = run(job, engine_factory=FakeEngines(valid=1.0))
+    assert codes(report) == ["unit-redone"] and record.name in report.events[0]["text"], report.events
+    assert report.passes["pass1"].rows == 4 and report.verified["complete"], report.verified
+    assert verify_cli(job).exit_code == 0
+
+
 @pytest.mark.parametrize("damage", ["truncated", "not a record"])
 def test_a_damaged_commit_record_is_named_and_its_unit_redone(tmp_path, tiny_model, damage):
     """A commit record cut short (or rewritten as JSON that is no record): verify names it (exit 3, not a

@@ -33,6 +33,25 @@ def test_shards_split_row_groups_exactly(tmp_path):
     assert sorted(sum(shards, [])) == every and all(shards)
 
 
+def test_a_unit_is_made_from_its_key_as_planning_makes_it(tmp_path):
+    """`ref` (what a replica does with the keys it is handed) gives each shard's units as `plan` does, and no other
+    shard's, nor a key no plan makes."""
+    write_rows(tmp_path / "a-b.parquet", 10, row_group_size=4)
+    write_rows(tmp_path / "c.parquet", 9, start=10, row_group_size=5)
+    src = ParquetSource(InputSpec(path=str(tmp_path), batch_size=3), ("text",))
+    for shard in [(0, 1), (0, 2), (1, 2)]:
+        planned = src.plan(shard)
+        refs = ParquetSource(InputSpec(path=str(tmp_path), batch_size=3), ("text",)).refs(shard)
+        assert [refs[u.key] for u in planned] == planned
+        for other in {u.key for u in src.plan()} - {u.key for u in planned}:
+            with pytest.raises(KeyError):
+                refs[other]
+    key = src.plan()[0].key
+    for bad in ["", "x", key[:-1] + "9", key[:-5] + "0000", key.replace("-00000-", "-00009-"), "p1-" + key]:
+        with pytest.raises(KeyError):
+            src.ref(bad)
+
+
 def test_glob_and_missing_paths(tmp_path):
     write_rows(tmp_path / "a.parquet", 2)
     assert ParquetSource(InputSpec(path=str(tmp_path / "*.parquet")), ("text",)).check() == 2

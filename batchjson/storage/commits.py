@@ -24,7 +24,7 @@ import os
 import posixpath
 import threading
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
@@ -34,13 +34,14 @@ import pyarrow.compute as pc
 from pyarrow import fs
 
 from batchjson.errors import OutputError, StorageFull, is_full
-from batchjson.storage.index import (BITS, EARLIER, INDEX, KINDS as KIND_ORDER, Index, digest, part_name,
-                                     part_names, planning_columns)
+from batchjson.storage.index import (BITS, EARLIER, INDEX, KINDS as KIND_ORDER, PLANNED, SCHEMA as INDEX_SCHEMA,
+                                     Index, digest, part_name, part_names, planning_columns)
 from batchjson.storage.location import Location, Unreadable, json_bytes, writing
 from batchjson.storage.progress import empty_tally
 from batchjson.storage.names import STAGED, Kind, PartName, Stage, UnitName, staged
 from batchjson.storage.shelf import Shelf
 
+PLANNED_SCHEMA = INDEX_SCHEMA.empty_table().select(PLANNED).schema  # the index's planning columns
 KINDS: dict[Stage, tuple[Kind, ...]] = {Stage.FIRST: ("output", "rejects", "requeue"),
                                         Stage.SECOND: ("output", "rejects")}  # only pass 1 requeues
 
@@ -83,7 +84,10 @@ class Survey:
     """Unit -> the rows it has waiting for pass 2, whose pass 2 is not committed."""
     passes: dict = field(default_factory=dict)
     """The records of the units that are not damaged, tallied by pass (progress.py `add_record`): the progress
-    file's counts at the start."""
+    file's counts at the start (those `later` surveys join when it answers)."""
+    later: Callable[[], tuple[dict[str, str], dict]] | None = None
+    """The survey of the committed units that no pass hands out (`Commits.survey`'s `defer`), to be run beside the
+    run: their `damaged` and `passes`. None when every unit was surveyed already."""
 
 
 class Commits:
@@ -138,8 +142,9 @@ class Commits:
     def committed(self) -> set[str]:
         """Names ("p1-<unit>") of the committed units of every shard, listed once and kept up to date."""
         if self._committed is None:
-            listed = self._listing(self.units)
-            listed = listed.filter(pc.match_substring_regex(listed["name"], r"^p[12]-.*\.json$"))
+            # Locally the names alone, a stat less per record (195,320 at 100 million rows: 0.5 s): the stamps, by
+            # which the index's entries answer for their records, are listed where they are needed (`survey`).
+            listed = _records(self._listing(self.units, stat=False))
             self._records = listed
             self._index.listed(listed)  # an entry its record no longer matches answers for nothing
             self._committed = set(pc.utf8_slice_codeunits(listed["name"], 0, -5).to_pylist())
@@ -180,21 +185,25 @@ class Commits:
         self._index, self._committed, self._planning = Index.read(self.state), None, True
 
     def _prefetch(self) -> None:
-        """List the records' folder, then the part folders (with a stat of each file, locally), on a thread of its
-        own, beside the index's read and the rest of the run's start: `committed`, `recover` and `survey` take these
-        listings, the folder being held by this run (its other shards touch none of this shard's units). At 100
-        million rows these are 580,000 files, a stat each: 1.8 s on one thread, 3.1-4.0 s on four (they contend
-        for the interpreter's lock between their stats)."""
+        """List the records' folder, then the part folders (locally by name, a stat of each file being what most of
+        a listing costs), on a thread of its own, beside the index's read and the rest of the run's start:
+        `committed`, `recover` and `survey` take these listings, the folder being held by this run (its other shards
+        touch none of this shard's units). The stamps and sizes are the survey's, which a run defers for the units
+        it does not hand out (`Survey.later`): at 100 million rows these 585,000 files took 1.8 s listed with a stat
+        each, 0.4 s by name."""
         folders = {f.path: f for f in (self.units, *self.folders.values())}
         pool = ThreadPoolExecutor(1, thread_name_prefix="batchjson-listing")
-        self._listings = {path: pool.submit(_list, folder) for path, folder in folders.items()}
+        self._listings = {path: pool.submit(_list, folder, False) for path, folder in folders.items()}
         pool.shutdown(wait=False)
 
     def _listing(self, folder: Location, keep: bool = False, stat: bool = True) -> pa.Table:
         """The folder's files (name, size, mtime) as a table: the listing `_prefetch` began, taken once (`keep`: left
-        for the next look, as the survey looks after `recover`), else listed now (`stat`: False, names only)."""
+        for the next look), else listed now (`stat`: False, names only: sizes and times 0 locally). A listing of
+        names does not answer for one with stamps."""
+        if stat and folder.local:
+            self._listings.pop(folder.path, None)
         future = self._listings.get(folder.path) if keep else self._listings.pop(folder.path, None)
-        return future.result() if future is not None else _list(folder) if stat else _table(folder.listing(stat=False))
+        return future.result() if future is not None else _list(folder, stat)
 
     def fold(self, now: bool = False) -> None:
         """Write the records read or written since the last part of the index as a new part (index.py), once there
@@ -305,6 +314,11 @@ class Commits:
         """Whether the unit is among the committed ones as last listed (and committed since): no look at the folder."""
         return UnitName(stage, key).unit_id() in self.committed()
 
+    def left(self, stage: Stage, keys: Iterable[str]) -> list[str]:
+        """Those of `keys` whose unit is not among the committed ones of this pass as last listed (`listed`)."""
+        keys, committed = list(keys), self.committed()
+        return [key for key, unit in zip(keys, UnitName.unit_ids(stage, keys)) if unit not in committed]
+
     def done(self, stage: Stage, key: str) -> bool:
         return self.listed(stage, key) or self.record_path(stage, key).exists()
 
@@ -400,7 +414,8 @@ class Commits:
         if self.fold_every:
             with self._folding:
                 self._fresh.append(path.name)
-        self.committed().add(UnitName(stage, key).unit_id())
+        if self._committed is not None:  # a replica's commits list nothing (the driver's listing decides)
+            self._committed.add(UnitName(stage, key).unit_id())
         self.after("committed", stage)
 
     def publish(self, record: dict) -> None:
@@ -446,7 +461,7 @@ class Commits:
             for folder in self.folders.values():
                 self._listings.pop(folder.path, None)
 
-    def survey(self, keys: list[str], id_column: str) -> Survey:
+    def survey(self, keys: list[str], id_column: str, defer: bool = False) -> Survey:
         """Of these units, the committed ones that are damaged (`Survey.damaged`), the rows each of the others
         has waiting for pass 2 while its pass 2 is not committed (`Survey.second`), and the others' records tallied
         (`Survey.passes`).
@@ -458,55 +473,115 @@ class Commits:
         gone) and any file of a record older than `sizes` are read as verify reads them (the id column), so what
         verify finds unreadable a rerun redoes. `verify` reads every file.
 
+        `defer` (a local folder): only the units pass 2 hands out are surveyed now, from their records, read (not
+        the index): those with a requeue file whose pass 1 is committed and whose pass 2 is not, each of their
+        files looked at (a stat). The other committed units are surveyed by `Survey.later`, which the run calls
+        beside its passes (job.py redoes what it finds damaged, and adds their tally to the progress file's): it
+        lists the records with their stamps, by which the index answers for them, and the part folders. At 100
+        million rows these listings (585,000 files, a stat each), the index's answers and their tally took 1.5-2 s of
+        the resume's way to its first prompt. On object storage every unit is surveyed now: a look at each file of
+        the units handed out would cost a request each.
+
         Planned from columns (storage/index.py): the index's rows for the records listed with the indexed stamp
         answer for them, compared with the folders' listings as Arrow tables; only a record they do not answer for
         (written after the index's last part, or rewritten since) is read and parsed. The folders' sizes and the
         index's columns are held for the survey only: the stamps the end check compares (`trusted`) are listed again
         then. Compared by look-ups of names (`pc.index_in`), not Acero joins: at 100 million rows (killed at 99%)
         the planning's peak was 458-464 MiB with joins, 324-356 with look-ups, and the resume's 497-505 and 362-394."""
+        found = None
         try:
-            return self._survey(keys, id_column)
+            found = self._survey(keys, id_column, defer and self.units.local)
+            return found
         finally:
-            self._planning = False  # the index's bytes answer from here on (read once first asked for)
+            # the index's bytes answer from here on (read once first asked for), or once `later` has run
+            self._planning = found is not None and found.later is not None
 
-    def _survey(self, keys: list[str], id_column: str) -> Survey:
+    def _survey(self, keys: list[str], id_column: str, defer: bool) -> Survey:
         self.committed()
         names = self._records["name"]  # the records of these units (names only: all the survey takes of them)
-        mine = names.filter(pc.is_in(pc.utf8_slice_codeunits(names, 3, -5), value_set=pa.array(sorted(set(keys)),
-                                                                                               pa.string())))
-        answers = self._index.answers()
-        self._index.drop_planned()  # its columns are not held longer
-        answers = answers.filter(pc.is_in(answers["name"], value_set=mine))
+        of_keys = pc.is_in(pc.utf8_slice_codeunits(names, 3, -5), value_set=pa.array(keys, pa.string()))
+        mine = names if pc.all(of_keys).as_py() else names.filter(of_keys)  # else another shard's records too
         found, flaws, parsed = Survey(), {}, {}  # flaws: key -> (where, what); parsed: name -> record read now
+        if defer:  # pass 2's units now, from their records; the rest beside the run
+            requeue = self._listing(self.folders["requeue"], stat=False)["name"]
+            held = pc.utf8_slice_codeunits(requeue.filter(pc.ends_with(requeue, ".parquet")), 0, -8)
+            first, second = (pc.utf8_slice_codeunits(mine.filter(pc.starts_with(mine, f"{stage}-")), 3, -5)
+                             for stage in Stage)
+            held = held.filter(pc.and_(pc.is_in(held, value_set=first), pc.invert(pc.is_in(held, value_set=second))))
+            records = self._read_records(UnitName.unit_ids(Stage.FIRST, held.to_pylist()), parsed, flaws)
+            for kind, folder in self.folders.items():
+                self._check_sizes(kind, records, parsed, flaws, id_column, folder)
+            done = pa.array([*records["key"].to_pylist(), *flaws], pa.string())
+            rest = mine.filter(pc.invert(pc.is_in(pc.utf8_slice_codeunits(mine, 3, -5), value_set=done)))
+            if len(rest):
+                found.later = lambda: self._survey_later(rest, parsed, id_column)
+        else:
+            if self.units.local:  # the stamps the index's entries answer by (`committed` lists names)
+                self._index.listed(_records(self._listing(self.units)))
+            records = self._answered(mine, parsed, flaws)
+            for kind, folder in self.folders.items():  # each listing taken once, not held past its look
+                self._check_sizes(kind, records, parsed, flaws, id_column, self._listing(folder))
+        self._listings.clear()
+        found.damaged = _worst(flaws)
+        records = _without(records, found.damaged)
+        waiting = records.filter(pc.and_(pc.equal(records["stage"], "p1"), pc.not_equal(pc.bit_wise_and(
+            records["kinds"], BITS["requeue"]), 0)))
+        second = names.filter(pc.starts_with(names, "p2-"))  # the units whose pass 2 is committed
+        waiting = waiting.filter(pc.invert(pc.is_in(waiting["key"], value_set=pc.utf8_slice_codeunits(second, 3, -5))))
+        found.passes = _tally(records)
+        found.second = dict(zip(waiting["key"].to_pylist(), waiting["rows_requeue"].to_pylist()))
+        del records, waiting
+        # The survey's tables go back to the system, not kept by Arrow's allocator under the run's own memory (and
+        # `later`'s listings) after: at 100 million rows the driver's peak is at the start since `later`.
+        pa.default_memory_pool().release_unused()
+        return found
+
+    def _survey_later(self, names: pa.Array, parsed: dict, id_column: str) -> tuple[dict[str, str], dict]:
+        """`Survey.later`: of these records (the start's, of the units no pass hands out), the damaged units and the
+        others' records tallied, from the records listed now with their stamps (the index's answers), one listing
+        of each part folder with a stat of each file, and the records the index does not answer for, read. On a
+        thread of its own beside the run: it changes nothing in the folder, and what it reads no pass touches."""
+        flaws: dict = {}
+        self._index.listed(_records(_list(self.units)))  # the stamps the index's entries answer by
+        records = self._answered(names, parsed, flaws)
+        for kind, folder in self.folders.items():
+            self._check_sizes(kind, records, parsed, flaws, id_column, _list(folder))
+        damaged = _worst(flaws)
+        passes = _tally(_without(records, damaged))
+        self._planning = False
+        del records
+        # What the listings took goes back to the system rather than staying with Arrow's allocator through the run
+        # (its end check is the driver's peak: 406-408 MiB at 100 million rows with it kept, BENCHMARKS.md).
+        pa.default_memory_pool().release_unused()
+        return damaged, passes
+
+    def _answered(self, names: pa.Array, parsed: dict, flaws: dict) -> pa.Table:
+        """The planning columns of these records, with their pass and unit (`stage`, `key`): the index's rows where
+        it answers for them (listed with the indexed stamp), else read now (`_read_records`). The index's columns
+        go after (`drop_planned`)."""
+        answers = self._index.answers(names)
+        self._index.drop_planned()  # its columns are not held longer
+        unanswered = pc.filter(names, pc.invert(pc.is_in(names, value_set=answers["name"]))).to_pylist()
+        read = self._read_records((name[:-5] for name in unanswered), parsed, flaws)
+        return pa.concat_tables([_keyed(answers), read])
+
+    def _read_records(self, units: Iterable[str], parsed: dict, flaws: dict) -> pa.Table:
+        """The planning columns of these units' records ("p1-<unit>"), with `stage` and `key`, each read now (or
+        taken from `parsed`) and kept in `parsed`; one that does not read as a record is a flaw of its unit, one
+        gone since it was listed is left out."""
         rows = []
-        for name in pc.filter(mine, pc.invert(pc.is_in(mine, value_set=answers["name"]))).to_pylist():
-            name_of = UnitName.parse(name)
+        for unit in units:
+            name, name_of = f"{unit}.json", UnitName.parse(unit)
             try:
-                record = self._load(name)
+                record = parsed[name] if name in parsed else self._load(name)
             except FileNotFoundError:
                 continue  # gone since it was listed
             except DamagedRecord as e:
                 flaws.setdefault(name_of.key, []).append(((list(Stage).index(name_of.stage), -1), str(e)))
                 continue
             parsed[name] = record
-            rows.append((name, 0, 0, *planning_columns(record)))
-        if rows:
-            read = pa.Table.from_pylist([dict(zip(answers.column_names, row)) for row in rows], schema=answers.schema)
-            answers = pa.concat_tables([answers, read])
-        stage = pc.utf8_slice_codeunits(answers["name"], 0, 2)
-        keys_of = pc.utf8_slice_codeunits(answers["name"], 3, -5)
-        answers = answers.append_column("stage", stage).append_column("key", keys_of)
-        for kind, folder in self.folders.items():  # each listing taken once, not held past its look
-            self._check_sizes(kind, answers, self._listing(folder), parsed, flaws, id_column)
-        self._listings.clear()
-        found.damaged = {key: min(found_)[1] for key, found_ in sorted(flaws.items())}
-        ok = answers.filter(pc.invert(pc.is_in(answers["key"], value_set=pa.array(list(found.damaged), pa.string()))))
-        found.passes = _tally(ok)
-        waiting = ok.filter(pc.and_(pc.equal(ok["stage"], "p1"), pc.not_equal(pc.bit_wise_and(ok["kinds"],
-                                                                                            BITS["requeue"]), 0)))
-        found.second = {key: n for key, n in zip(waiting["key"].to_pylist(), waiting["rows_requeue"].to_pylist())
-                        if UnitName(Stage.SECOND, key).unit_id() not in self._committed}
-        return found
+            rows.append(dict(zip(PLANNED, (name, 0, 0, *planning_columns(record)))))
+        return _keyed(pa.Table.from_pylist(rows, schema=PLANNED_SCHEMA))
 
     def used(self, files: set[str]) -> Counter:
         """The committed units of pass 1 of each of these input files (their tags), from the index's columns where
@@ -526,16 +601,19 @@ class Commits:
                 used[record["file"]] += 1
         return used
 
-    def _check_sizes(self, kind: Kind, records: pa.Table, listing: pa.Table, parsed: dict, flaws: dict,
-                     id_column: str) -> None:
+    def _check_sizes(self, kind: Kind, records: pa.Table, parsed: dict, flaws: dict, id_column: str,
+                     listing: pa.Table | Location) -> None:
         """The survey's look at the files of one kind that the records list: each listed with the size its record
-        keeps, or read (`_flaw`) where it is not listed under its final name or its record keeps no size."""
+        keeps, or read (`_flaw`) where it is not listed under its final name or its record keeps no size.
+        `listing`: the folder's listing, or the folder, whose files of these records are each looked at (a stat)."""
         mine = records.select(["name", "stage", "key", f"rows_{kind}", f"size_{kind}"]).filter(
             pc.not_equal(pc.bit_wise_and(records["kinds"], BITS[kind]), 0))
         unit = pc.binary_join_element_wise(mine["stage"], mine["key"], "-")
         file = (pc.binary_join_element_wise(unit, ".parquet", "") if kind == "output" else
                 pc.binary_join_element_wise("rejects-", unit, ".parquet", "") if kind == "rejects" else
                 pc.binary_join_element_wise(mine["key"], ".parquet", ""))
+        if isinstance(listing, Location):
+            listing = _stat(listing, file.to_pylist())
         # each file's size as listed, null where it is not: looked up by name, not joined (index.py's `as_listed`)
         seen = listing["size"].take(pc.index_in(file, value_set=listing["name"]))
         files = mine.append_column("file", file).append_column("seen", seen)
@@ -619,11 +697,20 @@ def _batch(names: list, sizes: list, mtimes: list) -> pa.RecordBatch:
                            schema=LISTED)
 
 
-def _list(folder: Location) -> pa.Table:
+def _list(folder: Location, stat: bool = True) -> pa.Table:
     """The files directly in `folder` as a table (name, size, mtime), as `Location.listing` lists them; locally
-    without a tuple or a generator's step per file (a stat each: at 100 million rows, 585,000 files)."""
+    without a tuple or a generator's step per file (a stat each: at 100 million rows, 585,000 files). `stat`:
+    False, locally the names alone (sizes and times 0), no file looked at beyond its directory entry (x5 faster)."""
     if not folder.local:
         return _table(folder.listing())
+    if not stat:
+        try:
+            with os.scandir(folder.path) as entries:
+                names = [entry.name for entry in entries if entry.is_file()]
+        except (FileNotFoundError, NotADirectoryError):
+            names = []
+        zeros = pa.repeat(pa.scalar(0, pa.int64()), len(names))
+        return pa.Table.from_arrays([pa.array(names, pa.string()), zeros, zeros], schema=LISTED)
     try:
         entries = os.scandir(folder.path)
     except (FileNotFoundError, NotADirectoryError):
@@ -644,6 +731,42 @@ def _list(folder: Location) -> pa.Table:
                 names, sizes, mtimes = [], [], []
     batches.append(_batch(names, sizes, mtimes))
     return pa.Table.from_batches(batches, schema=LISTED)
+
+
+def _stat(folder: Location, names: list[str]) -> pa.Table:
+    """These files of a local `folder` as `_list` lists them, each looked at (a stat); one that is not there is left
+    out."""
+    found = []
+    for name in names:
+        try:
+            info = os.stat(os.path.join(folder.path, name))
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+        found.append((name, info.st_size, info.st_mtime_ns))
+    return _table(iter(found))
+
+
+def _keyed(records: pa.Table) -> pa.Table:
+    """The index's planning columns of these records, with each one's pass (`stage`, "p1") and unit (`key`)."""
+    return records.append_column("stage", pc.utf8_slice_codeunits(records["name"], 0, 2)).append_column(
+        "key", pc.utf8_slice_codeunits(records["name"], 3, -5))
+
+
+def _without(records: pa.Table, damaged: dict[str, str]) -> pa.Table:
+    """These records (`_keyed`), but those of the damaged units."""
+    if not damaged:
+        return records
+    return records.filter(pc.invert(pc.is_in(records["key"], value_set=pa.array(list(damaged), pa.string()))))
+
+
+def _records(listed: pa.Table) -> pa.Table:
+    """The commit records of a listing of the records' folder."""
+    return listed.filter(pc.match_substring_regex(listed["name"], r"^p[12]-.*\.json$"))
+
+
+def _worst(flaws: dict) -> dict[str, str]:
+    """Unit -> what is wrong with it, of its flaws (place, what) the first by place (its pass, then kind)."""
+    return {key: min(found)[1] for key, found in sorted(flaws.items())}
 
 
 def _table(entries: Iterator[tuple[str, int, int]]) -> pa.Table:

@@ -158,7 +158,6 @@ class Storage:
             # Until a unit commits, the folder belongs to no spec: a corrected rerun after a failed start is welcome.
             with writing(spec_file):
                 spec_file.write_json({"hash": spec_hash, "spec": fingerprint})
-        self.commits.recover()
         if inputs is not None:
             self._write_inputs(inputs, known)
         return existing and bool(self.commits.committed())

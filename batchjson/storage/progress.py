@@ -96,6 +96,18 @@ class ProgressFile:
         if time.monotonic() - self.written >= self.WRITE_EVERY:
             self.write()
 
+    def join(self, passes: dict) -> None:
+        """Records counted late (the survey beside the run, job.py): their tally (`add_record`'s) joins the counts,
+        and the samples so far, as their rows were finished before them (the rate stays this run's)."""
+        for stage, tally in passes.items():
+            mine = self.passes.setdefault(stage, empty_tally())
+            for name in TALLIED:
+                mine[name] += tally[name]
+            for reason, n in tally["reasons"].items():
+                mine["reasons"][reason] = mine["reasons"].get(reason, 0) + n
+        for sample in self.samples:
+            sample[1] += finished(passes)
+
     def write(self, outcome: Outcome | Literal[""] = "", detail: str = "") -> None:
         now = time.time()
         self.samples = [s for s in self.samples if s[0] >= now - RATE_WINDOW] + [[round(now, 2), finished(self.passes)]]

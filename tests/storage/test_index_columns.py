@@ -172,9 +172,9 @@ def test_a_fresh_run_lists_nothing_beside_the_index(finished, monkeypatch):
     job, out = finished
     threads, listed = [], commits._list
 
-    def counted(folder):
+    def counted(folder, *args):
         threads.append(threading.current_thread().name)
-        return listed(folder)
+        return listed(folder, *args)
 
     monkeypatch.setattr(commits, "_list", counted)
     report = run_job(load_spec(job), str(out), fresh=True, engine_factory=FakeEngines(valid=0.5, seed=3),
@@ -203,3 +203,53 @@ def test_a_record_in_two_files_of_the_index_is_planned_from_the_later(tmp_path):
     Index.write(state / part_name(2), [written("u2", 222)])
     rows = {r["name"]: r["size_output"] for r in Index.read(state).planned.to_pylist()}
     assert rows == {"p1-u1.json": 100, "p1-u2.json": 222, "p1-u3.json": 300}, rows
+
+
+def test_a_deferred_survey_reads_now_only_the_records_of_pass_2s_units(finished, monkeypatch):
+    """`survey(defer=True)`, as a run takes it: nothing is listed with a stat, and only the records of the units
+    waiting for pass 2 (a requeue file, pass 1 committed, pass 2 not) are read, from their files, not the index. One
+    whose requeue file was cut short is found before anything is handed out, the other is handed to pass 2 and
+    tallied. A finished unit whose output file was cut short is left to `later` (beside the run), which names it
+    and tallies the other records from the index, read by none."""
+    from batchjson.storage import commits
+
+    _, out = finished
+    units = out / "_batchjson" / "units"
+    records = {p.name: json.loads(p.read_text()) for p in units.glob("p1-*.json")}
+    waiting, fine = [r for r in records.values() if "requeue" in r["files"]][:2]
+    done = next(r for r in records.values() if "output" in r["files"] and r["key"] not in (waiting["key"], fine["key"]))
+    for unit in (waiting, fine):
+        second = json.loads((units / f"p2-{unit['key']}.json").read_text())
+        (units / f"p2-{unit['key']}.json").unlink()
+        for kind, name in second["files"].items():
+            (out / ("_rejects" if kind == "rejects" else "") / name).unlink()
+    requeue = out / "_batchjson" / "requeue" / waiting["files"]["requeue"]
+    requeue.write_bytes(requeue.read_bytes()[:-10])
+    output = out / done["files"]["output"]
+    output.write_bytes(output.read_bytes()[:-10])
+
+    stated, listed = [], commits._list
+
+    def counted(folder, stat=True):
+        stated.append((Path(folder.path).name, stat))
+        return listed(folder, stat)
+
+    monkeypatch.setattr(commits, "_list", counted)
+    storage = Storage(out)
+    storage.commits.read_index()
+    storage.commits.recover()
+    keys = sorted(r["key"] for r in records.values())
+    read = record_reads(monkeypatch)
+    found = storage.commits.survey(keys, "id", defer=True)
+    assert [f for f in stated if f[1]] == [], stated  # nothing listed with a stat
+    assert sorted(read) == sorted(f"p1-{unit['key']}.json" for unit in (waiting, fine)), read
+    assert list(found.damaged) == [waiting["key"]] and requeue.name in found.damaged[waiting["key"]], found.damaged
+    assert found.second == {fine["key"]: fine["rows"]["requeue"]}
+    passes = {}
+    add_record(passes, fine)
+    assert found.passes == passes, found.passes
+    damaged, passes = found.later()
+    assert sorted(read) == sorted(f"p1-{unit['key']}.json" for unit in (waiting, fine)), read
+    assert damaged == {done["key"]: f"{output.name} held {output.stat().st_size} bytes, not the "
+                                    f"{output.stat().st_size + 10} its commit record lists"}
+    assert passes == tallied(out, {waiting["key"], fine["key"], done["key"]}), passes
