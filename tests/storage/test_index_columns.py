@@ -205,13 +205,18 @@ def test_a_record_in_two_files_of_the_index_is_planned_from_the_later(tmp_path):
     assert rows == {"p1-u1.json": 100, "p1-u2.json": 222, "p1-u3.json": 300}, rows
 
 
-def test_a_deferred_survey_reads_now_only_the_records_of_pass_2s_units(finished, monkeypatch):
+@pytest.mark.parametrize("checked", [None, 2])
+def test_a_deferred_survey_reads_now_only_the_records_of_pass_2s_units(finished, monkeypatch, checked):
     """`survey(defer=True)`, as a run takes it: nothing is listed with a stat, and only the records of the units
     waiting for pass 2 (a requeue file, pass 1 committed, pass 2 not) are read, from their files, not the index. One
     whose requeue file was cut short is found before anything is handed out, the other is handed to pass 2 and
     tallied. A finished unit whose output file was cut short is left to `later` (beside the run), which names it
-    and tallies the other records from the index, read by none."""
+    and tallies the other records from the index, read by none. `checked`: the files looked at 2 records at a time
+    (`CHECKED`), the same answers."""
     from batchjson.storage import commits
+
+    if checked:
+        monkeypatch.setattr(commits, "CHECKED", checked)
 
     _, out = finished
     units = out / "_batchjson" / "units"
