@@ -26,7 +26,7 @@ from batchjson.spec import JobSpec
 from batchjson.storage import STATE, Location, Storage
 from batchjson.storage.locks import LEASE
 from batchjson.storage.names import SPEC
-from batchjson.storage.progress import (RATE_WINDOW, TALLIED, add_record, empty_tally, finished, progress_files,
+from batchjson.storage.progress import (RATE_WINDOW, add_record, add_tallies, empty_tally, finished, progress_files,
                                         rate, write_cancel)
 
 
@@ -154,12 +154,7 @@ def status_job(job: JobSpec | None = None, output: str | None = None) -> Status:
         status.runs.append(run)
         status.rows += p["rows"]
         status.units = (status.units or 0) + p["units"]
-        for stage, t in p["passes"].items():
-            mine = status.passes.setdefault(stage, empty_tally())
-            for kind in TALLIED:
-                mine[kind] += t.get(kind, 0)
-            for reason, n in t["reasons"].items():
-                mine["reasons"][reason] = mine["reasons"].get(reason, 0) + n
+        add_tallies(status.passes, p["passes"])
         if p["state"] == "running":
             status.state = "running" if run["alive"] is not False else "died"
             rates.append(rate(p["samples"], now) or 0.0)

@@ -85,8 +85,10 @@ def one(cfg: dict) -> dict:
     import torch
     import xgrammar as xgr
 
-    os.environ["BATCHJSON_GRAMMAR_AHEAD"] = "1" if cfg["name"] == "ahead" else "0"  # internals.AHEAD_ENV
-    os.environ["BATCHJSON_GRAMMAR_FILLS"] = "batch"
+    from batchjson.engine import internals  # imports no vLLM: its settings below come first
+
+    os.environ[internals.AHEAD_ENV] = "1" if cfg["name"] == "ahead" else "0"
+    os.environ[internals.GRAMMAR_FILLS_ENV] = "batch"
     import vllm
     from transformers import AutoTokenizer
     from vllm.config import (CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig, StructuredOutputsConfig,
@@ -100,8 +102,6 @@ def one(cfg: dict) -> dict:
     from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput
     from vllm.v1.request import Request
     from vllm.v1.structured_output import StructuredOutputManager
-
-    from batchjson.engine import internals
 
     assert vllm.__version__ == VERSION, vllm.__version__
     installed = {"fills": internals.install_batch_fills(),

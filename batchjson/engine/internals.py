@@ -551,7 +551,8 @@ class GrammarAhead:
     its next token is dropped, so its row changes nothing); a request vLLM advances itself after the masks were made
     (none is expected: the conditions are vLLM's own) gets its row filled again. A step of fewer than `min_requests`
     requests stays vLLM's: there the grammar's work is under a millisecond and the thread's hand-off costs about as
-    much (bench/ahead.py on vLLM 0.26's scheduler, CPU: no gain at 16 and 64 in flight, 2-13 ms a step at 256-1,024)."""
+    much (bench/ahead.py on vLLM 0.26's scheduler, CPU: no gain at 16 and 64 in flight; 2-13 ms of the engine
+    core thread's CPU a step at 256-1,024)."""
 
     min_requests = 128
 

@@ -37,7 +37,7 @@ from batchjson.errors import OutputError, StorageFull, is_full
 from batchjson.storage.index import (BITS, EARLIER, INDEX, KINDS as KIND_ORDER, PLANNED, SCHEMA as INDEX_SCHEMA,
                                      Index, digest, part_name, part_names, planning_columns)
 from batchjson.storage.location import Location, Unreadable, json_bytes, writing
-from batchjson.storage.progress import empty_tally
+from batchjson.storage.progress import add_reasons, empty_tally
 from batchjson.storage.names import STAGED, Kind, PartName, Stage, UnitName, staged
 from batchjson.storage.shelf import Shelf
 
@@ -816,6 +816,5 @@ def _tally(records: pa.Table) -> dict:
         tally["requeued_units"] = pc.sum(pc.greater(mine["rows_requeue"], 0).cast(pa.int64())).as_py() or 0
         counts = pc.value_counts(mine["reasons"])
         for text, n in zip(counts.field("values").to_pylist(), counts.field("counts").to_pylist()):
-            for reason, count in orjson.loads(text or "{}").items():
-                tally["reasons"][reason] = tally["reasons"].get(reason, 0) + count * n
+            add_reasons(tally, orjson.loads(text or "{}"), n)
     return passes

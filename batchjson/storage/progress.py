@@ -63,8 +63,23 @@ def add_record(passes: dict, record: dict) -> None:
     for kind in ("output", "rejects", "requeue"):
         tally[kind] += record["rows"].get(kind, 0)
     tally["requeued_units"] += bool(record["rows"].get("requeue"))
-    for reason, n in record.get("reasons", {}).items():
-        tally["reasons"][reason] = tally["reasons"].get(reason, 0) + n
+    add_reasons(tally, record.get("reasons", {}))
+
+
+def add_tallies(passes: dict, more: dict) -> None:
+    """Add the tallies of `more` (stage -> tally, as `add_record` makes them) to those of `passes`; a count an older
+    file lacks counts 0."""
+    for stage, tally in more.items():
+        mine = passes.setdefault(stage, empty_tally())
+        for name in TALLIED:
+            mine[name] += tally.get(name, 0)
+        add_reasons(mine, tally.get("reasons", {}))
+
+
+def add_reasons(tally: dict, reasons: dict, times: int = 1) -> None:
+    """Add these reasons' row counts (`times` over) to a pass's tally."""
+    for reason, n in reasons.items():
+        tally["reasons"][reason] = tally["reasons"].get(reason, 0) + n * times
 
 
 def finished(passes: dict) -> int:
@@ -99,12 +114,7 @@ class ProgressFile:
     def join(self, passes: dict) -> None:
         """Records counted late (the survey beside the run, job.py): their tally (`add_record`'s) joins the counts,
         and the samples so far, as their rows were finished before them (the rate stays this run's)."""
-        for stage, tally in passes.items():
-            mine = self.passes.setdefault(stage, empty_tally())
-            for name in TALLIED:
-                mine[name] += tally[name]
-            for reason, n in tally["reasons"].items():
-                mine["reasons"][reason] = mine["reasons"].get(reason, 0) + n
+        add_tallies(self.passes, passes)
         for sample in self.samples:
             sample[1] += finished(passes)
 
