@@ -219,7 +219,7 @@ class VllmEngine(Engine):
         if self.max_in_flight is None:  # the engine's batch, and as many waiting behind it
             scheduler = getattr(getattr(self.llm.llm_engine, "vllm_config", None), "scheduler_config", None)
             self.max_in_flight = 2 * (getattr(scheduler, "max_num_seqs", None) or 256)
-        self._probe(kwargs["structured_outputs_config"]["backend"])
+        self._probe(kwargs["structured_outputs_config"]["backend"], decoding)
         # A killed engine process becomes EngineDeadError in step(), which stream() handles (else step() hangs).
         internals.watch_engine_processes(self.llm, self._closed, self._dead, self._hung)
 
@@ -268,10 +268,12 @@ class VllmEngine(Engine):
             return ""
         return f"hung: no engine step for {self._model.hang_timeout_s:.0f} s (model.hang_timeout_s) with requests in flight"
 
-    def _probe(self, backend: str) -> None:
-        """Fail at start, not on every row, when the grammar backend cannot take the schema."""
+    def _probe(self, backend: str, decoding: DecodingSpec) -> None:
+        """Fail at start, not on every row, when the grammar backend cannot take the schema. The probe asks for no
+        draft where the engine can decode without one: its abort may reach the engine core after a step, and a
+        drafted probe would run the drafter in a step the user's rows never asked for."""
         try:
-            (request_id,) = self.llm.enqueue("{", self.params[Stage.FIRST], use_tqdm=False)
+            (request_id,) = self.llm.enqueue("{", self._params(decoding, no_draft=self.no_draft), use_tqdm=False)
         except self._refused as e:
             self.close()
             raise EngineError(f"the {backend} structured-output backend cannot use this JSON Schema: {e}. "

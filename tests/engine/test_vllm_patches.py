@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -67,9 +68,16 @@ def test_pass_2_requests_take_no_draft_and_the_step_profiler_times_each_part_of_
 def test_a_draft_model_runs_no_forward_in_a_step_mostly_of_pass_2_requests(tiny_model, monkeypatch, tmp_path, stage):
     """A draft-model engine decoding pass-2 requests alone (pass 1 done): no drafter forward in any step (the step
     profiler counts the model runner's propose_draft_token_ids), where pass-1 requests on the same kind of engine are
-    drafted for. Mixed, one pass-1 request in four: the drafter runs in few steps, and every request ends."""
+    drafted for. Mixed, one pass-1 request in four: the drafter runs in few steps, and every request ends. Pass 2
+    alone also holds the engine's start-up probe's abort back a second, so that the probe is stepped (it once ran the
+    drafter when its abort came late)."""
+    from vllm.v1.engine.llm_engine import LLMEngine
+
     from batchjson.engine import VllmEngine
 
+    if stage == "p2":
+        abort = LLMEngine.abort_request
+        monkeypatch.setattr(LLMEngine, "abort_request", lambda *a, **k: (time.sleep(1.0), abort(*a, **k))[1])
     profile = tmp_path / "profile.json"
     monkeypatch.setenv("BATCHJSON_PROFILE_STEPS", str(profile))
     model = ModelSpec(path=tiny_model, dtype="float32", max_model_len=512, max_in_flight=16)
