@@ -45,7 +45,8 @@
 #   the batch fills at the step and no grammar, twice, and with the schema drafts (one step at a time, the drafted
 #   positions' fills beside the launch), with 4 fill threads (run17's fills on a thread slowed the launch beside 8);
 #   then the default with and without it against bare vLLM
-#   (off by default until this plan has measured it); ahead15s: the step twice each way, then the default with and without.
+#   (off by default until this plan has measured it); ahead15s: the step twice each way, then the default with and without;
+#   smolahead, ahead15xs: the step alone, SmolLM2's then the 1.5B's.
 # PLAN smol46: SmolLM2's step (vLLM's fills, batchjson's, no grammar), then the default against bare vLLM at 30,000 rows.
 # PLAN replicas15mps: the 1.5B with 2 replicas against 1, warm, then both under CUDA MPS.
 # PLAN replicas15ab: the 1.5B at 30,000 rows, all warm, one call: 2 replicas against 1 and bare vLLM's one engine
@@ -252,6 +253,11 @@ run_plan() {
                --configs ahead,batch,free,ahead,batch --timeout 200
               need q15 && wr t15-C6000-ahead --task C --rows 6000 --model $q15 --timeout 200 \
                --runs auto+ahead,auto,auto+ahead,auto ;;
+    # a shorter sitting still: SmolLM2's step each way twice and no grammar, then the 1.5B's as its files come
+    smolahead) need smol && gb s-C6000-ahead --task C --rows 6000 --model $smol --seqs 1024 \
+                 --configs batch,ahead,free,batch,ahead --timeout 200 ;;
+    ahead15xs) need q15 && gb g15-C6000-ahead --task C --rows 6000 --model $q15 --seqs 1024 \
+                 --configs ahead,batch,free,ahead,batch --timeout 200 ;;
     ahead15more) need q15 && gb g15-C6000-ahead-more --task C --rows 6000 --model $q15 --seqs 1024 \
                --configs ahead,batch,ahead@2,ahead@4,vllm --timeout 200 ;;
     t30kschema) need q15 && wr t15-C30000-schema --task C --rows 30000 --model $q15 --timeout 300 --runs schema,auto ;;
