@@ -109,7 +109,8 @@ class JobRun:
                     # the progress file says "running", or "failed" and why
                     with self.watch.running(self.refs, survey.passes):
                         todo = self._todo()
-                        later, survey.later = _Later(survey.later), None  # its tables go once it has answered
+                        # its tables go once it has answered; the unit checks wait for it (UnitChecks.go)
+                        later, survey.later = _Later(survey.later, self.checks.go), None
                         if not any(todo.values()):  # nothing to hand out before the survey has answered
                             todo[Stage.FIRST] = self._redo(later.take(wait=True), report, todo)
                         if any(todo.values()):
@@ -272,15 +273,19 @@ class JobRun:
 class _Later:
     """The survey of the units no pass hands out (`Survey.later`) on a thread of its own, started once the first
     unit is handed out (`start`): its listings would otherwise take the cores the replicas start on. `take` gives
-    its answer once (the damaged units, the others' tally), then None."""
+    its answer once (the damaged units, the others' tally), then None. `answered` is set once it has answered (or
+    there is nothing to survey)."""
 
-    def __init__(self, check: Callable[[], tuple[dict[str, str], dict]] | None):
-        self.check, self.future = check, None
+    def __init__(self, check: Callable[[], tuple[dict[str, str], dict]] | None, answered: threading.Event):
+        self.check, self.future, self.answered = check, None, answered
+        if check is None:
+            answered.set()
 
     def start(self) -> None:
         if self.check is not None and self.future is None:
             pool = ThreadPoolExecutor(1, thread_name_prefix="batchjson-survey")
             self.future = pool.submit(self.check)
+            self.future.add_done_callback(lambda _: self.answered.set())
             pool.shutdown(wait=False)
 
     def take(self, wait: bool = False) -> tuple[dict[str, str], dict] | None:

@@ -204,6 +204,10 @@ class UnitChecks:
         self.commits, self.source, self.refs, self.id_column, self.skip = commits, source, refs, id_column, skip
         self.queue: queue.SimpleQueue[str | None] = queue.SimpleQueue()
         self.stop = False
+        # Set once the run's survey beside it has answered (job.py's `_Later`): the units finished before wait. Their
+        # reads (a whole input row group of ids each) and the survey's listings would otherwise stack into the
+        # driver's peak (at 100 million rows the resume's first seconds, BENCHMARKS.md).
+        self.go = threading.Event()
         self.thread = threading.Thread(target=self._serve, name="batchjson-unit-checks", daemon=True)
         self.thread.start()
 
@@ -216,10 +220,12 @@ class UnitChecks:
         more: the end check reads those."""
         self.stop = not wait
         self.queue.put(None)
+        self.go.set()
         if wait:
             self.thread.join()
 
     def _serve(self) -> None:
+        self.go.wait()
         while (key := self.queue.get()) is not None and not self.stop:
             try:
                 self._check(key)

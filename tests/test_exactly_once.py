@@ -216,9 +216,11 @@ def test_a_unit_damaged_between_runs_is_found_beside_the_resume_and_redone(tmp_p
     not before its first prompt: a finished unit whose output file was cut short between runs is still found, once
     every unit handed out is done (the survey answers late here), uncommitted and redone; the end check passes with
     each row once, and the progress file counts the unit once. With two local replicas, started before the survey
-    (job.py's `_early`), too."""
+    (job.py's `_early`), too. The units finished meanwhile are checked (UnitChecks) once the survey has answered,
+    not beside it: their reads and its listings would stack into the driver's peak."""
     from batchjson.storage.commits import Commits
     from batchjson.storage.progress import add_record
+    from batchjson.verify import UnitChecks
 
     write_rows(tmp_path / "in.parquet", 24)
     job = write_job(tmp_path, tiny_model, tmp_path / "in.parquet", batch_size=4)
@@ -229,17 +231,24 @@ def test_a_unit_damaged_between_runs_is_found_beside_the_resume_and_redone(tmp_p
     (out / left["files"]["output"]).unlink()
     victim = out / damaged["files"]["output"]
     victim.write_bytes(victim.read_bytes()[:-10])
-    found, check = [], Commits._survey_later
+    found, check, unit_check, checked = [], Commits._survey_later, UnitChecks._check, []
 
     def late(self, *args):  # the survey answers after the unit handed out is done
         time.sleep(1.0)
         damaged, passes = check(self, *args)
-        found.append(damaged)
+        found.append((damaged, time.monotonic()))
         return damaged, passes
 
+    def check_unit(self, key):
+        checked.append((key, time.monotonic()))
+        return unit_check(self, key)
+
     monkeypatch.setattr(Commits, "_survey_later", late)
+    monkeypatch.setattr(UnitChecks, "_check", check_unit)
     report = run(job, engine_factory=FakeEngines(valid=1.0), replicas=replicas)
-    assert len(found) == 1 and list(found[0]) == [damaged["key"]] and victim.name in found[0][damaged["key"]], found
+    assert len(found) == 1 and list(found[0][0]) == [damaged["key"]] and victim.name in found[0][0][damaged["key"]]
+    assert {key for key, _ in checked} == {left["key"], damaged["key"]}, checked
+    assert all(at > found[0][1] for _, at in checked), (found, checked)
     assert codes(report) == ["unit-redone"] and report.events[0]["text"].startswith(f"unit {damaged['key']}: ")
     assert report.passes["pass1"].rows == 8 and report.verified["complete"], report.verified
     assert verify_cli(job).exit_code == 0
