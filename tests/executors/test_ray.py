@@ -5,6 +5,7 @@ tried once more."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import subprocess
@@ -28,8 +29,15 @@ def committed(out: Path) -> int:
     return len(list((out / "_batchjson" / "units").glob("p1-*.json")))
 
 
-def actors() -> list[psutil.Process]:
-    return [p for p in psutil.process_iter(["cmdline"]) if "RayReplica" in " ".join(p.info["cmdline"] or ())]
+def actors(runner: int) -> list[psutil.Process]:
+    """The replica actors of this runner's Ray instance (a local one is the runner's own: its raylet and workers are
+    the runner's descendants), not those of another run on the machine."""
+    found = []
+    for process in psutil.Process(runner).children(recursive=True):
+        with contextlib.suppress(psutil.Error):  # gone, or a zombie, since listed
+            if "RayReplica" in " ".join(process.cmdline()):
+                found.append(process)
+    return found
 
 
 @pytest.mark.engine
@@ -53,7 +61,7 @@ def test_ray_replica_killed_mid_run(tmp_path, tiny_model, engines):
         if runner.poll() is not None:
             pytest.fail(f"the runner exited with {runner.returncode} before killing a replica:\n"
                         f"{runner.communicate()[1][-4000:]}")
-        running = actors()
+        running = actors(runner.pid)
         assert len(running) == 2, running
         running[0].send_signal(signal.SIGKILL)
         stdout, stderr = runner.communicate(timeout=600)
