@@ -43,8 +43,10 @@ update_from_output) and fills n+1's masks, all on the engine core's one thread w
 are on the host by then, xgrammar's batch accept and batch fill run in C++ without the GIL, and the engine core's
 thread only skips the grammars already advanced and takes the masks. One step at a time (vLLM 0.26 with drafts) the
 thread fills the step's masks, every drafted position's, while the forward launches. Checked against AHEAD_READ_ON
-(vLLM 0.26; Model Runner V2 without drafts); elsewhere the masks are made when vLLM asks for them. Off unless
-AHEAD_ENV is "1" until a GPU has measured it (BENCHMARKS.md, "The grammars' work beside the forward's launch").
+(vLLM 0.26; Model Runner V2 without drafts); elsewhere the masks are made when vLLM asks for them. On by default
+where vLLM schedules ahead (an H100: the 1.5B's step x0.86 of the batch fills at the step, 0 rows differing; AHEAD_ENV
+"0" turns it off); one step at a time only where AHEAD_ENV is "1", until a GPU has measured that path (BENCHMARKS.md,
+"The grammars' work beside the forward's launch").
 
 **The schema drafts made where the grammar already is.** `[speculative] method = "schema"` drafts what each
 request's grammar forces next, else a copy from its prompt (schema/drafts.py). vLLM asks a custom drafter in the model
@@ -427,16 +429,17 @@ class BatchFills:
         return mask[:total].numpy()
 
 
-def grammar_fills(setting: str) -> str:
+def grammar_fills(setting: str, drafted: bool = False) -> str:
     """The grammar fill path an engine started with `setting` ([model] grammar_fills) runs, for the run's report:
-    "batch (...)", or "vllm (why)". Reads this vLLM and xgrammar; installs nothing."""
+    "batch (...)", or "vllm (why)". `drafted`: an engine with a drafter (one step at a time in vLLM 0.26). Reads this
+    vLLM and xgrammar; installs nothing."""
     if setting == "vllm":
         return 'vllm ([model] grammar_fills = "vllm")'
     why = _batch_fills_unready()
     if why:
         return f"vllm ({why})"
     threads = fill_threads()
-    ahead = "" if unread_here(AHEAD_READ_ON) or not ahead_wanted() else "; beside the forward's launch"
+    ahead = "" if unread_here(AHEAD_READ_ON) or not ahead_wanted(drafted) else "; beside the forward's launch"
     return f"batch (xgrammar's batch matcher, {threads} thread{'s' if threads > 1 else ''}{ahead})"
 
 
@@ -530,13 +533,17 @@ def install_batch_fills() -> str:
 # get_grammar_bitmask nothing touches a grammar or the scheduler's requests, so the step's masks (its drafted
 # positions' too) can be filled on a thread from the moment it is scheduled.
 AHEAD_READ_ON = ("0.26.",)
-AHEAD_ENV = "BATCHJSON_GRAMMAR_AHEAD"  # "1": GrammarAhead on (the benchmarks' "ahead"); off until measured on a GPU
+AHEAD_ENV = "BATCHJSON_GRAMMAR_AHEAD"  # "0": GrammarAhead off; "1": also one step at a time (with drafts)
 
 
-def ahead_wanted() -> bool:
-    """Whether batch fills go ahead of the step where they can (GrammarAhead): where AHEAD_ENV is "1". Off by
-    default until a GPU has measured it against the batch fills at the step (BENCHMARKS.md, plan ahead15)."""
-    return os.environ.get(AHEAD_ENV, "0") == "1"
+def ahead_wanted(drafted: bool = False) -> bool:
+    """Whether GrammarAhead does a step's grammar work beside the forward's launch: unless AHEAD_ENV is "0". Where
+    vLLM schedules ahead (no drafts) by default: on an H100, the 1.5B's step at 1,024 in flight 44.9-48.3 ms against
+    53.0-55.7 with the batch fills at the step, 0 of 6,000 rows differing; SmolLM2's 27.0-29.1 against 29.4-32.2
+    (BENCHMARKS.md, run24). One step at a time (`drafted`: vLLM 0.26 turns async scheduling off for drafts) only
+    where AHEAD_ENV is "1": not measured on a GPU yet."""
+    setting = os.environ.get(AHEAD_ENV, "")
+    return setting == "1" if drafted else setting != "0"
 
 
 class GrammarAhead:
@@ -586,7 +593,7 @@ class GrammarAhead:
             config = manager.vllm_config
             sync = not config.scheduler_config.async_scheduling
             usable = (fills and scheduler.connector is None and config.parallel_config.pipeline_parallel_size == 1
-                      and (sync or not scheduler.num_spec_tokens))
+                      and (ahead_wanted(drafted=True) if sync else not scheduler.num_spec_tokens))
             ahead = cls(fills, scheduler.requests, sync) if usable else False
             scheduler.__dict__["_batchjson_ahead"] = ahead
         return ahead or None

@@ -358,6 +358,23 @@ def test_grammar_work_ahead_starts_only_on_a_step_it_reads(grammar_kit):
     assert "beside the forward" not in internals.grammar_fills("batch")
 
 
+def test_grammar_work_goes_ahead_by_default_where_vllm_schedules_ahead(monkeypatch):
+    """GrammarAhead's switch: on by default where vLLM schedules ahead (no drafts), off there with AHEAD_ENV "0";
+    one step at a time (drafts) only with AHEAD_ENV "1". The report says so on a vLLM it was read on."""
+    import vllm
+
+    monkeypatch.setattr(vllm, "__version__", "0.26.0")
+    monkeypatch.setattr(internals, "_batch_fills_unready", lambda: "")
+    for setting, plain, drafted in ((None, True, False), ("0", False, False), ("1", True, True)):
+        if setting is None:
+            monkeypatch.delenv(internals.AHEAD_ENV, raising=False)
+        else:
+            monkeypatch.setenv(internals.AHEAD_ENV, setting)
+        assert (internals.ahead_wanted(), internals.ahead_wanted(drafted=True)) == (plain, drafted), setting
+        assert ("beside the forward" in internals.grammar_fills("batch")) == plain, setting
+        assert ("beside the forward" in internals.grammar_fills("batch", drafted=True)) == drafted, setting
+
+
 VLLM_026 = Path(sys.prefix) / "vllm-0.26"  # vLLM 0.26's Python files: make install puts them there
 
 
