@@ -21,8 +21,9 @@ Runs, in the order given (compare only runs of one call: machines differ by +-30
   <run>-noguard           the same with the loop guard off in both passes (repetition_detection = false).
   <run>-noadapt           the same with [sampling] adapt = false (pass 1 keeps its own settings however its rows do).
   <run>-nofills           the same with [model] grammar_fills = "vllm" (vLLM's own mask fills, not batchjson's).
-  <run>+ahead             the same with the grammars' work beside the forward's launch with drafts too (one step at a
-                          time; BATCHJSON_GRAMMAR_AHEAD=1; engine/internals.py GrammarAhead; without drafts the default).
+  <run>+ahead             the same with the grammars' work beside the forward's launch with drafts too (one step
+                          at a time; BATCHJSON_GRAMMAR_AHEAD=1; engine/internals.py GrammarAhead; the default
+                          without drafts).
   <run>+noahead           the same with the grammars' work when vLLM asks for it (BATCHJSON_GRAMMAR_AHEAD=0).
   <run>+p2                pass 1 stops every row at 8 tokens, so pass 2 (max_tokens as given, no drafts) decodes all
                           rows on pass 1's engine: draft+p2 against none+p2 is what the drafter costs requests
@@ -139,8 +140,8 @@ def batchjson_run(name: str, args, rows: int, work: Path, t_launch: float, timeo
     gpus, share = re.search(r"\+gpus(\d+)", run), re.search(r"\+gmu([0-9.]+)", run)
     stats, profiled, spied, logged = "+stats" in run, "+prof" in run, "+spy" in run, "+log" in run
     measured, ahead = "+measure" in run, "1" if "+ahead" in run else "0" if "+noahead" in run else ""
-    run, _, per_gpu = re.sub(r"\+gpus\d+|\+gmu[0-9.]+|\+warm|\+trace|\+stats|\+prof|\+spy|\+log|\+measure|\+noahead|\+ahead", "",
-                             run).partition("+rpg")
+    flags = r"\+gpus\d+|\+gmu[0-9.]+|\+warm|\+trace|\+stats|\+prof|\+spy|\+log|\+measure|\+noahead|\+ahead"
+    run, _, per_gpu = re.sub(flags, "", run).partition("+rpg")
     base, _, size = run.partition("@")
     pass2 = "+p2" in base
     method, *flags = base.replace("+p2", "").split("-no")
