@@ -9,8 +9,8 @@ Configurations, run in the order given, for each --seqs (vLLM's max_num_seqs, it
                 (grammar_fills = "vllm") or by batchjson's batch fills when vLLM asks for them ("batch",
                 engine/internals.py BatchFills).
   ahead         the batch fills and the grammars' advance on a thread beside the forward's launch, where vLLM
-                schedules ahead without drafts (engine/internals.py GrammarAhead, BATCHJSON_GRAMMAR_AHEAD=1); as
-                "batch" elsewhere.
+                schedules ahead without drafts, and with drafts the step's fills beside its launch (engine/internals.py
+                GrammarAhead, BATCHJSON_GRAMMAR_AHEAD=1); "batch" and "vllm" run with it off (=0).
   <cfg>@N       the same with N fill threads (BATCHJSON_FILL_THREADS; default vLLM's own count, min(cores/2, 8)).
                 "batch" gives xgrammar the grammar schema batchjson's engine gives it (schema/grammar.py: without
                 minLength); batch+written the schema as written, as "vllm" does (token-exactness of the fills).

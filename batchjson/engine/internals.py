@@ -715,7 +715,7 @@ def install_grammar_ahead() -> str:
     """Patch EngineCore.step_with_batch_queue (to note the step waiting in its queue), Scheduler.schedule (to start
     GrammarAhead's work), Scheduler.update_from_output and StructuredOutputManager.should_advance (to skip the grammars
     advanced there) and Scheduler.get_grammar_bitmask (to hand over its masks). "ok" or why not (then the masks are
-    made when vLLM asks for them). Installed with BatchFills where AHEAD_ENV is "1"."""
+    made when vLLM asks for them). Installed with BatchFills unless AHEAD_ENV is "0" (`ahead_wanted`)."""
     import inspect
 
     if why := unread_here(AHEAD_READ_ON) or _batch_fills_unready():

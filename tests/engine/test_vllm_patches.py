@@ -77,7 +77,12 @@ def test_a_draft_model_runs_no_forward_in_a_step_mostly_of_pass_2_requests(tiny_
 
     if stage == "p2":
         abort = LLMEngine.abort_request
-        monkeypatch.setattr(LLMEngine, "abort_request", lambda *a, **k: (time.sleep(1.0), abort(*a, **k))[1])
+
+        def late_abort(*args, **kwargs):
+            time.sleep(1.0)
+            return abort(*args, **kwargs)
+
+        monkeypatch.setattr(LLMEngine, "abort_request", late_abort)
     profile = tmp_path / "profile.json"
     monkeypatch.setenv("BATCHJSON_PROFILE_STEPS", str(profile))
     model = ModelSpec(path=tiny_model, dtype="float32", max_model_len=512, max_in_flight=16)
