@@ -87,7 +87,8 @@ def one(cfg: dict) -> dict:
 
     from batchjson.engine import internals  # imports no vLLM: its settings below come first
 
-    os.environ[internals.AHEAD_ENV] = "1" if cfg["name"] == "ahead" else "0"
+    os.environ[internals.AHEAD_ENV] = "1" if cfg["name"] in ("ahead", "late") else "0"
+    os.environ[internals.AHEAD_FROM_ENV] = "update" if cfg["name"] == "late" else "launch"
     os.environ[internals.GRAMMAR_FILLS_ENV] = "batch"
     import vllm
     from transformers import AutoTokenizer
@@ -105,8 +106,8 @@ def one(cfg: dict) -> dict:
 
     assert vllm.__version__ == VERSION, vllm.__version__
     installed = {"fills": internals.install_batch_fills(),
-                 "ahead": internals.install_grammar_ahead() if cfg["name"] == "ahead" else "off"}
-    jobs = {"work": 0, "served": 0, "moved": 0, "thread_s": 0.0, "wait_s": 0.0}
+                 "ahead": internals.install_grammar_ahead() if cfg["name"] in ("ahead", "late") else "off"}
+    jobs = {"work": 0, "served": 0, "moved": 0, "thread_s": 0.0, "wait_s": 0.0, "launch_s": 0.0}
     ahead = internals.GrammarAhead
     masks, advanced = ahead.masks, ahead.advanced
 
@@ -134,6 +135,8 @@ def one(cfg: dict) -> dict:
         return got
 
     ahead.work, ahead.fill_beside = counted(ahead.work), counted(ahead.fill_beside)
+    if cfg["name"] == "late":  # the thread's work is the fill alone (advanced() advances on the engine core's thread)
+        ahead.fill_next = counted(ahead.fill_next)
     ahead.masks, ahead.advanced = counted_masks, timed_advanced
     if cfg["min_requests"]:
         ahead.min_requests = cfg["min_requests"]
@@ -162,6 +165,7 @@ def one(cfg: dict) -> dict:
     answers = answers_for(tok, compiled, rows)
     twins = {r: xgr.GrammarMatcher(compiled) for r in answers}
     twin_mask = xgr.allocate_token_bitmask(1, info.vocab_size)
+    releasing, small = cfg.get("launch_releases", False), torch.zeros(8)
     checked = [0]
 
     class Output:  # Model Runner V2's AsyncOutput, as vLLM and GrammarAhead read it
@@ -195,9 +199,13 @@ def one(cfg: dict) -> dict:
 
         def execute_model(self, scheduler_output, non_block=False):
             self.step = scheduler_output
+            began = time.perf_counter()
             end = time.thread_time() + cfg["launch_ms"] / 1000
             while time.thread_time() < end:  # the forward's launch: this much CPU of the engine core's thread
                 sum(range(200))
+                if releasing:  # a torch call, which lets go of the interpreter's lock as the runner's do
+                    torch.add(small, 1, out=small)
+            jobs["launch_s"] += time.perf_counter() - began
             done = Future()
             done.set_result(None if scheduler_output.total_num_scheduled_tokens
                             else ModelRunnerOutput(req_ids=[], req_id_to_index={}))
@@ -304,11 +312,12 @@ def one(cfg: dict) -> dict:
             for o in eco.outputs:
                 texts.setdefault(o.request_id, []).extend(o.new_token_ids)
     seconds, cpu = time.perf_counter() - start, time.thread_time() - cpu
-    thread_s, wait_s = jobs.pop("thread_s"), jobs.pop("wait_s")
+    thread_s, wait_s, launch_s = jobs.pop("thread_s"), jobs.pop("wait_s"), jobs.pop("launch_s")
     return {"installed": installed, "steps": steps, "ms_per_step": round(1000 * seconds / steps, 2),
             "core_cpu_ms_per_step": round(1000 * cpu / steps, 2),
             "ahead_cpu_ms_per_step": round(1000 * thread_s / steps, 2),
             "wait_ms_per_step": round(1000 * wait_s / steps, 2),
+            "launch_ms_per_step": round(1000 * launch_s / steps, 2),
             "right": sum(texts.get(r) == a for r, a in answers.items()), "checked_rows": checked[0], **jobs}
 
 
@@ -324,6 +333,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--rows", type=int, default=300)
     ap.add_argument("--seqs", type=int, default=64, help="vLLM's max_num_seqs")
     ap.add_argument("--launch-ms", type=float, default=0.0)
+    ap.add_argument("--launch-releases", action="store_true",
+                    help="the launch calls torch between its Python (which lets the interpreter's lock go)")
     ap.add_argument("--check", type=int, default=1, help="1: check every mask row (0 for timings)")
     ap.add_argument("--model", default=None, help="a model folder for its tokenizer and config (default SmolLM2)")
     ap.add_argument("--min-requests", type=int, default=0, help="GrammarAhead.min_requests (0: its own)")
@@ -351,6 +362,7 @@ def main(argv: list[str]) -> int:
     for turn in range(args.repeat):
         for name in args.configs.split(","):
             cfg = {"name": name, "rows": args.rows, "seqs": args.seqs, "launch_ms": args.launch_ms,
+                   "launch_releases": args.launch_releases,
                    "min_requests": args.min_requests, "sync": args.sync, "drafts": args.drafts,
                    "check": args.check, "model": args.model, "result": str(out / f"result-{name}.json")}
             row = one_process("ahead", cfg, args.timeout, env=env) | {
@@ -360,7 +372,7 @@ def main(argv: list[str]) -> int:
             dump(out / "ahead.json", results)
             print(json.dumps(row), flush=True)
     print(table(results, [(k, k) for k in ("name", "turn", "seqs", "drafts", "launch_ms", "steps", "ms_per_step",
-                                           "core_cpu_ms_per_step", "ahead_cpu_ms_per_step", "wait_ms_per_step", "right",
-                                           "checked_rows",
+                                           "launch_ms_per_step", "core_cpu_ms_per_step", "ahead_cpu_ms_per_step",
+                                           "wait_ms_per_step", "right", "checked_rows",
                                            "work", "served", "moved", "error")]))
     return 1 if any("error" in r or r["right"] != args.rows for r in results) else 0

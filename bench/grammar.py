@@ -11,6 +11,8 @@ Configurations, run in the order given, for each --seqs (vLLM's max_num_seqs, it
   ahead         the batch fills and the grammars' advance on a thread beside the forward's launch, where vLLM
                 schedules ahead without drafts, and with drafts the step's fills beside its launch (engine/internals.py
                 GrammarAhead, BATCHJSON_GRAMMAR_AHEAD=1); "batch" and "vllm" run with it off (=0).
+  late          "ahead" with the grammars' advance when update_from_output asks for it, on the engine core's
+                thread, and only the next step's fill beside it (BATCHJSON_GRAMMAR_AHEAD_FROM=update).
   <cfg>@N       the same with N fill threads (BATCHJSON_FILL_THREADS; default vLLM's own count, min(cores/2, 8)).
                 "batch" gives xgrammar the grammar schema batchjson's engine gives it (schema/grammar.py: without
                 minLength); batch+written the schema as written, as "vllm" does (token-exactness of the fills).
@@ -53,9 +55,10 @@ from pathlib import Path
 
 from bench.common import SPECULATIVE, answer_one, dump, one_process, table
 
-PARTS = ("schedule", "update_from_output", "advance", "grammar_bitmask", "get_grammar_bitmask", "ahead", "forward",
-         "sample_tokens", "propose", "drafts", "engine_step")  # propose: a runner-side drafter; drafts: the
-# scheduler's (schema); advance: the grammars' advance by vLLM's call per request (most of it in update_from_output)
+PARTS = ("schedule", "update_from_output", "advance", "grammar_bitmask", "get_grammar_bitmask", "ahead",
+         "ahead_advance", "ahead_fill", "forward", "sample_tokens", "propose", "drafts", "engine_step")
+# propose: a runner-side drafter; drafts: the scheduler's (schema); advance: the grammars' advance by vLLM's call per
+# request (most of it in update_from_output); ahead_advance, ahead_fill: GrammarAhead's, where it advances and fills
 GRAMMAR_FRAMES = ("grammar_bitmask", "accept_tokens", "fill_next_token_bitmask", "batch_fill", "apply_grammar_bitmask",
                   "batch_accept", "validate_tokens", "rollback")  # py-spy frames counted as the grammar's work
 
@@ -70,10 +73,11 @@ def one(cfg: dict) -> dict:
     name, stats = cfg["name"].replace("+written", "").removesuffix("+stats"), cfg["name"].endswith("+stats")
     name, _, threads = name.partition("@")
     fills, _, method = name.partition("-")
-    ours = fills in ("batch", "ahead")
+    ours = fills in ("batch", "ahead", "late")
     os.environ.update({"BATCHJSON_RUNNER_PID": str(os.getpid()), ENV_PROFILE: str(profile), ENV_PROFILE_SYNC: "0",
                        internals.GRAMMAR_FILLS_ENV: "batch" if ours else "vllm",
-                       internals.AHEAD_ENV: "1" if fills == "ahead" else "0"})
+                       internals.AHEAD_ENV: "1" if fills in ("ahead", "late") else "0",
+                       internals.AHEAD_FROM_ENV: "update" if fills == "late" else "launch"})
     if threads:
         os.environ[internals.FILL_THREADS_ENV] = threads
     from batchjson.engine.vllm_engine import _vllm
@@ -135,7 +139,8 @@ def one(cfg: dict) -> dict:
               "output_tokens": sum(map(len, tokens)), "mean_tokens": round(sum(map(len, tokens)) / len(tokens), 1),
               "parts_ms_per_step": parts, **scheduled, "gpu_busy": host["gpu_util_mean"], "cpu_busy": host["cpu_busy_mean"],
               "batch_fill_calls": after["parts"].get("batch_fills", {}).get("count", 0),  # 0: vLLM's fills ran
-              "ahead_calls": after["parts"].get("ahead", {}).get("count", 0),  # steps whose grammar work went ahead
+              # steps whose grammar work went ahead
+              "ahead_calls": max(after["parts"].get(p, {}).get("count", 0) for p in ("ahead", "ahead_fill")),
               "digests": [hashlib.md5(json.dumps(t).encode()).hexdigest()[:12] for t in tokens]}
     if drafted:
         d, a = drafted.get("vllm:spec_decode_num_draft_tokens", 0), drafted.get("vllm:spec_decode_num_accepted_tokens", 0)
@@ -548,6 +553,7 @@ def main(argv: list[str]) -> int:
                           ("ms_per_step", "ms/step"), ("schedule_ms", "schedule"), ("update_from_output_ms", "update"),
                           ("advance_ms", "advance"),
                           ("get_grammar_bitmask_ms", "masks"), ("ahead_ms", "ahead"),
+                          ("ahead_advance_ms", "its advance"), ("ahead_fill_ms", "its fill"),
                           ("scheduled_requests_per_step", "requests"),
                           ("drafted_tokens_per_step", "drafted"),
                           ("forward_ms", "forward"), ("sample_tokens_ms", "sample"), ("propose_ms", "propose"),

@@ -534,6 +534,10 @@ def install_batch_fills() -> str:
 # positions' too) can be filled on a thread from the moment it is scheduled.
 AHEAD_READ_ON = ("0.26.",)
 AHEAD_ENV = "BATCHJSON_GRAMMAR_AHEAD"  # "0": GrammarAhead off; "1": also one step at a time (with drafts)
+# Where vLLM schedules ahead, when the grammars take step n's tokens: "launch" (the default, on the thread beside n+1's
+# launch) or "update" (when update_from_output(n) asks, on the engine core's thread, as one batch call; n+1's fill
+# then goes on the thread beside the rest of update_from_output): the benchmarks' comparison of the two.
+AHEAD_FROM_ENV = "BATCHJSON_GRAMMAR_AHEAD_FROM"
 
 
 def ahead_wanted(drafted: bool = False) -> bool:
@@ -578,6 +582,7 @@ class GrammarAhead:
         self.job = None  # (SchedulerOutput n, SchedulerOutput n+1, future of work())
         self.grammars: dict = {}  # request id -> its grammar, for the requests of the latest masks
         self.moved: set = set()  # requests vLLM advanced itself while a job's masks stood
+        self.late = os.environ.get(AHEAD_FROM_ENV, "launch") == "update"  # the advance when update_from_output asks
 
     @classmethod
     def for_scheduler(cls, scheduler) -> "GrammarAhead | None":
@@ -613,7 +618,10 @@ class GrammarAhead:
         output = getattr(waiting[0], "async_output", None)
         if output is None or not hasattr(output, "num_sampled_tokens_np"):
             return
-        self.job = (waiting[1], scheduled, self.thread.submit(self.work, output, self.last[1], scheduled))
+        if self.late:  # advanced() does the advance, then starts the fill
+            self.job = (waiting[1], scheduled, (output, self.last[1]))
+        else:
+            self.job = (waiting[1], scheduled, self.thread.submit(self.work, output, self.last[1], scheduled))
 
     def _start_fill(self, scheduled) -> None:
         if not scheduled.has_structured_output_requests or len(scheduled.num_scheduled_tokens) < self.min_requests:
@@ -635,6 +643,12 @@ class GrammarAhead:
         """On the thread: advance the grammars of `ids` (step n's masked requests) by n's tokens in `output`, as
         update_from_output would, then fill the masks of `scheduled` (n+1). (advanced ids, n+1's ids, mask), or None
         where the step is not one this reads (nothing advanced: vLLM does all of it)."""
+        advanced = self.advance(output, ids)
+        return None if advanced is None else self.fill_next(scheduled, advanced)
+
+    def advance(self, output, ids: list[str]) -> set | None:
+        """Advance the grammars of `ids` by their tokens in `output` with one batch call: the ids advanced, or None
+        where the step is not one this reads (nothing advanced)."""
         requests, known = self.requests, self.grammars
         try:
             output.copy_event.synchronize()
@@ -663,6 +677,11 @@ class GrammarAhead:
                 grammar.num_processed_tokens += 1
                 grammar._is_terminated = grammar.matcher.is_terminated()
                 advanced.add(req_id)
+        return advanced
+
+    def fill_next(self, scheduled, advanced: set):
+        """The masks of `scheduled` (n+1), its grammars advanced: (`advanced`, n+1's ids, mask)."""
+        requests, known = self.requests, self.grammars
         upcoming, grammars = [], {}
         for req_id in scheduled.num_scheduled_tokens:
             request = requests.get(req_id)
@@ -673,20 +692,28 @@ class GrammarAhead:
         return advanced, upcoming, self.fills.fill(list(grammars.values()))[:len(upcoming)].numpy()
 
     def advanced(self, updated):
-        """In update_from_output(n): the ids advanced for it (waiting for the thread), or None."""
+        """In update_from_output(n): the ids advanced for it (waiting for the thread, or advancing them here when
+        `late`, then starting n+1's fill on the thread), or None."""
         if self.job is None or self.job[0] is not updated:
             return None
-        done = self.job[2].result()
+        pending = self.job[2]
+        if isinstance(pending, tuple):
+            done = self.advance(*pending)
+            if done is not None:
+                self.job = (updated, self.job[1], self.thread.submit(self.fill_next, self.job[1], done))
+        else:
+            done = pending.result()
+            done = None if done is None else done[0]
         if done is None:
             self.job = None
             return None
         self.moved = set()
-        return done[0]
+        return done
 
     def masks(self, scheduled):
         """In get_grammar_bitmask(n+1): its GrammarOutput from the thread's work, or None (vLLM's own)."""
         job, self.job = self.job, None
-        if job is None or job[1] is not scheduled:
+        if job is None or job[1] is not scheduled or isinstance(job[2], tuple):
             return None
         done = job[2].result()
         if done is None:
@@ -1151,6 +1178,8 @@ TIMED = (
     ("batchjson.engine.internals", "BatchFills", "bitmask", "batch_fills", False),
     ("batchjson.engine.internals", "GrammarAhead", "work", "ahead", False),
     ("batchjson.engine.internals", "GrammarAhead", "fill_beside", "ahead", False),
+    ("batchjson.engine.internals", "GrammarAhead", "advance", "ahead_advance", False),
+    ("batchjson.engine.internals", "GrammarAhead", "fill_next", "ahead_fill", False),
     ("vllm.v1.core.sched.scheduler", "Scheduler", "get_grammar_bitmask", "get_grammar_bitmask", False),
     ("vllm.v1.core.sched.scheduler", "Scheduler", "update_draft_token_ids", "drafts", False),
     ("vllm.v1.structured_output.backend_xgrammar", "XgrammarGrammar", "accept_tokens", "advance", False),

@@ -238,17 +238,19 @@ def vllm_update(requests, ids, tokens, skip=frozenset()) -> list[str]:
     return moved
 
 
-def test_grammar_work_ahead_of_the_step_is_vllms_step_after_step(grammar_kit):
+@pytest.mark.parametrize("late", [False, True], ids=["from the launch", "from update_from_output"])
+def test_grammar_work_ahead_of_the_step_is_vllms_step_after_step(grammar_kit, late):
     """Twelve requests through their answers, each step's tokens taken and the next step's masks made on the thread
-    (GrammarAhead), requests finishing as their grammar ends: every mask and every grammar's count is what vLLM's
-    update_from_output and its fill give, and update_from_output is left nothing to advance."""
+    (GrammarAhead; `late`: the tokens taken when update_from_output asks, only the fill on the thread), requests
+    finishing as their grammar ends: every mask and every grammar's count is what vLLM's update_from_output and its
+    fill give, and update_from_output is left nothing to advance."""
     tokenizer, compiled, vocab = grammar_kit
     answers = [answer_tokens(tokenizer, compiled, f'{{"name": "w{i % 5}x{"y" * (i % 4)}", "n": {i % 10}}}') for i in range(12)]
     gs, mine = grammars(compiled, vocab, 12), grammars(compiled, vocab, 12)
     theirs, ours = ahead_requests(gs), ahead_requests(mine)
     words = xgr.allocate_token_bitmask(1, vocab).shape[1]
     ahead = internals.GrammarAhead(internals.BatchFills(rows=16, words=words, drafted=True), ours)
-    ahead.min_requests = 1
+    ahead.min_requests, ahead.late = 1, late
     ids = list(ours)
     step = scheduled(ids)
     ahead.note(step, SimpleNamespace(structured_output_request_ids=ids))  # the first step's masks were vLLM's
