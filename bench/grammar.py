@@ -170,8 +170,10 @@ def _spy(llm, cfg: dict):
 
     def record():
         time.sleep(2)
+        idle = ["--idle"] if cfg.get("idle") else []
         box["rc"] = subprocess.run([exe, "record", "-p", str(pid), "-d", str(cfg["pyspy"]), "-r", "200", "-f", "raw",
-                                    "-o", str(raw), "--nonblocking"], capture_output=True, text=True).returncode
+                                    "-o", str(raw), "--nonblocking", "--threads", *idle],
+                                   capture_output=True, text=True).returncode
 
     thread = threading.Thread(target=record, daemon=True)
     thread.start()
@@ -494,6 +496,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--timeout", type=float, default=300)
     ap.add_argument("--budget", type=float, default=0, help="stop starting configurations after this many seconds")
     ap.add_argument("--pyspy", type=int, default=0, help="seconds of py-spy sampling per configuration (0: none)")
+    ap.add_argument("--idle", action="store_true", help="py-spy keeps the samples of waiting threads (a lock's too)")
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--matchers", metavar="TOKENIZER", help="xgrammar alone, no engine (see `matchers`): the "
                     "tokenizer's folder (a model's); --seqs are the matchers in flight, --threads the fill threads")
@@ -531,7 +534,7 @@ def main(argv: list[str]) -> int:
             firsts = [r for r in results if r["seqs"] == seqs and r.get("method") == method and "mean_tokens" in r
                       and r["fills"] != "free"]
             cfg = {"name": name, "seqs": seqs, "model": args.model, "task": args.task, "rows": args.rows,
-                   "max_tokens": args.max_tokens, "pyspy": args.pyspy,
+                   "max_tokens": args.max_tokens, "pyspy": args.pyspy, "idle": args.idle,
                    "free_tokens": max(1, round(firsts[0]["mean_tokens"])) if firsts else args.max_tokens,
                    "profile": str(args.out / f"profile-{name}-{seqs}.json"),
                    "result": str(args.out / f"result-{name}-{seqs}.json")}

@@ -49,7 +49,8 @@
 #   smolahead, ahead15xs: the step alone, SmolLM2's then the 1.5B's.
 # PLAN smollate, ahead15late (issue 46): GrammarAhead taking step n's tokens beside n+1's launch against taking them
 #   when update_from_output asks (late), SmolLM2's step then the 1.5B's, and the 1.5B's whole runs with and without it;
-#   ahead15schema: the drafted step (schema drafts) with its fills beside the launch against at the step.
+#   ahead15schema: the drafted step (schema drafts) with its fills beside the launch against at the step;
+#   ahead15spy: free, ahead and batch with the engine's threads sampled, waiting ones too (py-spy --idle --threads).
 # PLAN smol46: SmolLM2's step (vLLM's fills, batchjson's, no grammar), then the default against bare vLLM at 30,000 rows.
 # PLAN replicas15mps: the 1.5B with 2 replicas against 1, warm, then both under CUDA MPS.
 # PLAN replicas15ab: the 1.5B at 30,000 rows, all warm, one call: 2 replicas against 1 and bare vLLM's one engine
@@ -264,14 +265,17 @@ run_plan() {
     ahead15more) need q15 && gb g15-C6000-ahead-more --task C --rows 6000 --model $q15 --seqs 1024 \
                --configs ahead,batch,ahead@2,ahead@4,vllm --timeout 200 ;;
     # where the grammars take step n's tokens: beside n+1's launch (ahead, the default) or when update_from_output asks
-    # (late: only the fill beside it); ahead with 4 fill threads; then the default with and without GrammarAhead
+    # (late: only the fill beside it); ahead with 4 and 2 fill threads; then the default with and without GrammarAhead
     # against bare vLLM, and the drafted step (schema drafts, one step at a time) with its fills beside the launch
     smollate) need smol && gb s-C6000-late --task C --rows 6000 --model $smol --seqs 1024 \
                 --configs ahead,late,batch,late,ahead --timeout 200 ;;
     ahead15late) need q15 && gb g15-C6000-late --task C --rows 6000 --model $q15 --seqs 1024 \
-                   --configs ahead,late,batch,free,ahead@4,late,ahead --timeout 200
+                   --configs ahead,late,batch,free,ahead@4,ahead@2,ahead --timeout 200
                  need q15 && wr t15-C6000-ahead --task C --rows 6000 --model $q15 --timeout 200 \
                    --runs auto+warm,auto,auto+noahead,bare-none,auto,auto+noahead ;;
+    # where the engine core's threads wait: py-spy on the engine process with waiting threads kept, each thread apart
+    ahead15spy) need q15 && gb g15-C6000-spy --task C --rows 6000 --model $q15 --seqs 1024 --configs free,ahead,batch \
+                  --pyspy 5 --idle --timeout 200 ;;
     ahead15schema) need q15 && gb g15-C6000-ahead-schema --task C --rows 6000 --model $q15 --seqs 1024 \
                      --configs batch-schema,ahead-schema,batch-schema,ahead-schema --timeout 200 ;;
     t30kschema) need q15 && wr t15-C30000-schema --task C --rows 30000 --model $q15 --timeout 300 --runs schema,auto ;;
