@@ -352,6 +352,15 @@ class BatchFills:
             return self._drafted(requests, ids, drafts) if self.drafted else None
         return self.fill([requests[r].structured_output_request.grammar for r in ids])[:len(ids)].numpy()
 
+    def fill_rows(self, matchers, rows, ended):
+        """The next buffer with `matchers`' masks at `rows` and -1 at `ended` (rows of ended grammars)."""
+        mask = self._next()
+        if ended:
+            mask[ended] = -1
+        if matchers:
+            self.batch.batch_fill_next_token_bitmask(matchers, mask, rows)
+        return mask
+
     def fill(self, grammars, mask=None, rows=None):
         """The masks of `grammars` (vLLM's XgrammarGrammar) in the next buffer, a row each in order, or into `mask`
         at `rows`: -1 for a terminated grammar, as vLLM fills. Returns the buffer."""
@@ -520,7 +529,9 @@ def install_batch_fills() -> str:
 # async_tokens_to_discard > 0) and that got a token (one token is never trimmed at a stop), where
 # StructuredOutputManager.should_advance(request) says so (always without a reasoning parser); XgrammarGrammar.
 # accept_tokens refuses a terminated grammar untouched, else matcher.accept_token, num_processed_tokens += 1 and
-# _is_terminated; a refused token ends the request with an error. Nothing else touches a grammar between n+1's schedule
+# _is_terminated (is_terminated() returns it; the matcher, made without terminate_without_stop_token, ends only by
+# accepting one of its stop_token_ids); a refused token ends the request with an error. Request.is_finished() is
+# RequestStatus.is_finished(status): status > PREEMPTED. Nothing else touches a grammar between n+1's schedule
 # and its mask without drafts (preemption leaves grammars as they are). get_grammar_bitmask(n+1)'s ids: the requests
 # n+1 scheduled, in order, still in self.requests, structured and not a prefill chunk. Model Runner V2 masks one logits
 # row per id (StructuredOutputsWorker.apply_grammar_bitmask), and n+1's forward holds every request n+1 scheduled.
@@ -583,6 +594,10 @@ class GrammarAhead:
         self.grammars: dict = {}  # request id -> its grammar, for the requests of the latest masks
         self.moved: set = set()  # requests vLLM advanced itself while a job's masks stood
         self.late = os.environ.get(AHEAD_FROM_ENV, "launch") == "update"  # the advance when update_from_output asks
+        self.stops = None  # the matchers' stop tokens (one tokenizer an engine)
+        from vllm.v1.request import RequestStatus
+
+        self.preempted = RequestStatus.PREEMPTED  # a status above it is a finished request's
 
     @classmethod
     def for_scheduler(cls, scheduler) -> "GrammarAhead | None":
@@ -648,48 +663,60 @@ class GrammarAhead:
 
     def advance(self, output, ids: list[str]) -> set | None:
         """Advance the grammars of `ids` by their tokens in `output` with one batch call: the ids advanced, or None
-        where the step is not one this reads (nothing advanced)."""
-        requests, known = self.requests, self.grammars
+        where the step is not one this reads (nothing advanced). Its Python is what shares the interpreter's lock
+        with the forward's launch: one pass over the requests, vLLM's checks read as fields (RequestStatus.
+        is_finished: status > PREEMPTED; XgrammarGrammar.is_terminated: _is_terminated), and a matcher asked
+        whether it ended only after a stop token (vLLM's matchers end only by accepting one)."""
+        requests, known, preempted = self.requests, self.grammars, self.preempted
         try:
             output.copy_event.synchronize()
             index = output.model_runner_output.req_id_to_index
             rows = [index[r] for r in ids]
-            counts = output.num_sampled_tokens_np[rows].tolist()
+            counts = output.num_sampled_tokens_np[rows]
+            if len(rows) and counts.max() > 1:  # drafted tokens: not a step this reads
+                return None
             tokens = output.sampled_token_ids[rows, 0].tolist()
-            matchers, moves, movers = [], [], []
-            for req_id, count, token in zip(ids, counts, tokens):
-                if count > 1:  # drafted tokens: not a step this reads
-                    return None
-                request = requests.get(req_id) if count else None
-                if request is None or request.is_finished() or request.async_tokens_to_discard:
-                    continue
-                grammar = known.get(req_id) or request.structured_output_request.grammar
-                if not grammar.is_terminated():
-                    matchers.append(grammar.matcher)
-                    moves.append(token)
-                    movers.append((req_id, grammar))
+            movers = [(req_id, grammar, token) for req_id, count, token in zip(ids, counts.tolist(), tokens)
+                      if count and (request := requests.get(req_id)) is not None and request.status <= preempted
+                      and not request.async_tokens_to_discard
+                      and not (grammar := known.get(req_id)
+                               or request.structured_output_request.grammar)._is_terminated]
         except Exception:  # noqa: BLE001 - nothing advanced yet: this step is vLLM's own
             return None
-        accepted = self.fills.xgr.BatchGrammarMatcher.batch_accept_token(matchers, moves) if matchers else []
-        advanced = set()
-        for (req_id, grammar), ok in zip(movers, accepted):
+        if not movers:
+            return set()
+        accepted = self.fills.xgr.BatchGrammarMatcher.batch_accept_token([m[1].matcher for m in movers],
+                                                                          [m[2] for m in movers])
+        if self.stops is None:
+            self.stops = frozenset(movers[0][1].matcher.stop_token_ids)
+        stops, advanced = self.stops, set()
+        for (req_id, grammar, token), ok in zip(movers, accepted):
             if ok:  # a refused token is left to vLLM, which refuses it too and ends the request
                 grammar.num_processed_tokens += 1
-                grammar._is_terminated = grammar.matcher.is_terminated()
+                if token in stops:
+                    grammar._is_terminated = grammar.matcher.is_terminated()
                 advanced.add(req_id)
         return advanced
 
     def fill_next(self, scheduled, advanced: set):
-        """The masks of `scheduled` (n+1), its grammars advanced: (`advanced`, n+1's ids, mask)."""
+        """The masks of `scheduled` (n+1), its grammars advanced: (`advanced`, n+1's ids, mask), in one pass over its
+        requests (BatchFills.fill's rows: -1 for an ended grammar)."""
         requests, known = self.requests, self.grammars
-        upcoming, grammars = [], {}
+        upcoming, grammars, matchers, at, ended = [], {}, [], [], []
         for req_id in scheduled.num_scheduled_tokens:
             request = requests.get(req_id)
-            if request is not None and request.use_structured_output and not request.is_prefill_chunk:
+            if request is not None and request.structured_output_request is not None and not request.is_prefill_chunk:
+                grammar = known.get(req_id) or request.structured_output_request.grammar
+                grammars[req_id] = grammar
+                if grammar._is_terminated:
+                    ended.append(len(upcoming))
+                else:
+                    at.append(len(upcoming))
+                    matchers.append(grammar.matcher)
                 upcoming.append(req_id)
-                grammars[req_id] = known.get(req_id) or request.structured_output_request.grammar
         self.grammars = grammars
-        return advanced, upcoming, self.fills.fill(list(grammars.values()))[:len(upcoming)].numpy()
+        mask = self.fills.fill_rows(matchers, at, ended)
+        return advanced, upcoming, mask[:len(upcoming)].numpy()
 
     def advanced(self, updated):
         """In update_from_output(n): the ids advanced for it (waiting for the thread, or advancing them here when

@@ -195,10 +195,13 @@ def test_batch_fills_decode_what_vllms_fills_decode(tiny_model, monkeypatch, tmp
 
 
 class Request(SimpleNamespace):
-    """What GrammarAhead reads of vLLM's Request."""
+    """What GrammarAhead reads of vLLM's Request: `finished` sets its status (vLLM's is_finished: above PREEMPTED)."""
 
-    def is_finished(self) -> bool:
-        return self.finished
+    @property
+    def status(self):
+        from vllm.v1.request import RequestStatus
+
+        return RequestStatus.FINISHED_ABORTED if self.finished else RequestStatus.RUNNING
 
 
 def ahead_requests(gs) -> dict:
