@@ -156,6 +156,7 @@ def install() -> None:
     install_kv_size_report()
     if fills_wanted():
         install_batch_fills()
+        install_v2_mask_rows()
         if ahead_wanted():
             install_grammar_ahead()
 
@@ -176,6 +177,7 @@ def install_in_runner() -> None:
         install_kv_size_report()
         if fills_wanted():
             install_batch_fills()
+            install_v2_mask_rows()
             if ahead_wanted():
                 install_grammar_ahead()
 
@@ -843,6 +845,79 @@ def install_grammar_ahead() -> str:
     EngineCore.step_with_batch_queue, Scheduler.schedule = step_with_batch_queue, schedule_ahead
     Scheduler.update_from_output, Scheduler.get_grammar_bitmask = update_from_output, get_grammar_bitmask
     StructuredOutputManager.should_advance = should_advance
+    return "ok"
+
+
+# ---------------------------------------------------------------- the masks' logit rows in Model Runner V2
+# Read on: vllm/v1/worker/gpu/structured_outputs.py of 0.26. StructuredOutputsWorker.apply_grammar_bitmask(self,
+# logits, input_batch, grammar_req_ids, grammar_bitmask) copies the compact mask (grammar_bitmask: one row per logit
+# row of each grammar request, in grammar_req_ids' order) to its GPU buffer on its copy stream, maps each request to
+# its logits rows (input_batch.req_ids' index, cu_num_logits_np[index]..cu_num_logits_np[index + 1]) in a Python loop
+# over the requests, copies that mapping from pinned memory, makes the current stream wait for the copy stream,
+# launches _apply_grammar_bitmask_kernel on grid (rows, cdiv(vocab, 8192)) and makes the copy stream wait for the
+# current one. The loop is ~1 ms of the engine core's thread a step at 1,024 requests.
+V2_MASKS_READ_ON = ("0.26.",)
+
+
+def v2_logit_rows(req_ids, cu_num_logits, grammar_req_ids):
+    """apply_grammar_bitmask's mapping in Model Runner V2: the logits rows of each of `grammar_req_ids` in turn, as
+    int32, from `req_ids` (the batch's order) and `cu_num_logits` (its cumulative logits counts). A request not in
+    the batch raises KeyError, as vLLM's loop does."""
+    import numpy as np
+
+    index = {req_id: i for i, req_id in enumerate(req_ids)}
+    at = np.fromiter(map(index.__getitem__, grammar_req_ids), np.int64, len(grammar_req_ids))
+    cu = np.asarray(cu_num_logits, dtype=np.int64)
+    starts, counts = cu[at], cu[at + 1] - cu[at]
+    if (counts == 1).all():
+        return starts.astype(np.int32)
+    ends = np.cumsum(counts)
+    return (np.repeat(starts, counts) + np.arange(int(ends[-1])) - np.repeat(ends - counts, counts)).astype(np.int32)
+
+
+@installs_once
+def install_v2_mask_rows() -> str:
+    """Patch Model Runner V2's StructuredOutputsWorker.apply_grammar_bitmask (in this process) to map the mask's rows
+    to their logits rows with numpy (v2_logit_rows) where vLLM loops in Python; the rest is vLLM's. "ok" or why not
+    (then vLLM's own runs). Only where the V2 runner imports (a CUDA build)."""
+    import inspect
+
+    if why := unread_here(V2_MASKS_READ_ON):
+        return why
+    try:
+        from vllm.v1.worker.gpu import structured_outputs
+    except Exception as e:  # noqa: BLE001 - no V2 runner in this build (a CPU build's imports)
+        return f"no Model Runner V2 here ({type(e).__name__})"
+    worker = structured_outputs.StructuredOutputsWorker
+    own = worker.apply_grammar_bitmask
+    if list(inspect.signature(own).parameters) != ["self", "logits", "input_batch", "grammar_req_ids",
+                                                   "grammar_bitmask"] or not hasattr(structured_outputs,
+                                                                                     "_apply_grammar_bitmask_kernel"):
+        return "StructuredOutputsWorker.apply_grammar_bitmask changed"
+    import torch
+
+    kernel, to_gpu, triton = (structured_outputs._apply_grammar_bitmask_kernel, structured_outputs.async_copy_to_gpu,
+                              structured_outputs.triton)
+
+    @functools.wraps(own)
+    def apply_grammar_bitmask(self, logits, input_batch, grammar_req_ids, grammar_bitmask):
+        if not grammar_req_ids:
+            return
+        with torch.cuda.stream(self.copy_stream):
+            bitmask = to_gpu(grammar_bitmask, out=self.grammar_bitmask[: grammar_bitmask.shape[0]])
+        mapping = v2_logit_rows(input_batch.req_ids, input_batch.cu_num_logits_np, grammar_req_ids)
+        with torch.cuda.stream(self.copy_stream):
+            logits_indices = self.logits_indices[: len(mapping)].copy_(torch.from_numpy(mapping).pin_memory(),
+                                                                       non_blocking=True)
+        current_stream = torch.cuda.current_stream()
+        current_stream.wait_stream(self.copy_stream)
+        assert bitmask.shape[0] == len(mapping)
+        block = 8192
+        kernel[(bitmask.shape[0], triton.cdiv(logits.shape[-1], block))](
+            logits, logits.stride(0), logits_indices, bitmask, bitmask.stride(0), logits.shape[-1], BLOCK_SIZE=block)
+        self.copy_stream.wait_stream(current_stream)
+
+    worker.apply_grammar_bitmask = apply_grammar_bitmask
     return "ok"
 
 

@@ -265,12 +265,12 @@ run_plan() {
     ahead15more) need q15 && gb g15-C6000-ahead-more --task C --rows 6000 --model $q15 --seqs 1024 \
                --configs ahead,batch,ahead@2,ahead@4,vllm --timeout 200 ;;
     # where the grammars take step n's tokens: beside n+1's launch (ahead, the default) or when update_from_output asks
-    # (late: only the fill beside it); ahead with 4 and 2 fill threads; then the default with and without GrammarAhead
+    # (late: only the fill beside it), vLLM's own fills (the rows' reference), ahead with 4 fill threads; then the default with and without GrammarAhead
     # against bare vLLM, and the drafted step (schema drafts, one step at a time) with its fills beside the launch
     smollate) need smol && gb s-C6000-late --task C --rows 6000 --model $smol --seqs 1024 \
                 --configs ahead,late,batch,late,ahead --timeout 200 ;;
     ahead15late) need q15 && gb g15-C6000-late --task C --rows 6000 --model $q15 --seqs 1024 \
-                   --configs ahead,late,batch,free,ahead@4,ahead@2,ahead --timeout 200
+                   --configs ahead,batch,free,vllm,ahead@4,late,ahead --timeout 200
                  need q15 && wr t15-C6000-ahead --task C --rows 6000 --model $q15 --timeout 200 \
                    --runs auto+warm,auto,auto+noahead,bare-none,auto,auto+noahead ;;
     # where the engine core's threads wait: py-spy on the engine process with waiting threads kept, each thread apart
