@@ -334,6 +334,8 @@ class BatchFills:
         self.drafted = drafted  # this vLLM's drafted path is the one read (DRAFTED_FILLS_READ_ON)
         self.batch = xgr.BatchGrammarMatcher(fill_threads())
         self.xgr = xgr
+        core = getattr(getattr(xgr, "base", None), "_core", None)  # xgrammar's FFI module (0.2.8, 0.2.9)
+        self.core = core if hasattr(getattr(core, "BatchGrammarMatcher", None), "batch_accept_token") else None
 
     @classmethod
     def for_manager(cls, manager, drafted: bool) -> "BatchFills":
@@ -354,11 +356,20 @@ class BatchFills:
             return self._drafted(requests, ids, drafts) if self.drafted else None
         return self.fill([requests[r].structured_output_request.grammar for r in ids])[:len(ids)].numpy()
 
+    def accept(self, matchers, tokens) -> list:
+        """xgrammar's batch accept of one token each: truthy where accepted, in order. Its wrapper reads the answer
+        (an FFI array) an element at a time in Python, ~1 us each with the interpreter's lock held (1 ms a step at
+        1,024 requests, beside the forward's launch); read here in one slice where xgrammar's FFI module is there."""
+        if self.core is None or not all(hasattr(m, "_handle") for m in matchers[:1]):
+            return self.xgr.BatchGrammarMatcher.batch_accept_token(matchers, tokens)
+        return self.core.BatchGrammarMatcher.batch_accept_token([m._handle for m in matchers], tokens, False)[:]
+
     def fill_rows(self, matchers, rows, ended):
-        """The next buffer with `matchers`' masks at `rows` and -1 at `ended` (rows of ended grammars)."""
+        """The next buffer with `matchers`' masks at `rows` and -1 at `ended` (rows of ended grammars; through numpy:
+        torch's indexed write runs its own threads on a CPU)."""
         mask = self._next()
         if ended:
-            mask[ended] = -1
+            mask.numpy()[ended] = -1
         if matchers:
             self.batch.batch_fill_next_token_bitmask(matchers, mask, rows)
         return mask
@@ -423,7 +434,7 @@ class BatchFills:
                 self.batch.batch_fill_next_token_bitmask(matchers, mask, rows)
             if movers:
                 moved = [grammars[i].matcher for i in movers]
-                accepted = self.xgr.BatchGrammarMatcher.batch_accept_token(moved, moves)
+                accepted = self.accept(moved, moves)
                 for i, token, ok in zip(movers, moves, accepted):
                     if not ok:  # vLLM 0.26 raises the same (the scheduler validated every draft before)
                         raise AssertionError((token, ids[i], drafts))
@@ -687,8 +698,7 @@ class GrammarAhead:
             return None
         if not movers:
             return set()
-        accepted = self.fills.xgr.BatchGrammarMatcher.batch_accept_token([m[1].matcher for m in movers],
-                                                                          [m[2] for m in movers])
+        accepted = self.fills.accept([m[1].matcher for m in movers], [m[2] for m in movers])
         if self.stops is None:
             self.stops = frozenset(movers[0][1].matcher.stop_token_ids)
         stops, advanced = self.stops, set()
