@@ -85,6 +85,7 @@ they use instead of READ_ON, and step aside where a name is missing.
 from __future__ import annotations
 
 import functools
+import itertools
 import os
 import re
 import sys
@@ -336,6 +337,7 @@ class BatchFills:
         self.xgr = xgr
         core = getattr(getattr(xgr, "base", None), "_core", None)  # xgrammar's FFI module (0.2.8, 0.2.9)
         self.core = core if hasattr(getattr(core, "BatchGrammarMatcher", None), "batch_accept_token") else None
+        self.finds_refusals = self.core is not None and self._finds_refusals()
 
     @classmethod
     def for_manager(cls, manager, drafted: bool) -> "BatchFills":
@@ -356,13 +358,30 @@ class BatchFills:
             return self._drafted(requests, ids, drafts) if self.drafted else None
         return self.fill([requests[r].structured_output_request.grammar for r in ids])[:len(ids)].numpy()
 
-    def accept(self, matchers, tokens) -> list:
+    def accept(self, matchers, tokens):
         """xgrammar's batch accept of one token each: truthy where accepted, in order. Its wrapper reads the answer
-        (an FFI array) an element at a time in Python, ~1 us each with the interpreter's lock held (1 ms a step at
-        1,024 requests, beside the forward's launch); read here in one slice where xgrammar's FFI module is there."""
+        (an FFI array) an element at a time in Python, each read an FFI call that lets the interpreter's lock go and
+        waits to take it back beside the forward's launch; here one FFI call asks whether any was refused (0 in
+        the answer) and the answer is read only then, where xgrammar's FFI module is there and answers as read."""
         if self.core is None or not all(hasattr(m, "_handle") for m in matchers[:1]):
             return self.xgr.BatchGrammarMatcher.batch_accept_token(matchers, tokens)
-        return self.core.BatchGrammarMatcher.batch_accept_token([m._handle for m in matchers], tokens, False)[:]
+        answer = self.core.BatchGrammarMatcher.batch_accept_token([m._handle for m in matchers], tokens, False)
+        if self.finds_refusals and 0 not in answer:
+            return itertools.repeat(True, len(matchers))
+        return answer[:]
+
+    def _finds_refusals(self) -> bool:
+        """Whether `0 in answer` finds the refused tokens of this xgrammar's batch accept, tried once on a grammar of
+        a two-token vocabulary: "}" refused and "{" taken at a JSON value's start."""
+        xgr, core = self.xgr, self.core
+        try:
+            compiled = xgr.GrammarCompiler(xgr.TokenizerInfo(["{", "}"])).compile_builtin_json_grammar()
+            matchers = [xgr.GrammarMatcher(compiled) for _ in range(2)]
+            both = core.BatchGrammarMatcher.batch_accept_token([m._handle for m in matchers], [0, 1], False)
+            taken = core.BatchGrammarMatcher.batch_accept_token([matchers[1]._handle], [0], False)
+            return [bool(ok) for ok in both[:]] == [True, False] and 0 in both and 0 not in taken
+        except Exception:  # noqa: BLE001 - an xgrammar that answers otherwise: its answers are read in full
+            return False
 
     def fill_rows(self, matchers, rows, ended):
         """The next buffer with `matchers`' masks at `rows` and -1 at `ended` (rows of ended grammars; through numpy:

@@ -105,6 +105,26 @@ def test_batch_fills_make_vllms_rows_at_every_step(grammar_kit):
     assert (got == -1).all()
 
 
+@pytest.mark.parametrize("asks", [True, False], ids=["one call asks for refusals", "the answer read in full"])
+def test_batch_accept_tells_each_refused_token(grammar_kit, asks):
+    """BatchFills.accept: every token taken, then a refused one among taken ones; each matcher where xgrammar's own
+    call leaves it. On this xgrammar one FFI call tells whether any was refused (finds_refusals); without that, the
+    answer is read in full."""
+    tokenizer, compiled, vocab = grammar_kit
+    fills = internals.BatchFills(rows=4, words=xgr.allocate_token_bitmask(1, vocab).shape[1], drafted=True)
+    assert fills.finds_refusals
+    fills.finds_refusals = asks
+    first, second = answer_tokens(tokenizer, compiled, '{"name": "w", "n": 1}')[:2]
+    ours, theirs = ([xgr.GrammarMatcher(compiled) for _ in range(3)] for _ in range(2))
+    assert [bool(ok) for ok in fills.accept(ours, [first] * 3)] == [True] * 3
+    xgr.BatchGrammarMatcher.batch_accept_token(theirs, [first] * 3)
+    moves = [second, first, second]  # the answer's first token again is refused
+    assert [bool(ok) for ok in fills.accept(ours, moves)] == [True, False, True]
+    assert xgr.BatchGrammarMatcher.batch_accept_token(theirs, moves) == [True, False, True]
+    assert [m.is_terminated() for m in ours] == [m.is_terminated() for m in theirs]
+    assert [m.find_jump_forward_string() for m in ours] == [m.find_jump_forward_string() for m in theirs]
+
+
 def test_drafted_rows_are_vllm_026s_and_the_grammars_come_back(grammar_kit):
     """Drafts of every kind in one step: none, a full draft, a -1 (rejected) draft in the middle, a draft that ends
     the answer (the grammar terminates inside the window): the rows are those of vLLM 0.26's loop, and each grammar
