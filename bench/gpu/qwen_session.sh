@@ -47,9 +47,9 @@
 #   then the default with and without it against bare vLLM
 #   (off by default until this plan has measured it); ahead15s: the step twice each way, then the default with and without;
 #   smolahead, ahead15xs: the step alone, SmolLM2's then the 1.5B's.
-# PLAN smollate, ahead15late (issue 46): GrammarAhead taking step n's tokens beside n+1's launch against taking them
-#   when update_from_output asks (late), SmolLM2's step then the 1.5B's; ahead15w: the 1.5B's whole runs with and
-#   without it against bare vLLM;
+# PLAN smollate, ahead15late (issue 46): SmolLM2's step with GrammarAhead taking step n's tokens beside n+1's launch
+#   and when update_from_output asks (late); the 1.5B's with it, with 4 fill threads, and without; ahead15w: the
+#   1.5B's whole runs with and without it against bare vLLM;
 #   ahead15schema: the drafted step (schema drafts) with its fills beside the launch against at the step;
 #   ahead15spy: free, ahead and batch with the engine's threads sampled, waiting ones too (py-spy --idle --threads).
 # PLAN smol46: SmolLM2's step (vLLM's fills, batchjson's, no grammar), then the default against bare vLLM at 30,000 rows.
@@ -265,13 +265,15 @@ run_plan() {
                  --configs ahead,batch,free,ahead,batch --timeout 200 ;;
     ahead15more) need q15 && gb g15-C6000-ahead-more --task C --rows 6000 --model $q15 --seqs 1024 \
                --configs ahead,batch,ahead@2,ahead@4,vllm --timeout 200 ;;
-    # where the grammars take step n's tokens: beside n+1's launch (ahead, the default) or when update_from_output asks
-    # (late: only the fill beside it), vLLM's own fills (the rows' reference), ahead with 4 fill threads; then the default with and without GrammarAhead
-    # against bare vLLM, and the drafted step (schema drafts, one step at a time) with its fills beside the launch
+    # SmolLM2: where the grammars take step n's tokens, beside n+1's launch (ahead, the default) or when
+    # update_from_output asks (late: only the fill beside it); the 1.5B: ahead against the batch fills at the step, no
+    # grammar, vLLM's own fills (the rows' reference) and ahead with 4 fill threads; then the default with and without
+    # GrammarAhead against bare vLLM, and the drafted step (schema drafts, one step at a time) with its fills beside
+    # the launch
     smollate) need smol && gb s-C6000-late --task C --rows 6000 --model $smol --seqs 1024 \
                 --configs ahead,late,batch,late,ahead --timeout 200 ;;
     ahead15late) need q15 && gb g15-C6000-late --task C --rows 6000 --model $q15 --seqs 1024 \
-                   --configs ahead,batch,free,vllm,ahead@4,late,ahead --timeout 200 ;;
+                   --configs ahead,batch,free,vllm,ahead@4,ahead --timeout 200 ;;
     ahead15w) need q15 && wr t15-C6000-ahead --task C --rows 6000 --model $q15 --timeout 200 \
                 --runs auto+warm,auto,auto+noahead,bare-none,auto,auto+noahead ;;
     # where the engine core's threads wait: py-spy on the engine process with waiting threads kept, each thread apart
