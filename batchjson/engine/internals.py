@@ -398,13 +398,15 @@ class BatchFills:
         at `rows`: -1 for a terminated grammar, as vLLM fills. Returns the buffer."""
         if mask is None:
             mask, rows = self._next(), range(len(grammars))
-        matchers, at = [], []
+        matchers, at, ended = [], [], []
         for row, grammar in zip(rows, grammars):
             if grammar.is_terminated():
-                mask[row] = -1
+                ended.append(row)
             else:
                 matchers.append(grammar.matcher)
                 at.append(row)
+        if ended:
+            mask.numpy()[ended] = -1
         if matchers:
             self.batch.batch_fill_next_token_bitmask(matchers, mask, at)
         return mask
@@ -461,8 +463,8 @@ class BatchFills:
                     ended[i] = grammars[i].matcher.is_terminated()
             position += 1
             live = [i for i in live if len(tokens[i]) >= position]
-        for at in unconstrained:
-            mask[at] = -1
+        if unconstrained:
+            mask.numpy()[unconstrained] = -1
         back = [i for i in range(len(ids)) if advanced[i]]
         if back:
             self.xgr.BatchGrammarMatcher.batch_rollback([grammars[i].matcher for i in back],
