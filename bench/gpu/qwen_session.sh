@@ -49,7 +49,8 @@
 #   smolahead, ahead15xs: the step alone, SmolLM2's then the 1.5B's.
 # PLAN smollate, ahead15late (issue 46): SmolLM2's step with GrammarAhead taking step n's tokens beside n+1's launch
 #   and when update_from_output asks (late); the 1.5B's with it, with 4 fill threads, and without; ahead15w: the
-#   1.5B's whole runs with and without it against bare vLLM;
+#   1.5B's whole runs with and without it against bare vLLM (ahead15ws: one of each); smollean: SmolLM2's step with
+#   it and without, twice, and no grammar (a short sitting);
 #   ahead15schema: the drafted step (schema drafts) with its fills beside the launch against at the step;
 #   ahead15spy: free, ahead and batch with the engine's threads sampled, waiting ones too (py-spy --idle --threads).
 # PLAN smol46: SmolLM2's step (vLLM's fills, batchjson's, no grammar), then the default against bare vLLM at 30,000 rows.
@@ -272,10 +273,14 @@ run_plan() {
     # the launch
     smollate) need smol && gb s-C6000-late --task C --rows 6000 --model $smol --seqs 1024 \
                 --configs ahead,late,batch,late,ahead --timeout 200 ;;
+    smollean) need smol && gb s-C6000-lean --task C --rows 6000 --model $smol --seqs 1024 \
+                --configs ahead,batch,ahead,batch,free --timeout 150 ;;
     ahead15late) need q15 && gb g15-C6000-late --task C --rows 6000 --model $q15 --seqs 1024 \
                    --configs ahead,batch,free,vllm,ahead@4,ahead --timeout 200 ;;
     ahead15w) need q15 && wr t15-C6000-ahead --task C --rows 6000 --model $q15 --timeout 200 \
                 --runs auto+warm,auto,auto+noahead,bare-none,auto,auto+noahead ;;
+    ahead15ws) need q15 && wr t15-C6000-ahead --task C --rows 6000 --model $q15 --timeout 200 \
+                 --runs auto+warm,auto,auto+noahead,bare-none ;;
     # where the engine core's threads wait: py-spy on the engine process with waiting threads kept, each thread apart
     ahead15spy) need q15 && gb g15-C6000-spy --task C --rows 6000 --model $q15 --seqs 1024 --configs free,ahead,batch \
                   --pyspy 5 --idle --timeout 200 ;;
