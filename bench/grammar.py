@@ -22,6 +22,8 @@ Configurations, run in the order given, for each --seqs (vLLM's max_num_seqs, it
   <cfg>-ngram, <cfg>-suffix, <cfg>-schema   the same with speculation (ngram k 4, suffix k 8, batchjson's schema
                 drafter k 8, as whole-runs configures them).
   <cfg>+stats   the same with vLLM's stats on (disable_log_stats = False, as batchjson's engine has them).
+  <cfg>+rows    the same with Model Runner V2's mask rows mapped by numpy (BATCHJSON_V2_MASK_ROWS=1,
+                engine/internals.py install_v2_mask_rows; with batchjson's fills).
 Each reports generate seconds, engine steps, ms per step, the profile's parts per step (the engine core's
 schedule, update_from_output and the grammars' advance inside it, grammar_bitmask, forward launch, sampling launch;
 BATCHJSON_PROFILE_SYNC=0, so the GPU overlaps as in a plain run), GPU busy (nvidia-smi), valid and correct rows, and a digest of each row's tokens:
@@ -69,15 +71,17 @@ def one(cfg: dict) -> dict:
     from batchjson.engine.profiler import DUMP_EVERY_S, ENV_PROFILE, ENV_PROFILE_SYNC, SCHEDULED, read_profile
 
     profile = Path(cfg["profile"])
-    as_written = "+written" in cfg["name"]
-    name, stats = cfg["name"].replace("+written", "").removesuffix("+stats"), cfg["name"].endswith("+stats")
+    as_written, rows = "+written" in cfg["name"], "+rows" in cfg["name"]
+    name = cfg["name"].replace("+written", "").replace("+rows", "")
+    name, stats = name.removesuffix("+stats"), name.endswith("+stats")
     name, _, threads = name.partition("@")
     fills, _, method = name.partition("-")
     ours = fills in ("batch", "ahead", "late")
     os.environ.update({"BATCHJSON_RUNNER_PID": str(os.getpid()), ENV_PROFILE: str(profile), ENV_PROFILE_SYNC: "0",
                        internals.GRAMMAR_FILLS_ENV: "batch" if ours else "vllm",
                        internals.AHEAD_ENV: "1" if fills in ("ahead", "late") else "0",
-                       internals.AHEAD_FROM_ENV: "update" if fills == "late" else "launch"})
+                       internals.AHEAD_FROM_ENV: "update" if fills == "late" else "launch",
+                       internals.V2_MASK_ROWS_ENV: "1" if rows else "0"})
     if threads:
         os.environ[internals.FILL_THREADS_ENV] = threads
     from batchjson.engine.vllm_engine import _vllm
@@ -530,7 +534,8 @@ def main(argv: list[str]) -> int:
             if args.budget and time.monotonic() - began > args.budget:
                 results.append({"name": name, "seqs": seqs, "error": "budget spent"})
                 continue
-            fills, _, method = name.replace("+written", "").removesuffix("+stats").partition("@")[0].partition("-")
+            bare = name.replace("+written", "").replace("+rows", "").removesuffix("+stats")
+            fills, _, method = bare.partition("@")[0].partition("-")
             firsts = [r for r in results if r["seqs"] == seqs and r.get("method") == method and "mean_tokens" in r
                       and r["fills"] != "free"]
             cfg = {"name": name, "seqs": seqs, "model": args.model, "task": args.task, "rows": args.rows,

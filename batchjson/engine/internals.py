@@ -157,7 +157,8 @@ def install() -> None:
     install_kv_size_report()
     if fills_wanted():
         install_batch_fills()
-        install_v2_mask_rows()
+        if v2_mask_rows_wanted():
+            install_v2_mask_rows()
         if ahead_wanted():
             install_grammar_ahead()
 
@@ -178,7 +179,8 @@ def install_in_runner() -> None:
         install_kv_size_report()
         if fills_wanted():
             install_batch_fills()
-            install_v2_mask_rows()
+            if v2_mask_rows_wanted():
+                install_v2_mask_rows()
             if ahead_wanted():
                 install_grammar_ahead()
 
@@ -888,6 +890,13 @@ def install_grammar_ahead() -> str:
 # launches _apply_grammar_bitmask_kernel on grid (rows, cdiv(vocab, 8192)) and makes the copy stream wait for the
 # current one. The loop is ~1 ms of the engine core's thread a step at 1,024 requests.
 V2_MASKS_READ_ON = ("0.26.",)
+V2_MASK_ROWS_ENV = "BATCHJSON_V2_MASK_ROWS"  # "1": install_v2_mask_rows (off until a GPU has run it)
+
+
+def v2_mask_rows_wanted() -> bool:
+    """Whether install_v2_mask_rows patches this process: only where V2_MASK_ROWS_ENV is "1". Its mapping is checked
+    against vLLM 0.26's loop on a CPU, but the patched method runs only on a GPU, where it has not run yet."""
+    return os.environ.get(V2_MASK_ROWS_ENV, "") == "1"
 
 
 def v2_logit_rows(req_ids, cu_num_logits, grammar_req_ids):

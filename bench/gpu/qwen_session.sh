@@ -274,9 +274,9 @@ run_plan() {
     smollate) need smol && gb s-C6000-late --task C --rows 6000 --model $smol --seqs 1024 \
                 --configs ahead,late,batch,late,ahead --timeout 200 ;;
     smollean) need smol && gb s-C6000-lean --task C --rows 6000 --model $smol --seqs 1024 \
-                --configs ahead,batch,ahead,batch,free --timeout 150 ;;
+                --configs ahead,batch,ahead+rows,ahead,batch,free --timeout 150 ;;
     ahead15late) need q15 && gb g15-C6000-late --task C --rows 6000 --model $q15 --seqs 1024 \
-                   --configs ahead,batch,free,vllm,ahead@4,ahead --timeout 200 ;;
+                   --configs ahead,batch,free,vllm,ahead@4,ahead+rows,ahead --timeout 200 ;;
     ahead15w) need q15 && wr t15-C6000-ahead --task C --rows 6000 --model $q15 --timeout 200 \
                 --runs auto+warm,auto,auto+noahead,bare-none,auto,auto+noahead ;;
     ahead15ws) need q15 && wr t15-C6000-ahead --task C --rows 6000 --model $q15 --timeout 200 \

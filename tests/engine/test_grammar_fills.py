@@ -188,11 +188,16 @@ def v2_mapping(req_ids, cu_num_logits, grammar_req_ids) -> list[int]:
     return mapping
 
 
-def test_v2_logit_rows_are_the_model_runners_mapping():
+def test_v2_logit_rows_are_the_model_runners_mapping(monkeypatch):
     """Model Runner V2's logits rows of the masks, as numpy makes them: one logit a request (no drafts), several (a
     request with drafts among them), a batch in another order than the grammar requests', none; a request missing
-    from the batch raises as vLLM's loop does."""
+    from the batch raises as vLLM's loop does. The patch that uses them is off unless asked for (no GPU ran it)."""
     import numpy as np
+
+    monkeypatch.delenv(internals.V2_MASK_ROWS_ENV, raising=False)
+    assert not internals.v2_mask_rows_wanted()
+    monkeypatch.setenv(internals.V2_MASK_ROWS_ENV, "1")
+    assert internals.v2_mask_rows_wanted()
 
     batch = ["a", "free", "b", "c", "d"]
     for counts in ([1, 1, 1, 1, 1], [4, 2, 1, 3, 1]):
