@@ -385,10 +385,11 @@ class BatchFills:
         except Exception:  # noqa: BLE001 - an xgrammar that answers otherwise: its answers are read in full
             return False
 
-    def fill_rows(self, matchers, rows, ended):
-        """The next buffer with `matchers`' masks at `rows` and -1 at `ended` (rows of ended grammars; through numpy:
-        torch's indexed write runs its own threads on a CPU)."""
-        mask = self._next()
+    def fill_rows(self, matchers, rows, ended, mask=None):
+        """`mask` (default the next buffer) with `matchers`' masks at `rows` and -1 at `ended` (rows of ended grammars;
+        through numpy: torch's indexed write runs its own threads on a CPU)."""
+        if mask is None:
+            mask = self._next()
         if ended:
             mask.numpy()[ended] = -1
         if matchers:
@@ -407,11 +408,7 @@ class BatchFills:
             else:
                 matchers.append(grammar.matcher)
                 at.append(row)
-        if ended:
-            mask.numpy()[ended] = -1
-        if matchers:
-            self.batch.batch_fill_next_token_bitmask(matchers, mask, at)
-        return mask
+        return self.fill_rows(matchers, at, ended, mask)
 
     def _next(self):
         mask = self.buffers[self.turn]
