@@ -17,8 +17,11 @@ Configurations, run in the order given, for each --seqs (vLLM's max_num_seqs, it
                 "batch" gives xgrammar the grammar schema batchjson's engine gives it (schema/grammar.py: without
                 minLength); batch+written the schema as written, as "vllm" does (token-exactness of the fills).
                 batchjson's vLLM plugin is loaded into the engine process for the step profiler and the fills.
-  free          no grammar, with the same output lengths: ignore_eos and max_tokens = the mean output length of the
-                first schema configuration of the same --seqs and method (run it first).
+  free          no grammar, with the same output lengths: ignore_eos, and each row's max_tokens the length of its
+                answer in the first schema configuration of the same --seqs and method (run it first), so that
+                requests end at the same steps (a batch's churn is part of a step's cost); --max-tokens without one.
+  free+mean     the same with every row's max_tokens the mean of those lengths (before 2026-12-06: run26 and
+                earlier).
   <cfg>-ngram, <cfg>-suffix, <cfg>-schema   the same with speculation (ngram k 4, suffix k 8, batchjson's schema
                 drafter k 8, as whole-runs configures them).
   <cfg>+stats   the same with vLLM's stats on (disable_log_stats = False, as batchjson's engine has them).
@@ -65,17 +68,25 @@ GRAMMAR_FRAMES = ("grammar_bitmask", "accept_tokens", "fill_next_token_bitmask",
                   "batch_accept", "validate_tokens", "rollback")  # py-spy frames counted as the grammar's work
 
 
+def parse(name: str) -> dict:
+    """A configuration's name read: fills (vllm, batch, ahead, late, free), method, threads and its +flags."""
+    flags = {flag: f"+{flag}" in name for flag in ("written", "rows", "stats", "mean")}
+    for flag in flags:
+        name = name.replace(f"+{flag}", "")
+    name, _, threads = name.partition("@")
+    fills, _, method = name.partition("-")
+    return {"fills": fills, "method": method, "threads": threads, **flags}
+
+
 def one(cfg: dict) -> dict:
     """One configuration in this process: bare vLLM's LLM and one generate."""
     from batchjson.engine import internals
     from batchjson.engine.profiler import DUMP_EVERY_S, ENV_PROFILE, ENV_PROFILE_SYNC, SCHEDULED, read_profile
 
     profile = Path(cfg["profile"])
-    as_written, rows = "+written" in cfg["name"], "+rows" in cfg["name"]
-    name = cfg["name"].replace("+written", "").replace("+rows", "")
-    name, stats = name.removesuffix("+stats"), name.endswith("+stats")
-    name, _, threads = name.partition("@")
-    fills, _, method = name.partition("-")
+    read = parse(cfg["name"])
+    fills, method, threads, as_written, rows, stats = (read[k] for k in ("fills", "method", "threads", "written",
+                                                                          "rows", "stats"))
     ours = fills in ("batch", "ahead", "late")
     os.environ.update({"BATCHJSON_RUNNER_PID": str(os.getpid()), ENV_PROFILE: str(profile), ENV_PROFILE_SYNC: "0",
                        internals.GRAMMAR_FILLS_ENV: "batch" if ours else "vllm",
@@ -105,8 +116,10 @@ def one(cfg: dict) -> dict:
         kwargs["enforce_eager"] = True
     llm = vllm.LLM(**kwargs)
     _, prompts, truths = task_prompts(cfg["task"], cfg["rows"], frame(llm, TASKS[cfg["task"]]["system"]))
-    if fills == "free":
-        params = vllm.SamplingParams(temperature=0.0, max_tokens=cfg["free_tokens"], ignore_eos=True)
+    if fills == "free":  # each row's length (a file of them: one params a prompt), or one for all
+        given = cfg["free_tokens"]
+        lengths = json.loads(Path(given).read_text()) if isinstance(given, str) else [given] * len(prompts)
+        params = [vllm.SamplingParams(temperature=0.0, max_tokens=max(1, n), ignore_eos=True) for n in lengths]
     else:  # batchjson's fills on the grammar batchjson gives xgrammar; vLLM's on the schema as written
         from batchjson.schema.grammar import choose
 
@@ -145,7 +158,8 @@ def one(cfg: dict) -> dict:
               "batch_fill_calls": after["parts"].get("batch_fills", {}).get("count", 0),  # 0: vLLM's fills ran
               # steps whose grammar work went ahead
               "ahead_calls": max(after["parts"].get(p, {}).get("count", 0) for p in ("ahead", "ahead_fill")),
-              "digests": [hashlib.md5(json.dumps(t).encode()).hexdigest()[:12] for t in tokens]}
+              "digests": [hashlib.md5(json.dumps(t).encode()).hexdigest()[:12] for t in tokens],
+              "lengths": list(map(len, tokens))}
     if drafted:
         d, a = drafted.get("vllm:spec_decode_num_draft_tokens", 0), drafted.get("vllm:spec_decode_num_accepted_tokens", 0)
         result["acceptance"] = round(a / d, 3) if d else None
@@ -534,13 +548,14 @@ def main(argv: list[str]) -> int:
             if args.budget and time.monotonic() - began > args.budget:
                 results.append({"name": name, "seqs": seqs, "error": "budget spent"})
                 continue
-            bare = name.replace("+written", "").replace("+rows", "").removesuffix("+stats")
-            fills, _, method = bare.partition("@")[0].partition("-")
+            read = parse(name)
+            fills, method = read["fills"], read["method"]
             firsts = [r for r in results if r["seqs"] == seqs and r.get("method") == method and "mean_tokens" in r
                       and r["fills"] != "free"]
             cfg = {"name": name, "seqs": seqs, "model": args.model, "task": args.task, "rows": args.rows,
                    "max_tokens": args.max_tokens, "pyspy": args.pyspy, "idle": args.idle,
-                   "free_tokens": max(1, round(firsts[0]["mean_tokens"])) if firsts else args.max_tokens,
+                   "free_tokens": args.max_tokens if not firsts else max(1, round(firsts[0]["mean_tokens"]))
+                                  if read["mean"] else firsts[0]["lengths_file"],
                    "profile": str(args.out / f"profile-{name}-{seqs}.json"),
                    "result": str(args.out / f"result-{name}-{seqs}.json")}
             Path(cfg["profile"]).unlink(missing_ok=True)
@@ -552,6 +567,9 @@ def main(argv: list[str]) -> int:
             if same and "digests" in row:
                 row["differ"] = sum(a != b for a, b in zip(same[0]["digests"], row["digests"]))
                 row["differ_from"] = same[0]["name"]
+            if "lengths" in row:  # the rows' lengths, for a later `free`
+                row["lengths_file"] = str(args.out / f"lengths-{len(results)}-{name}-{seqs}.json")
+                dump(Path(row["lengths_file"]), row.pop("lengths"))
             results.append(row)
             dump(path, results)
             print(json.dumps({k: v for k, v in row.items() if k != "digests"}), flush=True)

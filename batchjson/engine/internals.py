@@ -44,9 +44,8 @@ are on the host by then, xgrammar's batch accept and batch fill run in C++ witho
 thread only skips the grammars already advanced and takes the masks. One step at a time (vLLM 0.26 with drafts) the
 thread fills the step's masks, every drafted position's, while the forward launches. Checked against AHEAD_READ_ON
 (vLLM 0.26; Model Runner V2 without drafts); elsewhere the masks are made when vLLM asks for them. On by default
-where vLLM schedules ahead (an H100: the 1.5B's step x0.86 of the batch fills at the step, 0 rows differing; AHEAD_ENV
-"0" turns it off); one step at a time only where AHEAD_ENV is "1", until a GPU has measured that path (BENCHMARKS.md,
-"The grammars' work beside the forward's launch").
+(an H100: the 1.5B's step x0.77-0.89 of the batch fills at the step, its drafted step x0.91-0.98, 0 rows
+differing; AHEAD_ENV "0" turns it off; BENCHMARKS.md, "The grammars' work beside the forward's launch").
 
 **The schema drafts made where the grammar already is.** `[speculative] method = "schema"` drafts what each
 request's grammar forces next, else a copy from its prompt (schema/drafts.py). vLLM asks a custom drafter in the model
@@ -471,17 +470,16 @@ class BatchFills:
         return mask[:total].numpy()
 
 
-def grammar_fills(setting: str, drafted: bool = False) -> str:
+def grammar_fills(setting: str) -> str:
     """The grammar fill path an engine started with `setting` ([model] grammar_fills) runs, for the run's report:
-    "batch (...)", or "vllm (why)". `drafted`: an engine with a drafter (one step at a time in vLLM 0.26). Reads this
-    vLLM and xgrammar; installs nothing."""
+    "batch (...)", or "vllm (why)". Reads this vLLM and xgrammar; installs nothing."""
     if setting == "vllm":
         return 'vllm ([model] grammar_fills = "vllm")'
     why = _batch_fills_unready()
     if why:
         return f"vllm ({why})"
     threads = fill_threads()
-    ahead = "" if unread_here(AHEAD_READ_ON) or not ahead_wanted(drafted) else "; beside the forward's launch"
+    ahead = "" if unread_here(AHEAD_READ_ON) or not ahead_wanted() else "; beside the forward's launch"
     return f"batch (xgrammar's batch matcher, {threads} thread{'s' if threads > 1 else ''}{ahead})"
 
 
@@ -577,21 +575,21 @@ def install_batch_fills() -> str:
 # get_grammar_bitmask nothing touches a grammar or the scheduler's requests, so the step's masks (its drafted
 # positions' too) can be filled on a thread from the moment it is scheduled.
 AHEAD_READ_ON = ("0.26.",)
-AHEAD_ENV = "BATCHJSON_GRAMMAR_AHEAD"  # "0": GrammarAhead off; "1": also one step at a time (with drafts)
+AHEAD_ENV = "BATCHJSON_GRAMMAR_AHEAD"  # "0": GrammarAhead off (on by default, with drafts too)
 # Where vLLM schedules ahead, when the grammars take step n's tokens: "launch" (the default, on the thread beside n+1's
 # launch) or "update" (when update_from_output(n) asks, on the engine core's thread, as one batch call; n+1's fill
 # then goes on the thread beside the rest of update_from_output): the benchmarks' comparison of the two.
 AHEAD_FROM_ENV = "BATCHJSON_GRAMMAR_AHEAD_FROM"
 
 
-def ahead_wanted(drafted: bool = False) -> bool:
+def ahead_wanted() -> bool:
     """Whether GrammarAhead does a step's grammar work beside the forward's launch: unless AHEAD_ENV is "0". Where
-    vLLM schedules ahead (no drafts) by default: on an H100, the 1.5B's step at 1,024 in flight 44.9-48.3 ms against
-    53.0-55.7 with the batch fills at the step, 0 of 6,000 rows differing; SmolLM2's 27.0-29.1 against 29.4-32.2
-    (BENCHMARKS.md, run24). One step at a time (`drafted`: vLLM 0.26 turns async scheduling off for drafts) only
-    where AHEAD_ENV is "1": not measured on a GPU yet."""
-    setting = os.environ.get(AHEAD_ENV, "")
-    return setting == "1" if drafted else setting != "0"
+    vLLM schedules ahead (no drafts): on an H100, the 1.5B's step at 1,024 in flight 44.9-48.3 ms against 53.0-55.7
+    with the batch fills at the step (run24), 60.5-69.5 against 78.3 (run26), 0 of 6,000 rows differing; SmolLM2's
+    27.0-29.1 against 29.4-32.2. One step at a time (vLLM 0.26 turns async scheduling off for drafts), the drafted
+    fills beside the launch: the 1.5B with schema drafts 118.7-146.7 ms a step against 129.1-150.2 at the step,
+    0 rows differing (run26; BENCHMARKS.md)."""
+    return os.environ.get(AHEAD_ENV, "") != "0"
 
 
 class GrammarAhead:
@@ -646,7 +644,7 @@ class GrammarAhead:
             config = manager.vllm_config
             sync = not config.scheduler_config.async_scheduling
             usable = (fills and scheduler.connector is None and config.parallel_config.pipeline_parallel_size == 1
-                      and (ahead_wanted(drafted=True) if sync else not scheduler.num_spec_tokens))
+                      and (sync or not scheduler.num_spec_tokens))
             ahead = cls(fills, scheduler.requests, sync) if usable else False
             scheduler.__dict__["_batchjson_ahead"] = ahead
         return ahead or None

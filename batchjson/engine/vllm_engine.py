@@ -191,7 +191,7 @@ class VllmEngine(Engine):
         # grammar's masks as the spec says (its plugin reads this before the engine's first step).
         os.environ["BATCHJSON_RUNNER_PID"] = str(os.getpid())
         os.environ[internals.GRAMMAR_FILLS_ENV] = model.grammar_fills
-        self.fills = internals.grammar_fills(model.grammar_fills, drafted=self.speculative is not None)
+        self.fills = internals.grammar_fills(model.grammar_fills)
         # The KV cache's size vLLM measured for these settings before, if it did (kv_sizes.py): given, vLLM skips the
         # measurement; else the engine core reports what it measures, kept for the next start.
         config, self.kv_kept = kv_sizes.sized(kwargs, self._cpu)

@@ -52,7 +52,10 @@
 #   1.5B's whole runs with and without it against bare vLLM (ahead15ws: one of each); smollean: SmolLM2's step with
 #   it and without, twice, and no grammar (a short sitting);
 #   ahead15schema: the drafted step (schema drafts) with its fills beside the launch against at the step;
-#   ahead15spy: free, ahead and batch with the engine's threads sampled, waiting ones too (py-spy --idle --threads).
+#   ahead15spy: batch, free and ahead with the engine's threads sampled, waiting ones too (py-spy --idle --threads).
+# PLAN ahead15free (issue 46, after run26): the 1.5B's step with no grammar at each row's own length (free) and at the
+#   mean (free+mean, run26's), against GrammarAhead and the batch fills: how much of the launch's +6.4 ms with the
+#   grammar is the requests' ending one by one.
 # PLAN smol46: SmolLM2's step (vLLM's fills, batchjson's, no grammar), then the default against bare vLLM at 30,000 rows.
 # PLAN replicas15mps: the 1.5B with 2 replicas against 1, warm, then both under CUDA MPS.
 # PLAN replicas15ab: the 1.5B at 30,000 rows, all warm, one call: 2 replicas against 1 and bare vLLM's one engine
@@ -282,7 +285,9 @@ run_plan() {
     ahead15ws) need q15 && wr t15-C6000-ahead --task C --rows 6000 --model $q15 --timeout 200 \
                  --runs auto+warm,auto,auto+noahead,bare-none ;;
     # where the engine core's threads wait: py-spy on the engine process with waiting threads kept, each thread apart
-    ahead15spy) need q15 && gb g15-C6000-spy --task C --rows 6000 --model $q15 --seqs 1024 --configs free,ahead,batch \
+    ahead15free) need q15 && gb g15-C6000-free --task C --rows 6000 --model $q15 --seqs 1024 \
+                   --configs ahead,free,batch,free+mean,ahead,free --timeout 200 ;;
+    ahead15spy) need q15 && gb g15-C6000-spy --task C --rows 6000 --model $q15 --seqs 1024 --configs batch,free,ahead \
                   --pyspy 5 --idle --timeout 200 ;;
     ahead15schema) need q15 && gb g15-C6000-ahead-schema --task C --rows 6000 --model $q15 --seqs 1024 \
                      --configs batch-schema,ahead-schema,batch-schema,ahead-schema --timeout 200 ;;

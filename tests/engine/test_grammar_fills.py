@@ -127,29 +127,32 @@ def test_batch_accept_tells_each_refused_token(grammar_kit, asks):
 
 def test_drafted_rows_are_vllm_026s_and_the_grammars_come_back(grammar_kit):
     """Drafts of every kind in one step: none, a full draft, a -1 (rejected) draft in the middle, a draft that ends
-    the answer (the grammar terminates inside the window): the rows are those of vLLM 0.26's loop, and each grammar
-    is back where it was."""
+    the answer (the grammar terminates inside the window), a -1 first, a grammar that had ended: the rows are those
+    of vLLM 0.26's loop, and each grammar is back where it was."""
     tokenizer, compiled, vocab = grammar_kit
     answer = answer_tokens(tokenizer, compiled, '{"name": "abc", "n": 7}')
-    gs, mine = grammars(compiled, vocab, 4), grammars(compiled, vocab, 4)
-    for g, m in zip(gs, mine):  # all three tokens in
+    gs, mine = grammars(compiled, vocab, 6), grammars(compiled, vocab, 6)
+    for g, m in zip(gs[:5], mine[:5]):  # all three tokens in
         assert g.accept_tokens("r", answer[:3]) and m.accept_tokens("r", answer[:3])
     rest = answer[3:]
-    drafts = [[], rest[:4], [rest[0], -1, -1, -1], rest[-3:]]
-    for g, m in zip(gs[3:], mine[3:]):  # the last request stands three tokens from its end
+    drafts = [[], rest[:4], [rest[0], -1, -1, -1], rest[-3:], [-1, -1], [answer[0], answer[1]]]
+    for g, m in zip(gs[3:4], mine[3:4]):  # the fourth request stands three tokens from its end
         assert g.accept_tokens("r", rest[:-3]) and m.accept_tokens("r", rest[:-3])
+    assert gs[5].accept_tokens("r", answer) and mine[5].accept_tokens("r", answer)  # the last one ended
+    assert mine[5].is_terminated()
     words = xgr.allocate_token_bitmask(1, vocab).shape[1]
     fills = internals.BatchFills(rows=32, words=words, drafted=True)
     expected = xgr.allocate_token_bitmask(32, vocab)
     rows = vllm_rows(gs, drafts, expected)
     got = fills.bitmask(requests_of(mine), list(requests_of(mine)), {str(i): d for i, d in enumerate(drafts)})
-    assert got.shape[0] == rows == 1 + 5 + 5 + 4
+    assert got.shape[0] == rows == 1 + 5 + 5 + 4 + 3 + 3
     assert (got == expected[:rows].numpy()).all()
+    assert (got[-3:] == -1).all() and not (got[11] == -1).all()  # the ended grammar's rows; the first -1's row
     assert [m.num_processed_tokens for m in mine] == [g.num_processed_tokens for g in gs]
-    assert not any(m.is_terminated() for m in mine)
+    assert [m.is_terminated() for m in mine] == [False] * 5 + [True]
     again, again_expected = fills.bitmask(requests_of(mine), list(requests_of(mine)), {}), expected.clone()
-    vllm_rows(gs, [()] * 4, again_expected)
-    assert (again == again_expected[:4].numpy()).all()
+    vllm_rows(gs, [()] * 6, again_expected)
+    assert (again == again_expected[:6].numpy()).all()
 
 
 def test_masks_placed_in_one_scatter_mask_what_vllms_row_copies_mask():
@@ -415,21 +418,20 @@ def test_grammar_work_ahead_starts_only_on_a_step_it_reads(grammar_kit):
     assert "beside the forward" not in internals.grammar_fills("batch")
 
 
-def test_grammar_work_goes_ahead_by_default_where_vllm_schedules_ahead(monkeypatch):
-    """GrammarAhead's switch: on by default where vLLM schedules ahead (no drafts), off there with AHEAD_ENV "0";
-    one step at a time (drafts) only with AHEAD_ENV "1". The report says so on a vLLM it was read on."""
+def test_grammar_work_goes_ahead_by_default(monkeypatch):
+    """GrammarAhead's switch: on by default, where vLLM schedules ahead and one step at a time (drafts), off with
+    AHEAD_ENV "0". The report says so on a vLLM it was read on."""
     import vllm
 
     monkeypatch.setattr(vllm, "__version__", "0.26.0")
     monkeypatch.setattr(internals, "_batch_fills_unready", lambda: "")
-    for setting, plain, drafted in ((None, True, False), ("0", False, False), ("1", True, True)):
+    for setting, on in ((None, True), ("0", False), ("1", True)):
         if setting is None:
             monkeypatch.delenv(internals.AHEAD_ENV, raising=False)
         else:
             monkeypatch.setenv(internals.AHEAD_ENV, setting)
-        assert (internals.ahead_wanted(), internals.ahead_wanted(drafted=True)) == (plain, drafted), setting
-        assert ("beside the forward" in internals.grammar_fills("batch")) == plain, setting
-        assert ("beside the forward" in internals.grammar_fills("batch", drafted=True)) == drafted, setting
+        assert internals.ahead_wanted() == on, setting
+        assert ("beside the forward" in internals.grammar_fills("batch")) == on, setting
 
 
 VLLM_026 = Path(sys.prefix) / "vllm-0.26"  # vLLM 0.26's Python files: make install puts them there
