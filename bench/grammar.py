@@ -27,12 +27,17 @@ Configurations, run in the order given, for each --seqs (vLLM's max_num_seqs, it
   <cfg>+stats   the same with vLLM's stats on (disable_log_stats = False, as batchjson's engine has them).
   <cfg>+rows    the same with Model Runner V2's mask rows mapped by numpy (BATCHJSON_V2_MASK_ROWS=1,
                 engine/internals.py install_v2_mask_rows; with batchjson's fills).
+  <cfg>+cgN     the same with CUDA graphs captured for steps of up to N tokens (bench/common.py graph_sizes;
+                vLLM 0.26 captures up to 512, fewer tokens than a step at its full batch).
 Each reports generate seconds, engine steps, ms per step, the profile's parts per step (the engine core's
 schedule, update_from_output and the grammars' advance inside it, grammar_bitmask, forward launch, sampling launch;
-BATCHJSON_PROFILE_SYNC=0, so the GPU overlaps as in a plain run), GPU busy (nvidia-smi), valid and correct rows, and a digest of each row's tokens:
+BATCHJSON_PROFILE_SYNC=0, so the GPU overlaps as in a plain run), GPU busy (nvidia-smi), valid and correct rows,
+and a digest of each row's tokens:
 `differ` counts the rows whose tokens differ from the first configuration of the same kind (schema or free),
---seqs, drafts or not (exactness: schema drafts against none). --pyspy S samples the engine process's stacks for S seconds during generate (py-spy, where
-installed), and the table gives the share of samples in grammar work. Results: OUT/grammar-<task>-<rows>.json.
+--seqs, drafts or not (exactness: schema drafts against none). --pyspy S samples the engine process's stacks for S
+seconds during generate (py-spy, where installed; --idle keeps waiting threads' samples, --native native frames),
+and the result gives the share of samples in grammar work, each thread's top leaves and those under the forward's
+launch. Results: OUT/grammar-<task>-<rows>.json.
 
     python -m bench grammar --masks --seqs 1024 --drafts 0,4,8 --out OUT
 
@@ -52,13 +57,14 @@ import collections
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import threading
 import time
 from pathlib import Path
 
-from bench.common import SPECULATIVE, answer_one, dump, one_process, table
+from bench.common import SPECULATIVE, answer_one, dump, graph_sizes, one_process, table
 
 PARTS = ("schedule", "update_from_output", "advance", "grammar_bitmask", "get_grammar_bitmask", "ahead",
          "ahead_advance", "ahead_fill", "forward", "sample_tokens", "propose", "drafts", "engine_step")
@@ -70,9 +76,12 @@ GRAMMAR_FRAMES = ("grammar_bitmask", "accept_tokens", "fill_next_token_bitmask",
 
 def parse(name: str) -> dict:
     """A configuration's name read: fills (vllm, batch, ahead, late, free), method, threads and its +flags."""
-    flags = {flag: f"+{flag}" in name for flag in ("written", "rows", "stats", "mean")}
+    flags: dict = {flag: f"+{flag}" in name for flag in ("written", "rows", "stats", "mean")}
     for flag in flags:
         name = name.replace(f"+{flag}", "")
+    graphs = re.search(r"\+cg(\d+)", name)
+    flags["graphs"] = int(graphs.group(1)) if graphs else 0
+    name = re.sub(r"\+cg\d+", "", name)
     name, _, threads = name.partition("@")
     fills, _, method = name.partition("-")
     return {"fills": fills, "method": method, "threads": threads, **flags}
@@ -108,6 +117,8 @@ def one(cfg: dict) -> dict:
 
     kwargs = dict(model=cfg["model"], max_num_seqs=cfg["seqs"],
                   structured_outputs_config={"backend": "xgrammar", "disable_any_whitespace": True})
+    if read["graphs"]:  # +cgN: CUDA graphs for steps of up to N tokens
+        kwargs["compilation_config"] = {"cudagraph_capture_sizes": graph_sizes(read["graphs"])}
     if method or stats:  # the draft counters need vLLM's stats; +stats: as batchjson's engine runs (its report)
         kwargs["disable_log_stats"] = False
     if method:
@@ -188,7 +199,7 @@ def _spy(llm, cfg: dict):
 
     def record():
         time.sleep(2)
-        idle = ["--idle"] if cfg.get("idle") else []
+        idle = (["--idle"] if cfg.get("idle") else []) + (["--native"] if cfg.get("native") else [])
         box["rc"] = subprocess.run([exe, "record", "-p", str(pid), "-d", str(cfg["pyspy"]), "-r", "200", "-f", "raw",
                                     "-o", str(raw), "--nonblocking", "--threads", *idle],
                                    capture_output=True, text=True).returncode
@@ -204,8 +215,13 @@ def _spy(llm, cfg: dict):
 
 
 def spy_shares(raw: Path) -> dict:
-    """From py-spy's raw (collapsed) stacks: the share of samples under each grammar frame, and the top leaves."""
+    """From py-spy's raw (collapsed) stacks: the share of samples under each grammar frame, the top leaves, each
+    thread's share and top leaves (with --threads the first frame names the thread), and the top leaves under the
+    forward's launch (execute_model: where its time goes, a wait for the interpreter's lock or for the GPU included
+    with --idle and --native)."""
     total, under, leaves = 0, collections.Counter(), collections.Counter()
+    threads: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+    forward = collections.Counter()
     for line in raw.read_text().splitlines():
         stack, _, count = line.rpartition(" ")
         if not count.isdigit():
@@ -216,9 +232,21 @@ def spy_shares(raw: Path) -> dict:
         for name in GRAMMAR_FRAMES:
             if any(name in f for f in frames):
                 under[name] += n
-        leaves[frames[-1][:120]] += n
+        leaf = frames[-1][:120]
+        leaves[leaf] += n
+        threads[frames[0][:60]][leaf] += n
+        if any("execute_model" in f for f in frames):
+            forward[leaf] += n
+
+    def top(counter, k):
+        return [(key, round(v / max(total, 1), 3)) for key, v in counter.most_common(k)]
+
+    busiest = sorted(threads.items(), key=lambda kv: -sum(kv[1].values()))[:4]
     return {"samples": total, "under": {k: round(v / max(total, 1), 3) for k, v in under.most_common()},
-            "top_leaves": [(k, round(v / max(total, 1), 3)) for k, v in leaves.most_common(12)]}
+            "top_leaves": top(leaves, 12),
+            "threads": {name: {"share": round(sum(c.values()) / max(total, 1), 3), "top_leaves": top(c, 8)}
+                        for name, c in busiest},
+            "forward": {"share": round(sum(forward.values()) / max(total, 1), 3), "top_leaves": top(forward, 12)}}
 
 
 def matchers(tokenizer: str, task: str, rows: int, in_flight: int, steps: int, threads: int) -> dict:
@@ -515,6 +543,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--budget", type=float, default=0, help="stop starting configurations after this many seconds")
     ap.add_argument("--pyspy", type=int, default=0, help="seconds of py-spy sampling per configuration (0: none)")
     ap.add_argument("--idle", action="store_true", help="py-spy keeps the samples of waiting threads (a lock's too)")
+    ap.add_argument("--native", action="store_true", help="py-spy samples native frames too (CUDA's, the lock's)")
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--matchers", metavar="TOKENIZER", help="xgrammar alone, no engine (see `matchers`): the "
                     "tokenizer's folder (a model's); --seqs are the matchers in flight, --threads the fill threads")
@@ -553,7 +582,7 @@ def main(argv: list[str]) -> int:
             firsts = [r for r in results if r["seqs"] == seqs and r.get("method") == method and "mean_tokens" in r
                       and r["fills"] != "free"]
             cfg = {"name": name, "seqs": seqs, "model": args.model, "task": args.task, "rows": args.rows,
-                   "max_tokens": args.max_tokens, "pyspy": args.pyspy, "idle": args.idle,
+                   "max_tokens": args.max_tokens, "pyspy": args.pyspy, "idle": args.idle, "native": args.native,
                    "free_tokens": args.max_tokens if not firsts else max(1, round(firsts[0]["mean_tokens"]))
                                   if read["mean"] else firsts[0]["lengths_file"],
                    "profile": str(args.out / f"profile-{name}-{seqs}.json"),

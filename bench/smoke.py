@@ -203,7 +203,8 @@ def plan(w: Path, model: Path) -> list[tuple]:
         ("drafts", ["--cost", "--tasks", "C", "--rows", "6", "--ks", "4", "--tokenizer",
                     str(byte_tokenizer(w / "bytes-drafts")), "--out", str(w / "drafts-cost")]),
         # Two replicas on one (pretended) GPU: the fake engine needs none, the layout only CUDA_VISIBLE_DEVICES.
-        ("whole-runs", ["--task", "A", "--rows", "24", "--runs", "none+warm,none+gpus1,none+gmu0.3,auto+trace,none-nofills+stats+prof",
+        ("whole-runs", ["--task", "A", "--rows", "24", "--runs",
+                        "none+warm,none+gpus1,none+gmu0.3+cg1024,auto+trace,none-nofills+stats+prof",
                         "--replicas-per-gpu", "1,2", "--timeout", "120",
                         "--budget", "230", "--out", str(w / "whole"), "--work", str(w / "whole-work"), *m],
          {"CUDA_VISIBLE_DEVICES": "0"}),

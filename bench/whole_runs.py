@@ -31,6 +31,8 @@ Runs, in the order given (compare only runs of one call: machines differ by +-30
                           before the engine decodes goes): auto+trace, none+rpg2+trace.
   <run>+rpgN              the same with [model] replicas_per_gpu = N (N engine replicas share each GPU); last in
                           the name (none@512+rpg2, none+p2+rpg2). --replicas-per-gpu 1,2,3,4 runs each batchjson run of --runs so.
+  <run>+cgN               the same with CUDA graphs captured for steps of up to N tokens ([model.engine]
+                          compilation_config; bench/common.py graph_sizes); bare vLLM keeps its own (up to 512).
   <run>+gmuX              the same with [model.engine] gpu_memory_utilization = X (each engine's share of its GPU):
                           none+gmu0.3+rpg1 against none+rpg1 is what a lone engine's KV cache size costs its start.
   <run>+measure           the same with batchjson's cache emptied first, as on a configuration's first night: the
@@ -81,7 +83,7 @@ from pathlib import Path
 
 from batchjson.engine.devices import visible_gpus
 from batchjson.engine.internals import AHEAD_ENV
-from bench.common import P1, P2, ROOT, SPECULATIVE, cli, run_group
+from bench.common import P1, P2, ROOT, SPECULATIVE, cli, graph_sizes, run_group
 from bench.replicas import HostSampler
 from bench.tasks import TASKS, schema, score, write_task
 
@@ -139,7 +141,8 @@ def batchjson_run(name: str, args, rows: int, work: Path, t_launch: float, timeo
     gpus, share = re.search(r"\+gpus(\d+)", run), re.search(r"\+gmu([0-9.]+)", run)
     stats, profiled, spied, logged = "+stats" in run, "+prof" in run, "+spy" in run, "+log" in run
     measured, ahead = "+measure" in run, "1" if "+ahead" in run else "0" if "+noahead" in run else ""
-    flags = r"\+gpus\d+|\+gmu[0-9.]+|\+warm|\+trace|\+stats|\+prof|\+spy|\+log|\+measure|\+noahead|\+ahead"
+    graphs = re.search(r"\+cg(\d+)", run)
+    flags = r"\+gpus\d+|\+gmu[0-9.]+|\+cg\d+|\+warm|\+trace|\+stats|\+prof|\+spy|\+log|\+measure|\+noahead|\+ahead"
     run, _, per_gpu = re.sub(flags, "", run).partition("+rpg")
     base, _, size = run.partition("@")
     pass2 = "+p2" in base
@@ -169,6 +172,9 @@ def batchjson_run(name: str, args, rows: int, work: Path, t_launch: float, timeo
         engine["gpu_memory_utilization"] = float(share.group(1))
     if stats:
         engine["disable_log_stats"] = "false"
+    if graphs:  # a TOML inline table
+        sizes = ", ".join(map(str, graph_sizes(int(graphs.group(1)))))
+        engine["compilation_config"] = f"{{cudagraph_capture_sizes = [{sizes}]}}"
     if engine:
         text += "\n[model.engine]\n" + "".join(f"{k} = {v}\n" for k, v in engine.items())
     if per_gpu:

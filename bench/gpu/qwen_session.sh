@@ -56,6 +56,10 @@
 # PLAN ahead15free (issue 46, after run26): the 1.5B's step with no grammar at each row's own length (free) and at the
 #   mean (free+mean, run26's), against GrammarAhead and the batch fills: how much of the launch's +6.4 ms with the
 #   grammar is the requests' ending one by one.
+# PLAN graphssmol, graphs15 (issue 46): vLLM 0.26 captures CUDA graphs for steps of up to 512 tokens, so at its full
+#   batch every forward runs kernel by kernel from Python (py-spy, run26: inductor's Runner.call and Triton launches
+#   under execute_model): the step with graphs up to 2,048 tokens (+cg2048) against without, with GrammarAhead and
+#   with no grammar; graphs15 then whole runs of the default with and without them against bare vLLM.
 # PLAN smol46: SmolLM2's step (vLLM's fills, batchjson's, no grammar), then the default against bare vLLM at 30,000 rows.
 # PLAN replicas15mps: the 1.5B with 2 replicas against 1, warm, then both under CUDA MPS.
 # PLAN replicas15ab: the 1.5B at 30,000 rows, all warm, one call: 2 replicas against 1 and bare vLLM's one engine
@@ -285,6 +289,12 @@ run_plan() {
     ahead15ws) need q15 && wr t15-C6000-ahead --task C --rows 6000 --model $q15 --timeout 200 \
                  --runs auto+warm,auto,auto+noahead,bare-none ;;
     # where the engine core's threads wait: py-spy on the engine process with waiting threads kept, each thread apart
+    graphssmol) need smol && gb s-C6000-graphs --task C --rows 6000 --model $smol --seqs 1024 \
+                  --configs ahead,ahead+cg2048,free,free+cg2048,ahead,ahead+cg2048 --timeout 150 ;;
+    graphs15) need q15 && gb g15-C6000-graphs --task C --rows 6000 --model $q15 --seqs 1024 \
+                --configs ahead,ahead+cg2048,free,free+cg2048,ahead,ahead+cg2048 --timeout 200
+              need q15 && wr t15-C6000-graphs --task C --rows 6000 --model $q15 --timeout 200 \
+                --runs auto+warm,auto+cg2048+warm,auto,auto+cg2048,bare-none,auto,auto+cg2048 ;;
     ahead15free) need q15 && gb g15-C6000-free --task C --rows 6000 --model $q15 --seqs 1024 \
                    --configs ahead,free,batch,free+mean,ahead,free --timeout 200 ;;
     ahead15spy) need q15 && gb g15-C6000-spy --task C --rows 6000 --model $q15 --seqs 1024 --configs batch,free,ahead \
