@@ -60,6 +60,9 @@
 #   batch every forward runs kernel by kernel from Python (py-spy, run26: inductor's Runner.call and Triton launches
 #   under execute_model): the step with graphs up to 2,048 tokens (+cg2048) against without, with GrammarAhead and
 #   with no grammar; graphs15 then whole runs of the default with and without them against bare vLLM.
+# PLAN next46 (issue 46, one 1.5B sitting): the step with GrammarAhead, no grammar at each row's length and at the
+#   mean, both with graphs to 2,048 tokens, the batch fills; then whole runs of the default with and without
+#   those graphs against bare vLLM.
 # PLAN smol46: SmolLM2's step (vLLM's fills, batchjson's, no grammar), then the default against bare vLLM at 30,000 rows.
 # PLAN replicas15mps: the 1.5B with 2 replicas against 1, warm, then both under CUDA MPS.
 # PLAN replicas15ab: the 1.5B at 30,000 rows, all warm, one call: 2 replicas against 1 and bare vLLM's one engine
@@ -295,6 +298,10 @@ run_plan() {
                 --configs ahead,ahead+cg2048,free,free+cg2048,ahead,ahead+cg2048 --timeout 200
               need q15 && wr t15-C6000-graphs --task C --rows 6000 --model $q15 --timeout 200 \
                 --runs auto+warm,auto+cg2048+warm,auto,auto+cg2048,bare-none,auto,auto+cg2048 ;;
+    next46) need q15 && gb g15-C6000-next --task C --rows 6000 --model $q15 --seqs 1024 \
+              --configs ahead,free,free+mean,ahead+cg2048,free+cg2048,batch --timeout 200
+            need q15 && wr t15-C6000-next --task C --rows 6000 --model $q15 --timeout 200 \
+              --runs auto+warm,auto+cg2048+warm,auto,auto+cg2048,bare-none ;;
     ahead15free) need q15 && gb g15-C6000-free --task C --rows 6000 --model $q15 --seqs 1024 \
                    --configs ahead,free,batch,free+mean,ahead,free --timeout 200 ;;
     ahead15spy) need q15 && gb g15-C6000-spy --task C --rows 6000 --model $q15 --seqs 1024 --configs batch,free,ahead \
