@@ -67,7 +67,7 @@ from pathlib import Path
 from bench.common import SPECULATIVE, answer_one, dump, graph_sizes, one_process, table
 
 PARTS = ("schedule", "update_from_output", "advance", "grammar_bitmask", "get_grammar_bitmask", "ahead",
-         "ahead_advance", "ahead_fill", "forward", "sample_tokens", "propose", "drafts", "engine_step")
+         "ahead_advance", "ahead_fill", "forward", "sample_tokens", "propose", "drafts", "gc", "engine_step")
 # propose: a runner-side drafter; drafts: the scheduler's (schema); advance: the grammars' advance by vLLM's call per
 # request (most of it in update_from_output); ahead_advance, ahead_fill: GrammarAhead's, where it advances and fills
 GRAMMAR_FRAMES = ("grammar_bitmask", "accept_tokens", "fill_next_token_bitmask", "batch_fill", "apply_grammar_bitmask",
@@ -612,7 +612,7 @@ def main(argv: list[str]) -> int:
                           ("scheduled_requests_per_step", "requests"),
                           ("drafted_tokens_per_step", "drafted"),
                           ("forward_ms", "forward"), ("sample_tokens_ms", "sample"), ("propose_ms", "propose"),
-                          ("drafts_ms", "drafts"), ("gpu_busy", "GPU %"),
+                          ("drafts_ms", "drafts"), ("gc_ms", "gc"), ("gpu_busy", "GPU %"),
                           ("mean_tokens", "mean tok"), ("valid", "valid"), ("correct", "correct"),
                           ("differ", "differ"), ("error", "error")]))
     return 1 if any("error" in r for r in results) else 0

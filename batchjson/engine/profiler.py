@@ -40,6 +40,7 @@ class StepProfile:
         self.patches: dict[str, str] = {}
         self.errors: list[str] = []
         self.steps = 0
+        self.collections = [0, 0.0]  # Python's garbage collections: count, seconds (the part "gc")
         self.scheduled = [0, 0, 0]  # requests, tokens, drafted tokens, summed over the steps
         self.added = 0  # parts timed so far
         self.lock = threading.Lock()
@@ -68,7 +69,9 @@ class StepProfile:
         with self.lock:
             mine = {"steps": self.steps, "cuda_synchronized": self.sync, "started": self.started,
                     **dict(zip(SCHEDULED, self.scheduled)),
-                    "parts": {k: {"count": int(c), "seconds": s} for k, (c, s) in sorted(self.parts.items())},
+                    "parts": {k: {"count": int(c), "seconds": s}
+                              for k, (c, s) in sorted([*self.parts.items(), ("gc", tuple(self.collections))])
+                              if k != "gc" or c},
                     "patches": dict(self.patches)}
             if self.errors:
                 mine["error"] = "; ".join(self.errors)
@@ -145,7 +148,8 @@ def _timed(fn, part: str, profile: StepProfile, gpu: bool):
 
 def install_profiler(path: Path, sync: bool) -> StepProfile:
     """Time, in this process: the scheduler's schedule and update_from_output (and the grammars' advance inside it,
-    call by call: "advance"), the grammar bitmask, the model runner's forward (execute_model) and sampling
+    call by call: "advance"), Python's garbage collections ("gc"), the grammar bitmask, the model runner's forward
+    (execute_model) and sampling
     (sample_tokens, which holds the rejection sampler and the drafter's propose), the rejection sampler, the drafter
     (ngram, suffix, draft model, eagle), and the whole engine step (internals.TIMED, patched in by
     internals.time_engine_steps), on whichever model runner(s) this vLLM has. A part
@@ -154,6 +158,7 @@ def install_profiler(path: Path, sync: bool) -> StepProfile:
     profile = StepProfile(path, sync)
     profile.patches, profile.errors = internals.time_engine_steps(
         lambda fn, part, gpu: _timed(fn, part, profile, gpu), profile.count_step, profile.dump)
+    _time_collections(profile)
     for error in profile.errors:
         _warn(f"step profiler: {error}")
     atexit.register(profile.dump)
@@ -165,6 +170,24 @@ def _warn(message: str) -> None:
     import logging
 
     logging.getLogger("vllm.batchjson").warning("batchjson: %s", message)  # vLLM's handler prints it
+
+
+def _time_collections(profile: StepProfile) -> None:
+    """Python's cyclic garbage collections in this process, as the part "gc" (any thread's: they stop every
+    thread that runs Python), by the interpreter's own hook (gc.callbacks)."""
+    import gc
+
+    began: list[float] = []
+
+    def hook(phase: str, info: dict) -> None:  # no lock taken: a collection can start inside profile.add's
+        if phase == "start":
+            began[:] = [time.perf_counter()]
+        elif began:
+            profile.collections[0] += 1
+            profile.collections[1] += time.perf_counter() - began.pop()
+
+    gc.callbacks.append(hook)
+    profile.patches["gc.callbacks"] = "ok"
 
 
 INSTALLED = False  # in this process's memory (a process forked from one that installed inherits the patches)

@@ -59,7 +59,7 @@ def test_pass_2_requests_take_no_draft_and_the_step_profiler_times_each_part_of_
     assert got["steps"] <= got["scheduled_requests"] <= 16 * got["steps"]
     assert 0 < got["drafted_tokens"] < got["scheduled_tokens"]
     for part in ("schedule", "grammar_bitmask", "forward", "sample_tokens", "rejection_sampler", "propose",
-                 "update_from_output", "engine_step"):
+                 "update_from_output", "engine_step", "gc"):
         assert got["parts"][part]["count"] > 0 and got["parts"][part]["seconds"] > 0, part
 
 
