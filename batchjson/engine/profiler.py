@@ -149,10 +149,9 @@ def _timed(fn, part: str, profile: StepProfile, gpu: bool):
 def install_profiler(path: Path, sync: bool) -> StepProfile:
     """Time, in this process: the scheduler's schedule and update_from_output (and the grammars' advance inside it,
     call by call: "advance"), Python's garbage collections ("gc"), the grammar bitmask, the model runner's forward
-    (execute_model) and sampling
-    (sample_tokens, which holds the rejection sampler and the drafter's propose), the rejection sampler, the drafter
-    (ngram, suffix, draft model, eagle), and the whole engine step (internals.TIMED, patched in by
-    internals.time_engine_steps), on whichever model runner(s) this vLLM has. A part
+    (execute_model) and sampling (sample_tokens, which holds the rejection sampler and the drafter's propose), the
+    rejection sampler, the drafter (ngram, suffix, draft model, eagle), and the whole engine step (internals.TIMED,
+    patched in by internals.time_engine_steps), on whichever model runner(s) this vLLM has. A part
     that cannot be patched is skipped and recorded; an error in one is recorded (the file's "error") and logged, and
     never stops the engine."""
     profile = StepProfile(path, sync)
