@@ -157,7 +157,8 @@ def install_profiler(path: Path, sync: bool) -> StepProfile:
     profile = StepProfile(path, sync)
     profile.patches, profile.errors = internals.time_engine_steps(
         lambda fn, part, gpu: _timed(fn, part, profile, gpu), profile.count_step, profile.dump)
-    _time_collections(profile)
+    if not all(how.startswith("skipped") for how in profile.patches.values()):  # times nothing where nothing is read
+        _time_collections(profile)
     for error in profile.errors:
         _warn(f"step profiler: {error}")
     atexit.register(profile.dump)
@@ -186,7 +187,6 @@ def _time_collections(profile: StepProfile) -> None:
             profile.collections[1] += time.perf_counter() - began.pop()
 
     gc.callbacks.append(hook)
-    profile.patches["gc.callbacks"] = "ok"
 
 
 INSTALLED = False  # in this process's memory (a process forked from one that installed inherits the patches)
