@@ -2,7 +2,7 @@
 weights (vLLM's load_format "dummy"; no tokenizer, prompts as token ids), N prompts of L tokens each answering T
 tokens (ignore_eos), vLLM's full batch (max_num_seqs 1,024), greedy, no grammar. vLLM 0.26 captures graphs for steps
 of up to min(2 x max_num_seqs, 512) tokens, fewer than such a step holds; `cgN` captures them up to N tokens
-(bench/common.py graph_sizes). Each configuration in its own process, in the order given, while the budget lasts:
+(bench/common.py graph_sizes). Each configuration in its own process, in the order given:
 
     python3 bench/gpu/graphs_probe.py OUT default,cg2048,default,cg2048 [--rows 3000 --prompt 600 --tokens 48]
 
