@@ -67,11 +67,10 @@ class StepProfile:
     def dump(self) -> None:
         self.last_dump = time.monotonic()
         with self.lock:
+            parts = dict(self.parts, **({"gc": self.collections} if self.collections[0] else {}))
             mine = {"steps": self.steps, "cuda_synchronized": self.sync, "started": self.started,
                     **dict(zip(SCHEDULED, self.scheduled)),
-                    "parts": {k: {"count": int(c), "seconds": s}
-                              for k, (c, s) in sorted([*self.parts.items(), ("gc", tuple(self.collections))])
-                              if k != "gc" or c},
+                    "parts": {k: {"count": int(c), "seconds": s} for k, (c, s) in sorted(parts.items())},
                     "patches": dict(self.patches)}
             if self.errors:
                 mine["error"] = "; ".join(self.errors)
