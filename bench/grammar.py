@@ -94,14 +94,13 @@ def one(cfg: dict) -> dict:
 
     profile = Path(cfg["profile"])
     read = parse(cfg["name"])
-    fills, method, threads, as_written, rows, stats = (read[k] for k in ("fills", "method", "threads", "written",
-                                                                          "rows", "stats"))
+    fills, method, threads, stats = read["fills"], read["method"], read["threads"], read["stats"]
     ours = fills in ("batch", "ahead", "late")
     os.environ.update({"BATCHJSON_RUNNER_PID": str(os.getpid()), ENV_PROFILE: str(profile), ENV_PROFILE_SYNC: "0",
                        internals.GRAMMAR_FILLS_ENV: "batch" if ours else "vllm",
                        internals.AHEAD_ENV: "1" if fills in ("ahead", "late") else "0",
                        internals.AHEAD_FROM_ENV: "update" if fills == "late" else "launch",
-                       internals.V2_MASK_ROWS_ENV: "1" if rows else "0"})
+                       internals.V2_MASK_ROWS_ENV: "1" if read["rows"] else "0"})
     if threads:
         os.environ[internals.FILL_THREADS_ENV] = threads
     from batchjson.engine.vllm_engine import _vllm
@@ -135,7 +134,7 @@ def one(cfg: dict) -> dict:
         from batchjson.schema.grammar import choose
 
         written = schema(cfg["task"])
-        given = choose(written, "xgrammar").grammar_schema if ours and not as_written else written
+        given = choose(written, "xgrammar").grammar_schema if ours and not read["written"] else written
         params = vllm.SamplingParams(temperature=0.0, max_tokens=cfg["max_tokens"],
                                      structured_outputs=StructuredOutputsParams(json=given))
     flush = vllm.SamplingParams(temperature=0.0, max_tokens=1)
@@ -581,10 +580,12 @@ def main(argv: list[str]) -> int:
             fills, method = read["fills"], read["method"]
             firsts = [r for r in results if r["seqs"] == seqs and r.get("method") == method and "mean_tokens" in r
                       and r["fills"] != "free"]
+            free_tokens = args.max_tokens  # free's lengths: the first schema run's, each row's or their mean
+            if firsts:
+                free_tokens = max(1, round(firsts[0]["mean_tokens"])) if read["mean"] else firsts[0]["lengths_file"]
             cfg = {"name": name, "seqs": seqs, "model": args.model, "task": args.task, "rows": args.rows,
                    "max_tokens": args.max_tokens, "pyspy": args.pyspy, "idle": args.idle, "native": args.native,
-                   "free_tokens": args.max_tokens if not firsts else max(1, round(firsts[0]["mean_tokens"]))
-                                  if read["mean"] else firsts[0]["lengths_file"],
+                   "free_tokens": free_tokens,
                    "profile": str(args.out / f"profile-{name}-{seqs}.json"),
                    "result": str(args.out / f"result-{name}-{seqs}.json")}
             Path(cfg["profile"]).unlink(missing_ok=True)

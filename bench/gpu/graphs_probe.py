@@ -34,8 +34,9 @@ def one(cfg: dict) -> dict:
 
     kwargs = dict(model=cfg["model"], load_format="dummy", skip_tokenizer_init=True, max_num_seqs=1024,
                   max_model_len=cfg["prompt"] + cfg["tokens"] + 16, seed=0)
-    if cfg["name"].startswith("cg"):
-        kwargs["compilation_config"] = {"cudagraph_capture_sizes": graph_sizes(int(cfg["name"][2:]))}
+    sizes = graph_sizes(int(cfg["name"][2:])) if cfg["name"].startswith("cg") else None
+    if sizes:
+        kwargs["compilation_config"] = {"cudagraph_capture_sizes": sizes}
     began = time.perf_counter()
     llm = vllm.LLM(**kwargs)
     started = time.perf_counter() - began
@@ -49,7 +50,7 @@ def one(cfg: dict) -> dict:
     llm.llm_engine.engine_core.shutdown()
     return {"name": cfg["name"], "engine_start_s": round(started, 1), "generate_s": round(seconds, 2),
             "output_tokens": sum(len(o.outputs[0].token_ids) for o in outs),
-            "max_capture": max(graph_sizes(int(cfg["name"][2:]))) if cfg["name"].startswith("cg") else "vLLM's"}
+            "max_capture": sizes[-1] if sizes else "vLLM's"}
 
 
 def main() -> int:

@@ -52,17 +52,13 @@
 #   1.5B's whole runs with and without it against bare vLLM (ahead15ws: one of each); smollean: SmolLM2's step with
 #   it and without, twice, and no grammar (a short sitting);
 #   ahead15schema: the drafted step (schema drafts) with its fills beside the launch against at the step;
-#   ahead15spy: batch, free and ahead with the engine's threads sampled, waiting ones too (py-spy --idle --threads).
-# PLAN ahead15free (issue 46, after run26): the 1.5B's step with no grammar at each row's own length (free) and at the
-#   mean (free+mean, run26's), against GrammarAhead and the batch fills: how much of the launch's +6.4 ms with the
-#   grammar is the requests' ending one by one.
-# PLAN graphssmol, graphs15 (issue 46): vLLM 0.26 captures CUDA graphs for steps of up to 512 tokens, so at its full
-#   batch every forward runs kernel by kernel from Python (py-spy, run26: inductor's Runner.call and Triton launches
-#   under execute_model): the step with graphs up to 2,048 tokens (+cg2048) against without, with GrammarAhead and
-#   with no grammar; graphs15 then whole runs of the default with and without them against bare vLLM.
-# PLAN next46 (issue 46, one 1.5B sitting): the step with GrammarAhead, no grammar at each row's length and at the
-#   mean, both with graphs to 2,048 tokens, the batch fills; then whole runs of the default with and without
-#   those graphs against bare vLLM.
+#   ahead15spy: batch, free and ahead with the engine's threads sampled, waiting ones and native frames too (py-spy
+#   --idle --native --threads).
+# PLAN next46 (issue 46, one 1.5B sitting, after run26): vLLM 0.26 captures CUDA graphs for steps of up to 512 tokens,
+#   so at its full batch every forward runs kernel by kernel from Python (py-spy, run26): the step with GrammarAhead,
+#   with no grammar at each row's own length (free) and at the mean (free+mean, run26's baseline), both with graphs
+#   up to 2,048 tokens (+cg2048), and the batch fills; then whole runs of the default with and without those graphs
+#   against bare vLLM. graphssmol: SmolLM2's step with and without those graphs (a short sitting).
 # PLAN smol46: SmolLM2's step (vLLM's fills, batchjson's, no grammar), then the default against bare vLLM at 30,000 rows.
 # PLAN replicas15mps: the 1.5B with 2 replicas against 1, warm, then both under CUDA MPS.
 # PLAN replicas15ab: the 1.5B at 30,000 rows, all warm, one call: 2 replicas against 1 and bare vLLM's one engine
@@ -291,21 +287,15 @@ run_plan() {
                 --runs auto+warm,auto,auto+noahead,bare-none,auto,auto+noahead ;;
     ahead15ws) need q15 && wr t15-C6000-ahead --task C --rows 6000 --model $q15 --timeout 200 \
                  --runs auto+warm,auto,auto+noahead,bare-none ;;
-    # where the engine core's threads wait: py-spy on the engine process with waiting threads kept, each thread apart
     graphssmol) need smol && gb s-C6000-graphs --task C --rows 6000 --model $smol --seqs 1024 \
                   --configs ahead,ahead+cg2048,free,free+cg2048,ahead,ahead+cg2048 --timeout 150 ;;
-    graphs15) need q15 && gb g15-C6000-graphs --task C --rows 6000 --model $q15 --seqs 1024 \
-                --configs ahead,ahead+cg2048,free,free+cg2048,ahead,ahead+cg2048 --timeout 200
-              need q15 && wr t15-C6000-graphs --task C --rows 6000 --model $q15 --timeout 200 \
-                --runs auto+warm,auto+cg2048+warm,auto,auto+cg2048,bare-none,auto,auto+cg2048 ;;
     next46) need q15 && gb g15-C6000-next --task C --rows 6000 --model $q15 --seqs 1024 \
               --configs ahead,free,free+mean,ahead+cg2048,free+cg2048,batch --timeout 200
             need q15 && wr t15-C6000-next --task C --rows 6000 --model $q15 --timeout 200 \
               --runs auto+warm,auto+cg2048+warm,auto,auto+cg2048,bare-none ;;
-    ahead15free) need q15 && gb g15-C6000-free --task C --rows 6000 --model $q15 --seqs 1024 \
-                   --configs ahead,free,batch,free+mean,ahead,free --timeout 200 ;;
+    # where the engine core's threads wait: py-spy on the engine process with waiting threads kept, each thread apart
     ahead15spy) need q15 && gb g15-C6000-spy --task C --rows 6000 --model $q15 --seqs 1024 --configs batch,free,ahead \
-                  --pyspy 5 --idle --timeout 200 ;;
+                  --pyspy 5 --idle --native --timeout 200 ;;
     ahead15schema) need q15 && gb g15-C6000-ahead-schema --task C --rows 6000 --model $q15 --seqs 1024 \
                      --configs batch-schema,ahead-schema,batch-schema,ahead-schema --timeout 200 ;;
     t30kschema) need q15 && wr t15-C30000-schema --task C --rows 30000 --model $q15 --timeout 300 --runs schema,auto ;;
