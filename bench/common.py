@@ -131,16 +131,6 @@ SPECULATIVE = {"suffix": {"method": "suffix", "num_speculative_tokens": 8},
                "draft": {"method": "draft_model", "num_speculative_tokens": 4},
                "schema": {"method": "custom_class", "model": SCHEMA_PROPOSER, "num_speculative_tokens": 8}}
 
-def graph_sizes(largest: int) -> list[int]:
-    """CUDA graph capture sizes (tokens a step) up to `largest`: vLLM's own list to 512 ([1, 2, 4], every 8 to 256,
-    every 16 to 512), then every 128 to 1,024 and every 256 beyond. vLLM 0.26 captures up to min(2 x max_num_seqs,
-    512) tokens, so at its full batch (1,024 in flight, ~1,000-1,700 tokens a step) every step's forward runs without
-    graphs, each kernel launched from Python; the coarse sizes pad a step by up to 255 tokens on a GPU that is
-    mostly idle there, for few captures at the engine's start. (`+cgN` in bench grammar and whole runs.)"""
-    sizes = [1, 2, 4, *range(8, 256, 8), *range(256, 513, 16), *range(640, 1025, 128), *range(1280, largest + 1, 256)]
-    return [size for size in sizes if size <= largest]
-
-
 def dump(path: Path, data: Any) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".tmp-{path.name}")

@@ -27,7 +27,7 @@ Configurations, run in the order given, for each --seqs (vLLM's max_num_seqs, it
   <cfg>+stats   the same with vLLM's stats on (disable_log_stats = False, as batchjson's engine has them).
   <cfg>+rows    the same with Model Runner V2's mask rows mapped by numpy (BATCHJSON_V2_MASK_ROWS=1,
                 engine/internals.py install_v2_mask_rows; with batchjson's fills).
-  <cfg>+cgN     the same with CUDA graphs captured for steps of up to N tokens (bench/common.py graph_sizes;
+  <cfg>+cgN     the same with CUDA graphs captured for steps of up to N tokens (engine/vllm_engine.py graph_sizes;
                 vLLM 0.26 captures up to 512, fewer tokens than a step at its full batch).
 Each reports generate seconds, engine steps, ms per step, the profile's parts per step (the engine core's
 schedule, update_from_output and the grammars' advance inside it, grammar_bitmask, forward launch, sampling launch;
@@ -64,7 +64,8 @@ import threading
 import time
 from pathlib import Path
 
-from bench.common import SPECULATIVE, answer_one, dump, graph_sizes, one_process, table
+from batchjson.engine.vllm_engine import graph_sizes
+from bench.common import SPECULATIVE, answer_one, dump, one_process, table
 
 PARTS = ("schedule", "update_from_output", "advance", "grammar_bitmask", "get_grammar_bitmask", "ahead",
          "ahead_advance", "ahead_fill", "forward", "sample_tokens", "propose", "drafts", "gc", "engine_step")

@@ -32,7 +32,8 @@ Runs, in the order given (compare only runs of one call: machines differ by +-30
   <run>+rpgN              the same with [model] replicas_per_gpu = N (N engine replicas share each GPU); last in
                           the name (none@512+rpg2, none+p2+rpg2). --replicas-per-gpu 1,2,3,4 runs each batchjson run of --runs so.
   <run>+cgN               the same with CUDA graphs captured for steps of up to N tokens ([model.engine]
-                          compilation_config; bench/common.py graph_sizes); bare vLLM keeps its own (up to 512).
+                          compilation_config; engine/vllm_engine.py graph_sizes; batchjson's GPU default is 2,048, so
+                          +cg512 is vLLM's own list); bare vLLM keeps its own (up to 512).
   <run>+gmuX              the same with [model.engine] gpu_memory_utilization = X (each engine's share of its GPU):
                           none+gmu0.3+rpg1 against none+rpg1 is what a lone engine's KV cache size costs its start.
   <run>+measure           the same with batchjson's cache emptied first, as on a configuration's first night: the
@@ -83,7 +84,8 @@ from pathlib import Path
 
 from batchjson.engine.devices import visible_gpus
 from batchjson.engine.internals import AHEAD_ENV
-from bench.common import P1, P2, ROOT, SPECULATIVE, cli, graph_sizes, run_group
+from batchjson.engine.vllm_engine import graph_sizes
+from bench.common import P1, P2, ROOT, SPECULATIVE, cli, run_group
 from bench.replicas import HostSampler
 from bench.tasks import TASKS, schema, score, write_task
 

@@ -81,6 +81,22 @@ def cpu_dtype(dtype: str, cpuinfo: str = "/proc/cpuinfo") -> str:
     return dtype if {"avx512_bf16", "amx_bf16"} & set(flags) else "float32"
 
 
+# CUDA graphs for steps of up to this many tokens on a GPU. vLLM 0.26 captures them for up to min(2 x max_num_seqs,
+# 512) tokens, and at its full batch (1,024 in flight on an H100/H200) a step holds ~900-1,700: without this, every
+# step's forward ran kernel by kernel from Python (py-spy, run26) while the GPU idled. On the 1.5B (run28, an H100):
+# a step x0.71 with or without the grammar, a whole 6,000-row run x0.97, ~2 s more engine start (BENCHMARKS.md,
+# "What the JSON constraint costs a step"). vLLM drops the sizes above its max_num_batched_tokens.
+GRAPH_TOKENS = 2048
+
+
+def graph_sizes(largest: int) -> list[int]:
+    """CUDA graph capture sizes (tokens a step) up to `largest`: vLLM's own list to 512 ([1, 2, 4], every 8 to 256,
+    every 16 to 512), then every 128 to 1,024 and every 256 beyond: the coarse sizes pad a step by up to 255 tokens,
+    on a GPU that is mostly idle at those steps, for few captures at the engine's start."""
+    sizes = [1, 2, 4, *range(8, 256, 8), *range(256, 513, 16), *range(640, 1025, 128), *range(1280, largest + 1, 256)]
+    return [size for size in sizes if size <= largest]
+
+
 def engine_kwargs(model: ModelSpec, decoding: DecodingSpec, backend: str, speculative: SpeculativeSpec | None,
                   cpu: bool) -> dict[str, Any]:
     """The keyword arguments of `vllm.LLM` for one engine: `backend` decodes the grammar, `speculative` (None: no
@@ -102,6 +118,8 @@ def engine_kwargs(model: ModelSpec, decoding: DecodingSpec, backend: str, specul
         # offset"): seed the engine instead, which is reproducible for the same input and settings.
         if decoding.seed is not None:
             kwargs["seed"] = decoding.seed
+    elif not drafting:  # drafted steps (1 + k tokens a request) with these graphs: not measured, vLLM's own
+        kwargs["compilation_config"] = {"cudagraph_capture_sizes": graph_sizes(GRAPH_TOKENS)}
     if drafting:
         kwargs["speculative_config"] = speculative_config(speculative)
     return kwargs | model.engine

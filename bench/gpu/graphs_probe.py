@@ -2,7 +2,7 @@
 weights (vLLM's load_format "dummy"; no tokenizer, prompts as token ids), N prompts of L tokens each answering T
 tokens (ignore_eos), vLLM's full batch (max_num_seqs 1,024), greedy, no grammar. vLLM 0.26 captures graphs for steps
 of up to min(2 x max_num_seqs, 512) tokens, fewer than such a step holds; `cgN` captures them up to N tokens
-(bench/common.py graph_sizes). Each configuration in its own process, in the order given:
+(batchjson/engine/vllm_engine.py graph_sizes). Each configuration in its own process, in the order given:
 
     python3 bench/gpu/graphs_probe.py OUT default,cg2048,default,cg2048 [--rows 3000 --prompt 600 --tokens 48]
 
@@ -30,7 +30,7 @@ def one(cfg: dict) -> dict:
     import vllm
     from vllm.inputs import TokensPrompt
 
-    from bench.common import graph_sizes
+    from batchjson.engine.vllm_engine import graph_sizes
 
     kwargs = dict(model=cfg["model"], load_format="dummy", skip_tokenizer_init=True, max_num_seqs=1024,
                   max_model_len=cfg["prompt"] + cfg["tokens"] + 16, seed=0)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from batchjson.engine.vllm_engine import cpu_dtype, engine_kwargs
+from batchjson.engine.vllm_engine import GRAPH_TOKENS, cpu_dtype, engine_kwargs, graph_sizes
 from batchjson.errors import EngineError
 from batchjson.spec import DecodingSpec, ModelSpec, SpeculativeSpec
 
@@ -20,7 +20,22 @@ def test_a_gpu_engine_gets_the_grammar_settings_and_no_cpu_ones(folder):
     model = ModelSpec(path=folder, dtype="bfloat16", disable_any_whitespace=False)
     assert engine_kwargs(model, DecodingSpec(seed=3), "guidance", None, cpu=False) == {
         "model": folder, "dtype": "bfloat16", "disable_log_stats": True,  # as bare vLLM: no draft counters to read
-        "structured_outputs_config": {"backend": "guidance", "disable_any_whitespace": False}}
+        "structured_outputs_config": {"backend": "guidance", "disable_any_whitespace": False},
+        "compilation_config": {"cudagraph_capture_sizes": graph_sizes(GRAPH_TOKENS)}}
+
+
+def test_a_gpu_engine_captures_graphs_for_a_full_batchs_steps_and_the_user_can_say_otherwise(folder):
+    """vLLM 0.26 captures CUDA graphs for steps of up to 512 tokens; a step at its full batch holds ~900-1,700."""
+    sizes = engine_kwargs(ModelSpec(path=folder), DecodingSpec(), "xgrammar", None, cpu=False)[
+        "compilation_config"]["cudagraph_capture_sizes"]
+    assert sizes == sorted(set(sizes)) and sizes[-1] == 2048 and {1, 512, 1024, 1792} <= set(sizes)
+    assert graph_sizes(512) == [1, 2, 4, *range(8, 256, 8), *range(256, 513, 16)]  # vLLM 0.26's own list
+    assert "compilation_config" not in engine_kwargs(ModelSpec(path=folder), DecodingSpec(), "xgrammar", None, True)
+    ngram = SpeculativeSpec(method="ngram")  # drafted steps keep vLLM's graphs (not measured with these)
+    assert "compilation_config" not in engine_kwargs(ModelSpec(path=folder), DecodingSpec(), "xgrammar", ngram, False)
+    mine = ModelSpec(path=folder, engine={"compilation_config": {"max_cudagraph_capture_size": 256}})
+    assert engine_kwargs(mine, DecodingSpec(), "xgrammar", None, False)["compilation_config"] == {
+        "max_cudagraph_capture_size": 256}
 
 
 def test_a_cpu_engine_runs_eager_and_takes_the_seed_engine_wide(folder):
