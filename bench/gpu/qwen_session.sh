@@ -59,6 +59,10 @@
 #   with no grammar at each row's own length (free) and at the mean (free+mean, run26's baseline), both with graphs
 #   up to 2,048 tokens (+cg2048), and the batch fills; then whole runs of the default with and without those graphs
 #   against bare vLLM. graphssmol: SmolLM2's step with and without those graphs (a short sitting).
+# PLAN next47 (issues 46 and 40, one 1.5B sitting, after run28 made graphs to 2,048 tokens the GPU default without
+#   drafts): the drafted step (schema drafts, ~4,400 tokens a step) with graphs to 4,608 tokens against vLLM's, beside
+#   the plain step with graphs; whole runs at 6,000 rows of the default against vLLM's graphs (+cg512) and bare vLLM,
+#   one under bench/start_trace.py (run28's first request came 6-9 s after bare's); then 30,000 rows, default and bare.
 # PLAN smol46: SmolLM2's step (vLLM's fills, batchjson's, no grammar), then the default against bare vLLM at 30,000 rows.
 # PLAN replicas15mps: the 1.5B with 2 replicas against 1, warm, then both under CUDA MPS.
 # PLAN replicas15ab: the 1.5B at 30,000 rows, all warm, one call: 2 replicas against 1 and bare vLLM's one engine
@@ -293,6 +297,11 @@ run_plan() {
               --configs ahead,free,free+mean,ahead+cg2048,free+cg2048,batch --timeout 200
             need q15 && wr t15-C6000-next --task C --rows 6000 --model $q15 --timeout 200 \
               --runs auto+warm,auto+cg2048+warm,auto,auto+cg2048,bare-none ;;
+    next47) need q15 && gb g15-C6000-graphs --task C --rows 6000 --model $q15 --seqs 1024 \
+              --configs ahead-schema+cg4608,ahead-schema,ahead+cg2048,free+cg2048 --timeout 200
+            need q15 && wr t15-C6000-graphs --task C --rows 6000 --model $q15 --timeout 200 \
+              --runs auto+warm,auto+cg512+warm,auto+trace,auto+cg512,bare-none,auto
+            need q15 && wr t15-C30000-graphs --task C --rows 30000 --model $q15 --timeout 300 --runs auto,bare-none ;;
     # where the engine core's threads wait: py-spy on the engine process with waiting threads kept, each thread apart
     ahead15spy) need q15 && gb g15-C6000-spy --task C --rows 6000 --model $q15 --seqs 1024 --configs batch,free,ahead \
                   --pyspy 5 --idle --native --timeout 200 ;;
