@@ -43,6 +43,7 @@ from batchjson.storage.shelf import Shelf
 
 PLANNED_SCHEMA = INDEX_SCHEMA.empty_table().select(PLANNED).schema  # the index's planning columns
 CHECKED = 32768  # the records whose files `_check_sizes` looks at together
+LISTED_PAGE = 1000  # the keys one request of an object store's listing answers (S3's page)
 KINDS: dict[Stage, tuple[Kind, ...]] = {Stage.FIRST: ("output", "rejects", "requeue"),
                                         Stage.SECOND: ("output", "rejects")}  # only pass 1 requeues
 
@@ -474,14 +475,15 @@ class Commits:
         gone) and any file of a record older than `sizes` are read as verify reads them (the id column), so what
         verify finds unreadable a rerun redoes. `verify` reads every file.
 
-        `defer` (a local folder): only the units pass 2 hands out are surveyed now, from their records, read (not
-        the index): those with a requeue file whose pass 1 is committed and whose pass 2 is not, each of their
-        files looked at (a stat). The other committed units are surveyed by `Survey.later`, which the run calls
-        beside its passes (job.py redoes what it finds damaged, and adds their tally to the progress file's): it
-        lists the records with their stamps, by which the index answers for them, and the part folders. At 100
-        million rows these listings (585,000 files, a stat each), the index's answers and their tally took 1.5-2 s of
-        the resume's way to its first prompt. On object storage every unit is surveyed now: a look at each file of
-        the units handed out would cost a request each.
+        `defer`: only the units pass 2 hands out are surveyed now, from their records, read (not the index): those
+        with a requeue file whose pass 1 is committed and whose pass 2 is not, each of their files looked at (a stat;
+        on object storage, where a look is a request, each part folder listed instead once they are more than a
+        listing's pages). The other committed units are surveyed by `Survey.later`, which the run calls beside its
+        passes (job.py redoes what it finds damaged, and adds their tally to the progress file's): it lists the
+        records with their stamps, by which the index answers for them, and the part folders. At 100 million rows
+        these listings (585,000 files, a stat each), the index's answers and their tally took 1.5-2 s of the resume's
+        way to its first prompt; on object storage the index's parts and the records after its last part are
+        requests too (BENCHMARKS.md, "A resume after a kill at 99%").
 
         Planned from columns (storage/index.py): the index's rows for the records listed with the indexed stamp
         answer for them, compared with the folders' listings as Arrow tables; only a record they do not answer for
@@ -491,7 +493,7 @@ class Commits:
         the planning's peak was 458-464 MiB with joins, 324-356 with look-ups, and the resume's 497-505 and 362-394."""
         found = None
         try:
-            found = self._survey(keys, id_column, defer and self.units.local)
+            found = self._survey(keys, id_column, defer)
             return found
         finally:
             # the index's bytes answer from here on (read once first asked for), or once `later` has run
@@ -510,8 +512,10 @@ class Commits:
                              for stage in Stage)
             held = held.filter(pc.and_(pc.is_in(held, value_set=first), pc.invert(pc.is_in(held, value_set=second))))
             records = self._read_records(UnitName.unit_ids(Stage.FIRST, held.to_pylist()), parsed, flaws)
+            # a look per file, unless on object storage the looks would be more requests than a listing's pages
+            look = self.units.local or records.num_rows <= max(1, len(names) // LISTED_PAGE)
             for kind, folder in self.folders.items():
-                self._check_sizes(kind, records, parsed, flaws, id_column, folder)
+                self._check_sizes(kind, records, parsed, flaws, id_column, folder if look else self._listing(folder))
             done = pa.array([*records["key"].to_pylist(), *flaws], pa.string())
             rest = mine.filter(pc.invert(pc.is_in(pc.utf8_slice_codeunits(mine, 3, -5), value_set=done)))
             if len(rest):

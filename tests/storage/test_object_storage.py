@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pyarrow as pa
@@ -312,3 +313,61 @@ def test_a_resume_reads_no_commit_record_and_no_part_file(tmp_path, tiny_model, 
         assert len(records) > 10 and len(read) > len(records) * 2  # and its end check reads every file
         assert resume() == []
         assert cli("verify", job, "--output", out).exit_code == 0
+
+
+@pytest.mark.parametrize("left", [1, 2])
+def test_a_resume_on_s3_hands_out_work_without_waiting_for_the_index(tmp_path, tiny_model, s3, s3_server,
+                                                                     monkeypatch, left):
+    """On object storage too, the units no pass hands out are surveyed beside the run (`Survey.later`): before its
+    first hand-out a resume reads only the records of the units waiting for pass 2 and does not wait for the index
+    (its read held back here, as a slow store would); the survey beside the run then finds a finished unit's output
+    cut short. `left`: units waiting for pass 2, whose files are looked at one by one (1) or found in a listing of
+    each part folder (2: more looks than the listings' pages)."""
+    from batchjson.storage import Storage
+    from batchjson.storage.index import Index
+
+    put_rows(f"{s3}/in/a.parquet", tmp_path / "a.parquet", 48)
+    job = write_job(tmp_path, tiny_model, f"{s3}/in", batch_size=4)
+    out = f"{s3}/out"
+    assert run_job(load_spec(job), out, engine_factory=FakeEngines(valid=0.5, seed=3),
+                   progress=False).verified["complete"]
+    filesystem, root = fs.FileSystem.from_uri(out)
+    units = f"{root}/_batchjson/units"
+    records = [json.loads(filesystem.open_input_stream(i.path).read())
+               for i in filesystem.get_file_info(fs.FileSelector(units)) if i.base_name.startswith("p1-")]
+    waiting = [r for r in records if "requeue" in r["files"]][:left]  # their pass 2 undone: handed out again
+    for unit in waiting:
+        second = json.loads(filesystem.open_input_stream(f"{units}/p2-{unit['key']}.json").read())
+        filesystem.delete_file(f"{units}/p2-{unit['key']}.json")
+        for kind, name in second["files"].items():
+            filesystem.delete_file(f"{root}/{'_rejects/' if kind == 'rejects' else ''}{name}")
+    done = next(r for r in records if "output" in r["files"] and r not in waiting)
+    output = f"{root}/{done['files']['output']}"
+    data = filesystem.open_input_stream(output).read()
+    with filesystem.open_output_stream(output) as f:
+        f.write(data[:-10])
+    held, read_all, read = threading.Event(), threading.Event(), Index._read
+
+    def held_back(index, files):
+        held.wait(10)
+        read(index, files)
+        read_all.set()
+
+    monkeypatch.setattr(Index, "_read", held_back)
+    with FaultProxy(s3_server.endpoint) as proxy:  # no faults: it counts the requests
+        monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://{proxy.endpoint}")
+        commits = Storage(out).commits
+        commits.read_index()
+        commits.recover()
+        proxy.paths.clear()
+        found = commits.survey(sorted(r["key"] for r in records), "id", defer=True)
+        assert not read_all.is_set()  # handed out before the index was read
+        got = sorted(path.rsplit("/", 1)[1] for (op, path), n in proxy.paths.items()
+                     if op == "GET" and "/units/" in path)
+        assert got == sorted(f"p1-{unit['key']}.json" for unit in waiting), got
+        looks = sum(n for (op, path), n in proxy.paths.items() if op == "HEAD" and path.endswith(".parquet"))
+        assert (looks > 0) == (left == 1), proxy.paths  # each file looked at, or the folders listed
+        assert found.second == {unit["key"]: unit["rows"]["requeue"] for unit in waiting} and not found.damaged
+        held.set()
+        damaged, _ = found.later()
+    assert list(damaged) == [done["key"]] and "bytes, not the" in damaged[done["key"]], damaged
