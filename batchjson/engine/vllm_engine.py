@@ -84,8 +84,8 @@ def cpu_dtype(dtype: str, cpuinfo: str = "/proc/cpuinfo") -> str:
 # CUDA graphs for steps of up to this many tokens on a GPU. vLLM 0.26 captures them for up to min(2 x max_num_seqs,
 # 512) tokens, and at its full batch (1,024 in flight on an H100/H200) a step holds ~900-1,700: without this, every
 # step's forward ran kernel by kernel from Python (py-spy, run26) while the GPU idled. On the 1.5B (run28, an H100):
-# a step x0.71 with or without the grammar, a whole 6,000-row run x0.97, ~2 s more engine start (BENCHMARKS.md,
-# "What the JSON constraint costs a step"). vLLM drops the sizes above its max_num_batched_tokens.
+# a step x0.71 with or without the grammar, a whole 6,000-row run x0.97, its engine start within the runs' spread
+# (BENCHMARKS.md, "What the JSON constraint costs a step"). vLLM drops the sizes above its max_num_batched_tokens.
 GRAPH_TOKENS = 2048
 
 

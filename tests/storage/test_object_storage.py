@@ -362,8 +362,7 @@ def test_a_resume_on_s3_hands_out_work_without_waiting_for_the_index(tmp_path, t
         proxy.paths.clear()
         found = commits.survey(sorted(r["key"] for r in records), "id", defer=True)
         assert not read_all.is_set()  # handed out before the index was read
-        got = sorted(path.rsplit("/", 1)[1] for (op, path), n in proxy.paths.items()
-                     if op == "GET" and "/units/" in path)
+        got = sorted(path.rsplit("/", 1)[1] for op, path in proxy.paths if op == "GET" and "/units/" in path)
         assert got == sorted(f"p1-{unit['key']}.json" for unit in waiting), got
         looks = sum(n for (op, path), n in proxy.paths.items() if op == "HEAD" and path.endswith(".parquet"))
         assert (looks > 0) == (left == 1), proxy.paths  # each file looked at, or the folders listed
