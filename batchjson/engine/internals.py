@@ -89,6 +89,7 @@ import os
 import re
 import sys
 import threading
+import time
 from collections.abc import Callable
 
 from batchjson.schema.drafts import COPY_MAX, Drafter, PromptIndex
@@ -581,6 +582,15 @@ AHEAD_ENV = "BATCHJSON_GRAMMAR_AHEAD"  # "0": GrammarAhead off (on by default, w
 # launch) or "update" (when update_from_output(n) asks, on the engine core's thread, as one batch call; n+1's fill
 # then goes on the thread beside the rest of update_from_output): the benchmarks' comparison of the two.
 AHEAD_FROM_ENV = "BATCHJSON_GRAMMAR_AHEAD_FROM"
+# How the thread waits for step n's tokens to reach the host: "sync" (the default: the copy's CUDA event, whose wait
+# spins in CUDA's driver beside the forward's launch on the engine core's thread) or "poll" (asks the event whether it
+# is done, sleeping AHEAD_POLL_S between asks): the benchmarks' comparison of the two.
+AHEAD_WAIT_ENV = "BATCHJSON_GRAMMAR_AHEAD_WAIT"
+AHEAD_POLL_S = 0.0002
+# Python's cyclic collector in an engine core whose grammars GrammarAhead serves: "" (the default: the interpreter's
+# thresholds) or a first generation's threshold ("10000"), which collects the young objects of each step's requests
+# and grammars less often: the benchmarks' comparison.
+ENGINE_GC_ENV = "BATCHJSON_ENGINE_GC"
 
 
 def ahead_wanted() -> bool:
@@ -627,6 +637,12 @@ class GrammarAhead:
         self.moved: set = set()  # requests vLLM advanced itself while a job's masks stood
         self.late = os.environ.get(AHEAD_FROM_ENV, "launch") == "update"  # the advance when update_from_output asks
         self.stops = None  # the matchers' stop tokens (one tokenizer an engine)
+        self.poll = os.environ.get(AHEAD_WAIT_ENV, "sync") == "poll"
+        gc_first = os.environ.get(ENGINE_GC_ENV, "")
+        if gc_first.isdigit() and int(gc_first) > 0:
+            import gc
+
+            gc.set_threshold(int(gc_first), *gc.get_threshold()[1:])
         from vllm.v1.request import RequestStatus
 
         self.preempted = RequestStatus.PREEMPTED  # a status above it is a finished request's
@@ -701,7 +717,11 @@ class GrammarAhead:
         whether it ended only after a stop token (vLLM's matchers end only by accepting one)."""
         requests, known, preempted = self.requests, self.grammars, self.preempted
         try:
-            output.copy_event.synchronize()
+            if self.poll:
+                while not output.copy_event.query():
+                    time.sleep(AHEAD_POLL_S)
+            else:
+                output.copy_event.synchronize()
             index = output.model_runner_output.req_id_to_index
             rows = [index[r] for r in ids]
             counts = output.num_sampled_tokens_np[rows]

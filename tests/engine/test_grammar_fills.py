@@ -270,7 +270,7 @@ def sampled(tokens: dict, order: list[str]):
     import numpy as np
 
     return SimpleNamespace(
-        copy_event=SimpleNamespace(synchronize=lambda: None),
+        copy_event=SimpleNamespace(synchronize=lambda: None, query=lambda: True),
         model_runner_output=SimpleNamespace(req_id_to_index={r: i for i, r in enumerate(order)}),
         sampled_token_ids=np.array([[tokens.get(r, -1)] for r in order], dtype=np.int32),
         num_sampled_tokens_np=np.array([0 if tokens.get(r, -1) == -1 else 1 for r in order], dtype=np.int32))
@@ -296,29 +296,49 @@ def vllm_update(requests, ids, tokens, skip=frozenset()) -> list[str]:
     return moved
 
 
-@pytest.mark.parametrize("late", [False, True], ids=["from the launch", "from update_from_output"])
-def test_grammar_work_ahead_of_the_step_is_vllms_step_after_step(grammar_kit, late):
+class SlowCopy:
+    """A step's copy of its tokens to the host that is done at the third ask; its blocking wait is not to be used."""
+
+    def __init__(self):
+        self.asked = 0
+
+    def query(self) -> bool:
+        self.asked += 1
+        return self.asked >= 3
+
+    def synchronize(self):
+        raise AssertionError("the polling thread waited in CUDA's wait")
+
+
+@pytest.mark.parametrize("late,poll", [(False, False), (True, False), (False, True)],
+                         ids=["from the launch", "from update_from_output", "polling the copy"])
+def test_grammar_work_ahead_of_the_step_is_vllms_step_after_step(grammar_kit, late, poll):
     """Twelve requests through their answers, each step's tokens taken and the next step's masks made on the thread
-    (GrammarAhead; `late`: the tokens taken when update_from_output asks, only the fill on the thread), requests
-    finishing as their grammar ends: every mask and every grammar's count is what vLLM's update_from_output and its
-    fill give, and update_from_output is left nothing to advance."""
+    (GrammarAhead; `late`: the tokens taken when update_from_output asks, only the fill on the thread; `poll`: the
+    thread asks the tokens' copy whether it is done until it is), requests finishing as their grammar ends: every
+    mask and every grammar's count is what vLLM's update_from_output and its fill give, and update_from_output is
+    left nothing to advance."""
     tokenizer, compiled, vocab = grammar_kit
     answers = [answer_tokens(tokenizer, compiled, f'{{"name": "w{i % 5}x{"y" * (i % 4)}", "n": {i % 10}}}') for i in range(12)]
     gs, mine = grammars(compiled, vocab, 12), grammars(compiled, vocab, 12)
     theirs, ours = ahead_requests(gs), ahead_requests(mine)
     words = xgr.allocate_token_bitmask(1, vocab).shape[1]
     ahead = internals.GrammarAhead(internals.BatchFills(rows=16, words=words, drafted=True), ours)
-    ahead.min_requests, ahead.late = 1, late
+    ahead.min_requests, ahead.late, ahead.poll = 1, late, poll
     ids = list(ours)
     step = scheduled(ids)
     ahead.note(step, SimpleNamespace(structured_output_request_ids=ids))  # the first step's masks were vLLM's
     for position in range(max(map(len, answers))):
         tokens = {r: answers[int(r)][position] for r in ids}
         following = scheduled(ids)  # the runner's batch: every request the step scheduled, in its own order
-        ahead.waiting = (SimpleNamespace(async_output=sampled(tokens, list(step.num_scheduled_tokens)[::-1])), step, None)
+        output = sampled(tokens, list(step.num_scheduled_tokens)[::-1])
+        if poll:
+            output.copy_event = SlowCopy()
+        ahead.waiting = (SimpleNamespace(async_output=output), step, None)
         ahead.start(following)
         advanced = ahead.advanced(step)
         assert advanced == set(ids)
+        assert not poll or output.copy_event.asked == 3
         assert vllm_update(ours, ids, tokens, skip=advanced) == []
         vllm_update(theirs, ids, tokens)
         made = ahead.masks(following)
