@@ -174,7 +174,7 @@ def one(cfg: dict) -> dict:
                                                          req_id_to_index={r: i for i, r in enumerate(req_ids)})
             self.sampled_token_ids = np.array(tokens, dtype=np.int64).reshape(len(tokens), 1)
             self.num_sampled_tokens_np = np.ones(len(tokens), dtype=np.int32)
-            self.copy_event = SimpleNamespace(synchronize=lambda: None, query=lambda: True)
+            self.copy_event = SimpleNamespace(synchronize=lambda: None)
 
         def get_output(self):
             self.model_runner_output.sampled_token_ids = self.sampled_token_ids.tolist()

@@ -27,10 +27,10 @@ Configurations, run in the order given, for each --seqs (vLLM's max_num_seqs, it
   <cfg>+stats   the same with vLLM's stats on (disable_log_stats = False, as batchjson's engine has them).
   <cfg>+rows    the same with Model Runner V2's mask rows mapped by numpy (BATCHJSON_V2_MASK_ROWS=1,
                 engine/internals.py install_v2_mask_rows; with batchjson's fills).
-  <cfg>+poll    "ahead" whose thread waits for a step's tokens by asking their copy's CUDA event, sleeping between
-                asks, instead of CUDA's spinning wait (BATCHJSON_GRAMMAR_AHEAD_WAIT=poll).
   <cfg>+gcN     the same with Python's first-generation collection threshold N in the engine core
-                (BATCHJSON_ENGINE_GC; the interpreter's own is 700).
+                (BATCHJSON_ENGINE_GC; batchjson's GPU default 10,000, the interpreter's own 700: +gc700). Without it
+                an engine core with GrammarAhead ("ahead", "late") runs batchjson's default; the others keep the
+                interpreter's.
   <cfg>+cgN     the same with CUDA graphs captured for steps of up to N tokens (engine/vllm_engine.py graph_sizes;
                 vLLM 0.26 captures up to 512, fewer tokens than a step at its full batch).
 Each reports generate seconds, engine steps, ms per step, the profile's parts per step (the engine core's
@@ -81,7 +81,7 @@ GRAMMAR_FRAMES = ("grammar_bitmask", "accept_tokens", "fill_next_token_bitmask",
 
 def parse(name: str) -> dict:
     """A configuration's name read: fills (vllm, batch, ahead, late, free), method, threads and its +flags."""
-    flags: dict = {flag: f"+{flag}" in name for flag in ("written", "rows", "stats", "mean", "poll")}
+    flags: dict = {flag: f"+{flag}" in name for flag in ("written", "rows", "stats", "mean")}
     for flag in flags:
         name = name.replace(f"+{flag}", "")
     graphs = re.search(r"\+cg(\d+)", name)
@@ -109,8 +109,7 @@ def one(cfg: dict) -> dict:
                        internals.AHEAD_ENV: "1" if fills in ("ahead", "late") else "0",
                        internals.AHEAD_FROM_ENV: "update" if fills == "late" else "launch",
                        internals.V2_MASK_ROWS_ENV: "1" if read["rows"] else "0",
-                       internals.AHEAD_WAIT_ENV: "poll" if read["poll"] else "sync",
-                       internals.ENGINE_GC_ENV: str(read["gc"] or "")})
+                       internals.ENGINE_GC_ENV: str(read["gc"] or "")})  # "": batchjson's default
     if threads:
         os.environ[internals.FILL_THREADS_ENV] = threads
     from batchjson.engine.vllm_engine import _vllm

@@ -89,7 +89,6 @@ import os
 import re
 import sys
 import threading
-import time
 from collections.abc import Callable
 
 from batchjson.schema.drafts import COPY_MAX, Drafter, PromptIndex
@@ -582,15 +581,12 @@ AHEAD_ENV = "BATCHJSON_GRAMMAR_AHEAD"  # "0": GrammarAhead off (on by default, w
 # launch) or "update" (when update_from_output(n) asks, on the engine core's thread, as one batch call; n+1's fill
 # then goes on the thread beside the rest of update_from_output): the benchmarks' comparison of the two.
 AHEAD_FROM_ENV = "BATCHJSON_GRAMMAR_AHEAD_FROM"
-# How the thread waits for step n's tokens to reach the host: "sync" (the default: the copy's CUDA event, whose wait
-# spins in CUDA's driver beside the forward's launch on the engine core's thread) or "poll" (asks the event whether it
-# is done, sleeping AHEAD_POLL_S between asks): the benchmarks' comparison of the two.
-AHEAD_WAIT_ENV = "BATCHJSON_GRAMMAR_AHEAD_WAIT"
-AHEAD_POLL_S = 0.0002
-# Python's cyclic collector in an engine core whose grammars GrammarAhead serves: "" (the default: the interpreter's
-# thresholds) or a first generation's threshold ("10000"), which collects the young objects of each step's requests
-# and grammars less often: the benchmarks' comparison.
+# Python's cyclic collector in a GPU engine core: its first generation collected after ENGINE_GC_FIRST allocations
+# instead of the interpreter's 700 (ENGINE_GC_ENV gives another count: "700" is the interpreter's own). An H100, the
+# 1.5B at 1,024 in flight with GrammarAhead: 41.9-45.5 ms a step against 44.3-54.2, the same tokens (run29,
+# BENCHMARKS.md, "What the JSON constraint costs a step"); a CPU engine keeps the interpreter's (not measured there).
 ENGINE_GC_ENV = "BATCHJSON_ENGINE_GC"
+ENGINE_GC_FIRST = 10_000
 
 
 def ahead_wanted() -> bool:
@@ -637,12 +633,6 @@ class GrammarAhead:
         self.moved: set = set()  # requests vLLM advanced itself while a job's masks stood
         self.late = os.environ.get(AHEAD_FROM_ENV, "launch") == "update"  # the advance when update_from_output asks
         self.stops = None  # the matchers' stop tokens (one tokenizer an engine)
-        self.poll = os.environ.get(AHEAD_WAIT_ENV, "sync") == "poll"
-        gc_first = os.environ.get(ENGINE_GC_ENV, "")
-        if gc_first.isdigit() and int(gc_first) > 0:
-            import gc
-
-            gc.set_threshold(int(gc_first), *gc.get_threshold()[1:])
         from vllm.v1.request import RequestStatus
 
         self.preempted = RequestStatus.PREEMPTED  # a status above it is a finished request's
@@ -657,6 +647,7 @@ class GrammarAhead:
             manager = scheduler.structured_output_manager
             if manager.backend is None:
                 return None  # no grammar yet: asked again at the next step
+            engine_gc(_cuda_platform())
             fills = fills_for(manager)
             config = manager.vllm_config
             sync = not config.scheduler_config.async_scheduling
@@ -717,11 +708,7 @@ class GrammarAhead:
         whether it ended only after a stop token (vLLM's matchers end only by accepting one)."""
         requests, known, preempted = self.requests, self.grammars, self.preempted
         try:
-            if self.poll:
-                while not output.copy_event.query():
-                    time.sleep(AHEAD_POLL_S)
-            else:
-                output.copy_event.synchronize()
+            output.copy_event.synchronize()
             index = output.model_runner_output.req_id_to_index
             rows = [index[r] for r in ids]
             counts = output.num_sampled_tokens_np[rows]
@@ -813,6 +800,19 @@ class GrammarAhead:
         """In get_grammar_bitmask when vLLM made the masks: the step and its ids, for the next step's work."""
         self.last = (scheduled, out.structured_output_request_ids) if out is not None else None
         self.grammars = {}
+
+
+def engine_gc(gpu: bool) -> int:
+    """Set this engine core's first-generation collection threshold (ENGINE_GC_ENV, else ENGINE_GC_FIRST on a GPU, else
+    the interpreter's own): the threshold set, or 0 where none was. Each step of a full batch makes and drops thousands
+    of the requests' and grammars' objects; the collections they start stop every thread of the engine core."""
+    import gc
+
+    given = os.environ.get(ENGINE_GC_ENV, "")
+    first = int(given) if given.isdigit() and int(given) > 0 else ENGINE_GC_FIRST if gpu else 0
+    if first:
+        gc.set_threshold(first, *gc.get_threshold()[1:])
+    return first
 
 
 @installs_once

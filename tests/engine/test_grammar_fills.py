@@ -270,7 +270,7 @@ def sampled(tokens: dict, order: list[str]):
     import numpy as np
 
     return SimpleNamespace(
-        copy_event=SimpleNamespace(synchronize=lambda: None, query=lambda: True),
+        copy_event=SimpleNamespace(synchronize=lambda: None),
         model_runner_output=SimpleNamespace(req_id_to_index={r: i for i, r in enumerate(order)}),
         sampled_token_ids=np.array([[tokens.get(r, -1)] for r in order], dtype=np.int32),
         num_sampled_tokens_np=np.array([0 if tokens.get(r, -1) == -1 else 1 for r in order], dtype=np.int32))
@@ -296,49 +296,29 @@ def vllm_update(requests, ids, tokens, skip=frozenset()) -> list[str]:
     return moved
 
 
-class SlowCopy:
-    """A step's copy of its tokens to the host that is done at the third ask; its blocking wait is not to be used."""
-
-    def __init__(self):
-        self.asked = 0
-
-    def query(self) -> bool:
-        self.asked += 1
-        return self.asked >= 3
-
-    def synchronize(self):
-        raise AssertionError("the polling thread waited in CUDA's wait")
-
-
-@pytest.mark.parametrize("late,poll", [(False, False), (True, False), (False, True)],
-                         ids=["from the launch", "from update_from_output", "polling the copy"])
-def test_grammar_work_ahead_of_the_step_is_vllms_step_after_step(grammar_kit, late, poll):
+@pytest.mark.parametrize("late", [False, True], ids=["from the launch", "from update_from_output"])
+def test_grammar_work_ahead_of_the_step_is_vllms_step_after_step(grammar_kit, late):
     """Twelve requests through their answers, each step's tokens taken and the next step's masks made on the thread
-    (GrammarAhead; `late`: the tokens taken when update_from_output asks, only the fill on the thread; `poll`: the
-    thread asks the tokens' copy whether it is done until it is), requests finishing as their grammar ends: every
-    mask and every grammar's count is what vLLM's update_from_output and its fill give, and update_from_output is
-    left nothing to advance."""
+    (GrammarAhead; `late`: the tokens taken when update_from_output asks, only the fill on the thread), requests
+    finishing as their grammar ends: every mask and every grammar's count is what vLLM's update_from_output and its
+    fill give, and update_from_output is left nothing to advance."""
     tokenizer, compiled, vocab = grammar_kit
     answers = [answer_tokens(tokenizer, compiled, f'{{"name": "w{i % 5}x{"y" * (i % 4)}", "n": {i % 10}}}') for i in range(12)]
     gs, mine = grammars(compiled, vocab, 12), grammars(compiled, vocab, 12)
     theirs, ours = ahead_requests(gs), ahead_requests(mine)
     words = xgr.allocate_token_bitmask(1, vocab).shape[1]
     ahead = internals.GrammarAhead(internals.BatchFills(rows=16, words=words, drafted=True), ours)
-    ahead.min_requests, ahead.late, ahead.poll = 1, late, poll
+    ahead.min_requests, ahead.late = 1, late
     ids = list(ours)
     step = scheduled(ids)
     ahead.note(step, SimpleNamespace(structured_output_request_ids=ids))  # the first step's masks were vLLM's
     for position in range(max(map(len, answers))):
         tokens = {r: answers[int(r)][position] for r in ids}
         following = scheduled(ids)  # the runner's batch: every request the step scheduled, in its own order
-        output = sampled(tokens, list(step.num_scheduled_tokens)[::-1])
-        if poll:
-            output.copy_event = SlowCopy()
-        ahead.waiting = (SimpleNamespace(async_output=output), step, None)
+        ahead.waiting = (SimpleNamespace(async_output=sampled(tokens, list(step.num_scheduled_tokens)[::-1])), step, None)
         ahead.start(following)
         advanced = ahead.advanced(step)
         assert advanced == set(ids)
-        assert not poll or output.copy_event.asked == 3
         assert vllm_update(ours, ids, tokens, skip=advanced) == []
         vllm_update(theirs, ids, tokens)
         made = ahead.masks(following)
@@ -352,6 +332,24 @@ def test_grammar_work_ahead_of_the_step_is_vllms_step_after_step(grammar_kit, la
             del theirs[r], ours[r]
         ids, step = [r for r in ids if r in ours], following
     assert not ids and all(m.is_terminated() for m in mine)
+
+
+@pytest.mark.parametrize("gpu,given,expected", [(True, "", 10_000), (False, "", 0), (True, "700", 700),
+                                                 (False, "5000", 5000)],
+                         ids=["a GPU engine", "a CPU engine", "asked for the interpreter's own", "asked on a CPU"])
+def test_an_engine_core_collects_its_first_generation_less_often_on_a_gpu(monkeypatch, gpu, given, expected):
+    """The engine core's first-generation threshold: batchjson's on a GPU, the interpreter's on a CPU, and what
+    BATCHJSON_ENGINE_GC says where it says it; the older generations' thresholds are left as they were."""
+    import gc
+
+    before = gc.get_threshold()
+    monkeypatch.setenv(internals.ENGINE_GC_ENV, given)
+    try:
+        gc.set_threshold(700, 11, 12)
+        assert internals.engine_gc(gpu) == expected
+        assert gc.get_threshold() == (expected or 700, 11, 12)
+    finally:
+        gc.set_threshold(*before)
 
 
 def test_grammar_work_ahead_skips_what_vllm_skips_and_refills_what_vllm_moved(grammar_kit):
