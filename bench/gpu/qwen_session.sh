@@ -67,6 +67,10 @@
 #   waiting for step n's tokens by polling their copy's event instead of CUDA's spinning wait (+poll), and Python's
 #   first-generation threshold at 10,000 in the engine core (+gc10000), each and both, beside no grammar; whole runs
 #   at 6,000 rows, default and bare vLLM, one under bench/start_trace.py; then the drafted step with graphs to 4,608.
+#   (run29: +poll gained nothing and is gone; +gc10000 is the GPU default since.)
+# PLAN next49 (issues 46 and 40): the step with the collections' default against the interpreter's (+gc700),
+#   alternating, beside no grammar; whole runs at 6,000 rows, the default and bare vLLM alternating, both warm;
+#   then the drafted step with graphs to 4,608 tokens against vLLM's graphs.
 # PLAN smol46: SmolLM2's step (vLLM's fills, batchjson's, no grammar), then the default against bare vLLM at 30,000 rows.
 # PLAN replicas15mps: the 1.5B with 2 replicas against 1, warm, then both under CUDA MPS.
 # PLAN replicas15ab: the 1.5B at 30,000 rows, all warm, one call: 2 replicas against 1 and bare vLLM's one engine
@@ -301,6 +305,12 @@ run_plan() {
               --configs ahead,free,free+mean,ahead+cg2048,free+cg2048,batch --timeout 200
             need q15 && wr t15-C6000-next --task C --rows 6000 --model $q15 --timeout 200 \
               --runs auto+warm,auto+cg2048+warm,auto,auto+cg2048,bare-none ;;
+    next49) need q15 && gb g15-C6000-gc --task C --rows 6000 --model $q15 --seqs 1024 --timeout 200 \
+              --configs ahead+gc700+cg2048,ahead+cg2048,free+cg2048,ahead+gc700+cg2048,ahead+cg2048
+            need q15 && wr t15-C6000-gc --task C --rows 6000 --model $q15 --timeout 200 \
+              --runs auto+warm,bare-none,auto,bare-none,auto
+            need q15 && gb g15-C6000-drafted --task C --rows 6000 --model $q15 --seqs 1024 \
+              --configs ahead-schema+cg4608,ahead-schema --timeout 200 ;;
     next48) need q15 && gb g15-C6000-poll --task C --rows 6000 --model $q15 --seqs 1024 --timeout 200 \
               --configs ahead+cg2048,ahead+poll+cg2048,free+cg2048,ahead+gc10000+cg2048,ahead+poll+gc10000+cg2048
             need q15 && wr t15-C6000-graphs --task C --rows 6000 --model $q15 --timeout 200 \
