@@ -231,6 +231,7 @@ class UnitChecks:
                 self._check(key)
             except (OSError, Unreadable, DamagedRecord, BatchjsonError, pa.ArrowException):
                 continue  # the end check reads the unit, and says what is wrong
+        self.source.drop_ids()  # its row group's ids would stand beside the end check's own
 
     def _check(self, key: str) -> None:
         commits, ref = self.commits, self.refs[key]
