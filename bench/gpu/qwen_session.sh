@@ -63,11 +63,8 @@
 #   drafts): the drafted step (schema drafts, ~4,400 tokens a step) with graphs to 4,608 tokens against vLLM's, beside
 #   the plain step with graphs; whole runs at 6,000 rows of the default against vLLM's graphs (+cg512) and bare vLLM,
 #   one under bench/start_trace.py (run28's first request came 6-9 s after bare's); then 30,000 rows, default and bare.
-# PLAN next48 (issues 46 and 40, one 1.5B sitting, graphs to 2,048 tokens the default): the step's grammar thread
-#   waiting for step n's tokens by polling their copy's event instead of CUDA's spinning wait (+poll), and Python's
-#   first-generation threshold at 10,000 in the engine core (+gc10000), each and both, beside no grammar; whole runs
-#   at 6,000 rows, default and bare vLLM, one under bench/start_trace.py; then the drafted step with graphs to 4,608.
-#   (run29: +poll gained nothing and is gone; +gc10000 is the GPU default since.)
+# (next48 ran as run29: the thread polling the tokens' copy (+poll) gained nothing and is gone; the engine core's
+#   collections at a threshold of 10,000 are the GPU default since.)
 # PLAN next49 (issues 46 and 40): the step with the collections' default against the interpreter's (+gc700),
 #   alternating, beside no grammar; whole runs at 6,000 rows, the default and bare vLLM alternating, both warm;
 #   then the drafted step with graphs to 4,608 tokens against vLLM's graphs.
@@ -309,12 +306,6 @@ run_plan() {
               --configs ahead+gc700+cg2048,ahead+cg2048,free+cg2048,ahead+gc700+cg2048,ahead+cg2048
             need q15 && wr t15-C6000-gc --task C --rows 6000 --model $q15 --timeout 200 \
               --runs auto+warm,bare-none,auto,bare-none,auto
-            need q15 && gb g15-C6000-drafted --task C --rows 6000 --model $q15 --seqs 1024 \
-              --configs ahead-schema+cg4608,ahead-schema --timeout 200 ;;
-    next48) need q15 && gb g15-C6000-poll --task C --rows 6000 --model $q15 --seqs 1024 --timeout 200 \
-              --configs ahead+cg2048,ahead+poll+cg2048,free+cg2048,ahead+gc10000+cg2048,ahead+poll+gc10000+cg2048
-            need q15 && wr t15-C6000-graphs --task C --rows 6000 --model $q15 --timeout 200 \
-              --runs auto+warm,auto+trace,bare-none,auto
             need q15 && gb g15-C6000-drafted --task C --rows 6000 --model $q15 --seqs 1024 \
               --configs ahead-schema+cg4608,ahead-schema --timeout 200 ;;
     next47) need q15 && gb g15-C6000-graphs --task C --rows 6000 --model $q15 --seqs 1024 \
