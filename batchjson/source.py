@@ -359,7 +359,7 @@ class ParquetSource:
             row = first + pc.index(pc.is_null(column), True).as_py()
             raise InputError(f"{path}: row {row} has a null {self.spec.id_column!r}; every row needs an id. "
                              "Fill or drop such rows, or choose another input.id_column.")
-        # One chunk as read, not a copy of it: 17 MB of a million ids (the run's unit checks read one a unit).
+        # One chunk as read, not a copy of it: 17 MB of a million ids (a row group's, read once for its units).
         ids = column.chunk(0) if column.num_chunks == 1 else column.combine_chunks()
         return id_strings(ids, f"{path}: {self.spec.id_column}")
 

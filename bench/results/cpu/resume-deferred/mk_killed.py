@@ -1,4 +1,7 @@
-"""Make W/killed: a fresh run of W/job.toml killed at SHARE of its rows (bench.scale_out.measured), kept by hard links."""
+"""Make W/killed: a fresh run of W/job.toml killed at SHARE of its rows (bench.scale_out.measured), kept by hard links.
+
+    PYTHONPATH=<tree> python mk_killed.py W SHARE ROWS   # W: bench.scale_out's folder (job.toml, model, inputs)
+"""
 import json, os, shutil, subprocess, sys
 from pathlib import Path
 from bench.scale_out import measured

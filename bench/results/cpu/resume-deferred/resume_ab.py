@@ -1,4 +1,7 @@
-"""Resume W/killed (restored by hard links, state files copied) with the tree at PYTHONPATH: its measured() row."""
+"""Resume W/killed (restored by hard links, state files copied) with the tree at PYTHONPATH: its measured() row.
+
+    TREE=<name> PYTHONPATH=<tree> python resume_ab.py W   # one JSON line: peak_mib (VmHWM), first_prompt_s, s
+"""
 import json, os, shutil, subprocess, sys
 from pathlib import Path
 from bench.scale_out import measured
