@@ -67,7 +67,9 @@
 #   collections at a threshold of 10,000 are the GPU default since.)
 # PLAN next49 (issues 46 and 40): the step with the collections' default against the interpreter's (+gc700),
 #   alternating, beside no grammar; whole runs at 6,000 rows, the default and bare vLLM alternating, both warm;
-#   then the drafted step with graphs to 4,608 tokens against vLLM's graphs.
+#   then the drafted step with graphs to 4,608 tokens against vLLM's graphs, a step without drafts between them.
+# PLAN smolgc (issue 46): SmolLM2's step with the collections' default against the interpreter's, with graphs to
+#   2,048 tokens and with vLLM's, beside no grammar.
 # PLAN smol46: SmolLM2's step (vLLM's fills, batchjson's, no grammar), then the default against bare vLLM at 30,000 rows.
 # PLAN replicas15mps: the 1.5B with 2 replicas against 1, warm, then both under CUDA MPS.
 # PLAN replicas15ab: the 1.5B at 30,000 rows, all warm, one call: 2 replicas against 1 and bare vLLM's one engine
@@ -307,7 +309,9 @@ run_plan() {
             need q15 && wr t15-C6000-gc --task C --rows 6000 --model $q15 --timeout 200 \
               --runs auto+warm,bare-none,auto,bare-none,auto
             need q15 && gb g15-C6000-drafted --task C --rows 6000 --model $q15 --seqs 1024 \
-              --configs ahead-schema+cg4608,ahead-schema --timeout 200 ;;
+              --configs ahead-schema+cg4608,ahead+cg2048,ahead-schema --timeout 200 ;;
+    smolgc) need smol && gb s-C6000-gc --task C --rows 6000 --model $smol --seqs 1024 --timeout 150 \
+              --configs ahead+gc700+cg2048,ahead+cg2048,free+cg2048,ahead+gc700,ahead ;;
     next47) need q15 && gb g15-C6000-graphs --task C --rows 6000 --model $q15 --seqs 1024 \
               --configs ahead-schema+cg4608,ahead-schema,ahead+cg2048,free+cg2048 --timeout 200
             need q15 && wr t15-C6000-graphs --task C --rows 6000 --model $q15 --timeout 200 \
