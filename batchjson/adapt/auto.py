@@ -7,15 +7,19 @@ the job's own outputs (acceptance), the in-flight size and the platform. So `aut
 1. starts with the choice that was faster at this in-flight size, for the measured model nearest in size, in our
    measurements (MEASURED_SPEEDUP; on a GPU: on SmolLM2-135M suffix decoding from 1 to 512 requests in flight, ngram
    only near 32; on the 1.5B suffix only with few in flight (16), no method at 64 or more, a draft model nowhere
-   (16 to 1024), batchjson's schema drafts at a full batch about as fast as none (x0.93-1.13 of its
-   pass-1 decode in whole runs of two tasks);
+   (16 to 1024), batchjson's schema drafts at a full batch x0.79 of none since none's step got CUDA graphs to
+   2,048 tokens and its grammar work beside the launch (x0.93-1.13 before);
    none at a full engine batch (the default max_in_flight) and on a CPU). The other choice is the faster
    speculative method measured at that size: at a full batch on a GPU the schema drafts, where the job has a
    JSON Schema and the engine can make them;
 2. measures that choice on the job's first rows: output tokens per second of decoding, ms per step, tokens per step
    and, with speculation, the acceptance;
 3. when the rest of the pass is long enough (TRIAL_PAYS engine starts), decodes the next rows with the other
-   choice, measures it the same way, and keeps the faster one (a second start when that is the first one).
+   choice, measures it the same way, and keeps the faster one (a second start when that is the first one). A
+   speculative method measured under WORTH_TRYING of none is not tried (the schema drafts at a full batch on the
+   1.5B, x0.79): its trial would cost the pass slower rows and two engine starts for a gain no measured job showed.
+   A configured draft model is tried all the same (ours measured one pair of models, the user chose another), and
+   no speculation is always tried against a speculative first choice: a job's own acceptance can undo a prior.
 
 A short pass keeps the predicted choice: a trial would cost more than it could save there. A trial that goes back
 costs two engine starts, at most 2 / TRIAL_PAYS = 5% of the rest of the pass, so auto stays within 0.95x of the
@@ -51,13 +55,14 @@ MEASURED_SPEEDUP = {
             3.1: {"ngram": {16: 0.90},
                   "suffix": {16: 1.48, 64: 0.85, 1024: 0.57},
                   "draft_model": {16: 0.57, 64: 0.71, 1024: 0.72},
-                  "schema": {1024: 1.0}}},
+                  "schema": {1024: 0.79}}},
     "cpu": {0.27: {"ngram": {1: 1.0}, "suffix": {1: 1.0}}},
 }
 DRAFT_TOKENS = {"ngram": 4, "suffix": 8, "schema": 8}  # k as measured above
 TRIAL_PAYS = 40.0  # try the other choice only if the rest of the pass takes this many engine starts or more
 FULL_BATCH = 1024  # vLLM's largest default batch (max_num_seqs on an H100/H200): an unset max_in_flight fills it
 BETTER_BY = 1.05  # a choice must be this much faster to be taken (runs differ by a few % on one engine)
+WORTH_TRYING = 0.85  # our speculative methods measured under this x none are not tried after none
 
 
 def draft_method() -> str:
@@ -208,6 +213,10 @@ class Auto(Policy):
             if rest_s < TRIAL_PAYS * start_s:
                 self.decided = (f"kept {trial.method}: the rest of the pass (~{rest_s:.0f} s) is too short to pay for "
                                 f"trying the other choice ({start_s:.0f} s per engine start)")
+                return KEEP
+            if trial.method == "none" and self.prior < WORTH_TRYING and not self.spec.draft_model:
+                self.decided = (f"kept none: {self.candidate.method} was measured at {self.prior:.2f}x none at this "
+                                "size, too slow to be worth a trial")
                 return KEEP
             other = "none" if trial.method != "none" else self.candidate.method
             self.trials.append(Trial(other))
