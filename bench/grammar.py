@@ -31,6 +31,8 @@ Configurations, run in the order given, for each --seqs (vLLM's max_num_seqs, it
                 (BATCHJSON_ENGINE_GC; batchjson's GPU default 10,000, the interpreter's own 700: +gc700). Without it
                 an engine core with GrammarAhead ("ahead", "late") runs batchjson's default; the others keep the
                 interpreter's.
+  <cfg>+swN     the same with the engine core's switch interval N µs (BATCHJSON_ENGINE_SWITCH_US; the
+                interpreter's 5,000 without it): how long the launch may wait for the lock beside GrammarAhead.
   <cfg>+cgN     the same with CUDA graphs captured for steps of up to N tokens (engine/vllm_engine.py graph_sizes;
                 vLLM 0.26 captures up to 512, fewer tokens than a step at its full batch).
 Each reports generate seconds, engine steps, ms per step, the profile's parts per step (the engine core's
@@ -90,6 +92,9 @@ def parse(name: str) -> dict:
     collector = re.search(r"\+gc(\d+)", name)
     flags["gc"] = int(collector.group(1)) if collector else 0
     name = re.sub(r"\+gc\d+", "", name)
+    switch = re.search(r"\+sw(\d+)", name)
+    flags["switch"] = int(switch.group(1)) if switch else 0
+    name = re.sub(r"\+sw\d+", "", name)
     name, _, threads = name.partition("@")
     fills, _, method = name.partition("-")
     return {"fills": fills, "method": method, "threads": threads, **flags}
@@ -109,7 +114,8 @@ def one(cfg: dict) -> dict:
                        internals.AHEAD_ENV: "1" if fills in ("ahead", "late") else "0",
                        internals.AHEAD_FROM_ENV: "update" if fills == "late" else "launch",
                        internals.V2_MASK_ROWS_ENV: "1" if read["rows"] else "0",
-                       internals.ENGINE_GC_ENV: str(read["gc"] or "")})  # "": batchjson's default
+                       internals.ENGINE_GC_ENV: str(read["gc"] or ""),  # "": batchjson's default
+                       internals.ENGINE_SWITCH_ENV: str(read["switch"] or "")})
     if threads:
         os.environ[internals.FILL_THREADS_ENV] = threads
     from batchjson.engine.vllm_engine import _vllm

@@ -584,9 +584,15 @@ AHEAD_FROM_ENV = "BATCHJSON_GRAMMAR_AHEAD_FROM"
 # Python's cyclic collector in a GPU engine core: its first generation collected after ENGINE_GC_FIRST allocations
 # instead of the interpreter's 700 (ENGINE_GC_ENV gives another count: "700" is the interpreter's own). An H100, the
 # 1.5B at 1,024 in flight with GrammarAhead: 41.9-45.5 ms a step against 44.3-54.2, the same tokens (run29,
-# BENCHMARKS.md, "What the JSON constraint costs a step"); a CPU engine keeps the interpreter's (not measured there).
+# BENCHMARKS.md, "What the JSON constraint costs a step"); on a faster H100 no change (33.2-34.0 against 32.9-35.0),
+# SmolLM2 x0.94 (run30); a CPU engine keeps the interpreter's (not measured there).
 ENGINE_GC_ENV = "BATCHJSON_ENGINE_GC"
 ENGINE_GC_FIRST = 10_000
+# The interpreter's switch interval in an engine core with GrammarAhead, in µs (unset: the interpreter's 5,000): how
+# long the forward's launch may wait for the interpreter's lock while GrammarAhead's thread runs Python. A
+# benchmark's knob (`bench grammar` +swN) until a GPU has measured it: the launch beside the thread took 11.3 ms
+# against 7.4 without a grammar (run30).
+ENGINE_SWITCH_ENV = "BATCHJSON_ENGINE_SWITCH_US"
 
 
 def ahead_wanted() -> bool:
@@ -648,6 +654,7 @@ class GrammarAhead:
             if manager.backend is None:
                 return None  # no grammar yet: asked again at the next step
             engine_gc(_cuda_platform())
+            engine_switch()
             fills = fills_for(manager)
             config = manager.vllm_config
             sync = not config.scheduler_config.async_scheduling
@@ -813,6 +820,15 @@ def engine_gc(gpu: bool) -> int:
     if first:
         gc.set_threshold(first, *gc.get_threshold()[1:])
     return first
+
+
+def engine_switch() -> float:
+    """Set this engine core's switch interval where ENGINE_SWITCH_ENV gives one: the interval set in seconds, or 0."""
+    given = os.environ.get(ENGINE_SWITCH_ENV, "")
+    if not (given.isdigit() and int(given) > 0):
+        return 0.0
+    sys.setswitchinterval(int(given) / 1e6)
+    return sys.getswitchinterval()
 
 
 @installs_once

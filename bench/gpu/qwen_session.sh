@@ -68,6 +68,10 @@
 # PLAN next49 (issues 46 and 40): the step with the collections' default against the interpreter's (+gc700),
 #   alternating, beside no grammar; whole runs at 6,000 rows, the default and bare vLLM alternating, both warm;
 #   then the drafted step with graphs to 4,608 tokens against vLLM's graphs, a step without drafts between them.
+# PLAN next50 (issue 46, after run30: the grammar adds 7-13 ms a step, +4 of it in the launch beside GrammarAhead's
+#   thread): the step with the engine core's switch interval at 500 and 200 µs (+swN) against the interpreter's
+#   5,000, alternating, beside no grammar; then no grammar and the default with the engine's threads sampled (py-spy
+#   --idle --native), for where the main thread waits.
 # PLAN smolgc (issue 46): SmolLM2's step with the collections' default against the interpreter's, with graphs to
 #   2,048 tokens and with vLLM's, beside no grammar.
 # PLAN smol46: SmolLM2's step (vLLM's fills, batchjson's, no grammar), then the default against bare vLLM at 30,000 rows.
@@ -310,6 +314,10 @@ run_plan() {
               --runs auto+warm,bare-none,auto,bare-none,auto
             need q15 && gb g15-C6000-drafted --task C --rows 6000 --model $q15 --seqs 1024 \
               --configs ahead-schema+cg4608,ahead+cg2048,ahead-schema --timeout 200 ;;
+    next50) need q15 && gb g15-C6000-sw --task C --rows 6000 --model $q15 --seqs 1024 --timeout 200 \
+              --configs ahead+cg2048,ahead+sw500+cg2048,free+cg2048,ahead+sw200+cg2048,ahead+cg2048,ahead+sw500+cg2048
+            need q15 && gb g15-C6000-spy2 --task C --rows 6000 --model $q15 --seqs 1024 --timeout 200 \
+              --configs free+cg2048,ahead+cg2048 --pyspy 5 --idle --native ;;
     smolgc) need smol && gb s-C6000-gc --task C --rows 6000 --model $smol --seqs 1024 --timeout 150 \
               --configs ahead+gc700+cg2048,ahead+cg2048,free+cg2048,ahead+gc700,ahead ;;
     next47) need q15 && gb g15-C6000-graphs --task C --rows 6000 --model $q15 --seqs 1024 \

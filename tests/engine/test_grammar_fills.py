@@ -479,3 +479,20 @@ def test_grammar_work_ahead_on_vllm_026s_own_scheduler(tiny_model, tmp_path, ste
     assert batch["work"] == 0
     if mode:  # the drafts were verified and taken: 65 steps where the same answers take 185 without them
         assert ahead["steps"] < 100
+
+
+@pytest.mark.parametrize("given,expected", [("", 0.005), ("500", 0.0005), ("0", 0.005), ("fast", 0.005)],
+                         ids=["unset", "500 µs", "zero", "not a number"])
+def test_an_engine_core_switches_threads_as_often_as_it_is_told(monkeypatch, given, expected):
+    """BATCHJSON_ENGINE_SWITCH_US sets the engine core's switch interval; unset, or not a positive count of µs, the
+    interpreter's stays."""
+    import sys
+
+    before = sys.getswitchinterval()
+    monkeypatch.setenv(internals.ENGINE_SWITCH_ENV, given)
+    try:
+        sys.setswitchinterval(0.005)
+        internals.engine_switch()
+        assert sys.getswitchinterval() == pytest.approx(expected)
+    finally:
+        sys.setswitchinterval(before)
