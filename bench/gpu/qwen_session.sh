@@ -70,8 +70,9 @@
 #   then the drafted step with graphs to 4,608 tokens against vLLM's graphs, a step without drafts between them.
 # PLAN next50 (issue 46, after run30: the grammar adds 7-13 ms a step, +4 of it in the launch beside GrammarAhead's
 #   thread): the step with the engine core's switch interval at 500 and 200 µs (+swN) against the interpreter's
-#   5,000, alternating, beside no grammar; then no grammar and the default with the engine's threads sampled (py-spy
-#   --idle --native), for where the main thread waits.
+#   5,000, alternating, beside no grammar, and Model Runner V2's mask rows mapped by numpy (+rows: sampling took 3.1
+#   ms with the grammar against 1.3 without); then no grammar and the default with the engine's threads sampled
+#   (py-spy --idle --native), for where the main thread waits (the interpreter's lock, or a CUDA event).
 # PLAN smolgc (issue 46): SmolLM2's step with the collections' default against the interpreter's, with graphs to
 #   2,048 tokens and with vLLM's, beside no grammar.
 # PLAN smol46: SmolLM2's step (vLLM's fills, batchjson's, no grammar), then the default against bare vLLM at 30,000 rows.
@@ -315,7 +316,8 @@ run_plan() {
             need q15 && gb g15-C6000-drafted --task C --rows 6000 --model $q15 --seqs 1024 \
               --configs ahead-schema+cg4608,ahead+cg2048,ahead-schema --timeout 200 ;;
     next50) need q15 && gb g15-C6000-sw --task C --rows 6000 --model $q15 --seqs 1024 --timeout 200 \
-              --configs ahead+cg2048,ahead+sw500+cg2048,free+cg2048,ahead+sw200+cg2048,ahead+cg2048,ahead+sw500+cg2048
+              --configs ahead+cg2048,ahead+sw500+cg2048,free+cg2048,ahead+sw200+cg2048,ahead+rows+cg2048,ahead+cg2048,\
+ahead+sw500+cg2048
             need q15 && gb g15-C6000-spy2 --task C --rows 6000 --model $q15 --seqs 1024 --timeout 200 \
               --configs free+cg2048,ahead+cg2048 --pyspy 5 --idle --native ;;
     smolgc) need smol && gb s-C6000-gc --task C --rows 6000 --model $smol --seqs 1024 --timeout 150 \
