@@ -64,9 +64,6 @@ class JobRun:
         mark = lambda: round(time.monotonic() - started, 2)  # noqa: E731
         retried = Counter(location.RETRIED)
         input_rows = self.source.check()
-        everything = self.source.plan()
-        mine = self.source.plan(self.shard) if self.shard[1] > 1 else everything
-        self.refs = {r.key: r for r in mine}
         self.storage.check_paths(self.spec.input.path)
         if self.spec.speculative.draft_model:
             from batchjson.engine import check_draft
@@ -75,7 +72,8 @@ class JobRun:
         # A null id fails here, before the output folder is claimed; an unchanged input is not scanned again.
         scan = self.source.scan(self.storage.kept_scan())
         # the local replicas' layout (auto: by the job's rows too); Ray's once connected
-        layout = None if self.ray else local_layout(self.replicas, self.spec.model, sum(r.rows for r in mine))
+        rows = input_rows if self.shard[1] == 1 else sum(r.rows for r in self.source.plan(self.shard))
+        layout = None if self.ray else local_layout(self.replicas, self.spec.model, rows)
         storage, commits = self.storage, self.storage.commits
         report = RunReport(self.spec.hash(), input_rows, str(storage.output), str(storage.rejects),
                            max_reject_rate=self.spec.output.max_reject_rate,
@@ -84,6 +82,10 @@ class JobRun:
         try:  # a failed open (a full disk, a changed spec) drops the folder's locks too
             report.resumed = storage.open(self.spec.hash(), self.spec.fingerprint(), self.spec.output.if_exists,
                                           self.fresh, scan.fingerprints)
+            # planned beside the folders' listings that `open` began (Commits.read_index)
+            everything = self.source.plan()
+            mine = self.source.plan(self.shard) if self.shard[1] > 1 else everything
+            self.refs = {r.key: r for r in mine}
             if scan.kept:
                 storage.keep_scan(scan.kept)
             if self.shard[1] == 1:  # the records fold into the index as the run goes (storage/index.py)

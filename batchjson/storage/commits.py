@@ -177,18 +177,20 @@ class Commits:
         self._news = True
 
     def read_index(self, prefetch: bool = True) -> None:
-        """Read the index (index.py) for this run: its records stand in for reading theirs. Before anything is
-        listed or read, and before the run decides whether to run: a refusal leaves the index where it is. Nothing
-        of it is deleted before a passing check writes it afresh (`write_index`): an entry its unit's redoing made
-        stale no longer matches the record's stamp, and is not used. `prefetch`: list the folders beside it
-        (`_prefetch`); not for a run that clears them (--fresh), whose listings `forget` would throw away."""
+        """Read the index (index.py) for this run: its records stand in for reading theirs. Its files are found
+        before anything is listed or read, and before the run decides whether to run (a refusal leaves the index
+        where it is); they are read once the survey needs them (`Index.start`), beside the run where it is deferred
+        (`survey`). Nothing of it is deleted before a passing check writes it afresh (`write_index`): an entry its
+        unit's redoing made stale no longer matches the record's stamp, and is not used. `prefetch`: list the
+        folders beside it (`_prefetch`); not for a run that clears them (--fresh), whose listings `forget` would
+        throw away."""
         if prefetch:
             self._prefetch()
         self._index, self._committed, self._planning = Index.read(self.state), None, True
 
     def _prefetch(self) -> None:
         """List the records' folder, then the part folders (locally by name, a stat of each file being what most of
-        a listing costs), on a thread of its own, beside the index's read and the rest of the run's start:
+        a listing costs), on a thread of its own, beside the rest of the run's start:
         `committed`, `recover` and `survey` take these listings, the folder being held by this run (its other shards
         touch none of this shard's units). The stamps and sizes are the survey's, which a run defers for the units
         it does not hand out (`Survey.later`): at 100 million rows these 585,000 files took 1.8 s listed with a stat
@@ -521,6 +523,7 @@ class Commits:
             if len(rest):
                 found.later = lambda: self._survey_later(rest, parsed, id_column)
         else:
+            self._index.start()  # its files read beside the listings
             if self.units.local:  # the stamps the index's entries answer by (`committed` lists names)
                 self._index.listed(_records(self._listing(self.units)))
             records = self._answered(mine, parsed, flaws)
@@ -547,6 +550,7 @@ class Commits:
         of each part folder with a stat of each file, and the records the index does not answer for, read. On a
         thread of its own beside the run: it changes nothing in the folder, and what it reads no pass touches."""
         flaws, release = {}, pa.default_memory_pool().release_unused
+        self._index.start()  # its files read beside the records' listing, not before the first prompt
         self._index.listed(_records(_list(self.units)))  # the stamps the index's entries answer by
         records = self._answered(names, parsed, flaws)
         for kind, folder in self.folders.items():

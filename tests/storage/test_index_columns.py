@@ -211,9 +211,10 @@ def test_a_deferred_survey_reads_now_only_the_records_of_pass_2s_units(finished,
     waiting for pass 2 (a requeue file, pass 1 committed, pass 2 not) are read, from their files, not the index. One
     whose requeue file was cut short is found before anything is handed out, the other is handed to pass 2 and
     tallied. A finished unit whose output file was cut short is left to `later` (beside the run), which names it
-    and tallies the other records from the index, read by none. `checked`: the files looked at 2 records at a time
-    (`CHECKED`), the same answers."""
+    and tallies the other records from the index, read by none; the index's files are read only then, not before
+    anything is handed out. `checked`: the files looked at 2 records at a time (`CHECKED`), the same answers."""
     from batchjson.storage import commits
+    from batchjson.storage.index import Index
 
     if checked:
         monkeypatch.setattr(commits, "CHECKED", checked)
@@ -240,6 +241,13 @@ def test_a_deferred_survey_reads_now_only_the_records_of_pass_2s_units(finished,
         return listed(folder, stat)
 
     monkeypatch.setattr(commits, "_list", counted)
+    indexed, index_read = [], Index._read
+
+    def counted_index(index, files):
+        indexed.append(files)
+        return index_read(index, files)
+
+    monkeypatch.setattr(Index, "_read", counted_index)
     storage = Storage(out)
     storage.commits.read_index()
     storage.commits.recover()
@@ -247,6 +255,7 @@ def test_a_deferred_survey_reads_now_only_the_records_of_pass_2s_units(finished,
     read = record_reads(monkeypatch)
     found = storage.commits.survey(keys, "id", defer=True)
     assert [f for f in stated if f[1]] == [], stated  # nothing listed with a stat
+    assert indexed == []  # the index's files are read beside the run
     assert sorted(read) == sorted(f"p1-{unit['key']}.json" for unit in (waiting, fine)), read
     assert list(found.damaged) == [waiting["key"]] and requeue.name in found.damaged[waiting["key"]], found.damaged
     assert found.second == {fine["key"]: fine["rows"]["requeue"]}
@@ -254,6 +263,7 @@ def test_a_deferred_survey_reads_now_only_the_records_of_pass_2s_units(finished,
     add_record(passes, fine)
     assert found.passes == passes, found.passes
     damaged, passes = found.later()
+    assert len(indexed) == 1 and indexed[0], indexed
     assert sorted(read) == sorted(f"p1-{unit['key']}.json" for unit in (waiting, fine)), read
     assert damaged == {done["key"]: f"{output.name} held {output.stat().st_size} bytes, not the "
                                     f"{output.stat().st_size + 10} its commit record lists"}
