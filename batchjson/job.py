@@ -91,8 +91,8 @@ class JobRun:
             if self.shard[1] == 1:  # the records fold into the index as the run goes (storage/index.py)
                 commits.fold_every = max(FOLD_MIN, len(self.refs) // FOLD_PARTS)
             with signals(self.stop), self._early(layout, report.resumed, scan.repeated) as early:
-                commits.recover()  # what a killed run left staged is published, beside the replicas' start
-                # The units no pass hands out are surveyed beside the run (`survey.later`, `_redo`).
+                # The units no pass hands out are surveyed beside the run (`survey.later`, `_redo`); what a killed run
+                # left staged is published as the survey finds it (pass 2's units before they are handed out).
                 survey = commits.survey(list(self.refs), self.spec.input.id_column, defer=True)
                 for key, why in survey.damaged.items():
                     commits.drop(key)
@@ -168,7 +168,7 @@ class JobRun:
         """The local replicas started before the survey, where pass 1 has units left (so the pool will be used) and
         nothing the survey finds changes how they are laid out or what they are handed at their start (a layout
         given, or a first run's; no repeated ids, whose owners the survey's drops decide): their start (spawned
-        processes importing) goes on beside `recover` and the survey. Yields [the pool] or []: the passes take it out
+        processes importing) goes on beside the survey. Yields [the pool] or []: the passes take it out
         (`pop`) and close it; one not taken is stopped. (The units left are looked for from the end: the last units
         are the ones a killed run had not reached.)"""
         commits, early = self.storage.commits, []

@@ -71,6 +71,40 @@ def test_kill_at_every_step_of_the_commit_protocol(tmp_path, tiny_model):
     assert result.exit_code == 0 and "exactly-once check ok: " in result.output, result.output
 
 
+def test_a_unit_killed_after_its_record_is_finished_by_the_next_run_its_pass_2_included(tmp_path, tiny_model):
+    """A run killed between a unit's commit record and the publish of its files leaves them staged (here its requeue
+    file: every answer invalid). The next run, in one go, publishes them as its survey finds them and hands out the
+    unit's pass 2: every row once, nothing left staged."""
+    write_rows(tmp_path / "in.parquet", 12)
+    job = write_job(tmp_path, tiny_model, tmp_path / "in.parquet", batch_size=4)
+    out = tmp_path / "out"
+    killed = subprocess.run([sys.executable, str(HERE / "fake_runner.py"), str(job), str(out), "committed", "1"],
+                            env=ENV | {"FAKE_VALID": "0"}, capture_output=True, text=True, timeout=300)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    [left] = [p for p in out.rglob(".*.parquet.tmp")]
+    [record] = (out / "_batchjson" / "units").glob("p1-*.json")
+    final = subprocess.run([sys.executable, str(HERE / "fake_runner.py"), str(job), str(out), "none", "0"],
+                           env=ENV, capture_output=True, text=True, timeout=300)
+    assert final.returncode == 0 and "exactly-once check ok" in final.stdout, final.stdout + final.stderr[-2000:]
+    assert_exactly_once([f"r{i:05d}" for i in range(12)], out, out / "_rejects")
+    assert not list(out.rglob(".*.tmp")), left
+    assert record.with_name(f"p2-{record.name[3:]}").exists()  # its requeued rows went through pass 2
+
+
+def test_a_staged_copy_beside_its_published_file_is_gone_after_the_next_run(tmp_path, tiny_model):
+    """On object storage a publish is a copy and a delete: a kill between them leaves the staged copy beside the
+    published file. The next run's survey deletes it (a reader never reads it, but it takes space)."""
+    write_rows(tmp_path / "in.parquet", 8)
+    job = write_job(tmp_path, tiny_model, tmp_path / "in.parquet", batch_size=4)
+    run(job, engine_factory=FakeEngines(valid=1.0))
+    out = tmp_path / "out"
+    part = min(out.glob("p1-*.parquet"))
+    copy = part.with_name(f".{part.name}.tmp")
+    copy.write_bytes(part.read_bytes())
+    report = run(job)
+    assert report.verified["complete"] and not copy.exists() and part.exists()
+
+
 def test_kill_at_every_step_of_a_pass_2_commit_while_pass_1_is_in_flight(tmp_path, tiny_model):
     """The passes run as a pipeline: a unit's pass 2 commits while other units are still in pass 1. A kill at any
     step of such a commit loses nothing and doubles nothing; the rerun resumes each unit where it stood."""

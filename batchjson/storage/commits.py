@@ -4,17 +4,18 @@ A unit's commit moves through named steps, one method each, after dlt's `Package
 `begin` deletes every file of any earlier attempt, of every kind; `stage` writes one file under a hidden name
 (".<name>.tmp") in its final folder; `write_record` writes the commit record atomically (the commit point);
 `publish` renames the hidden files into place. `commit` runs them in this order. A kill before the record leaves
-only hidden files, which the next attempt deletes; a kill after it is rolled forward by `recover` at the next open.
+only hidden files, which the next attempt deletes; a kill after it is rolled forward by the next run's survey as it
+finds the unit (`_publish_left`; `recover` for verify, by one listing of each folder).
 So a unit's rows are either all in the output and rejects, once, or not there at all, whatever its outcome. No
 reader reads a hidden file: pyarrow.dataset skips names starting with . or _, and DuckDB's
 read_parquet('OUT/*.parquet'), which does not, reads only names ending in .parquet. `drop` uncommits a unit that
 `survey` found broken, so that it is redone.
 
 On object storage (see location.py) there is no rename: `publish` is a copy and a delete, so a kill between them
-leaves the file under both names, with the same content; `recover` copies again and deletes the hidden one, as it
-renames locally. The commit point is still the record, which is one PUT (all or nothing). Nothing is listed or read
-back under its final name before its record exists, so a half-published unit is never taken for a stray or a
-finished one.
+leaves the file under both names, with the same content; the survey deletes the hidden one (`recover` copies
+again and deletes it, as it renames locally). The commit point is still the record, which is one PUT (all or
+nothing). Nothing is listed or read back under its final name before its record exists, so a half-published unit is
+never taken for a stray or a finished one.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from __future__ import annotations
 import orjson
 import os
 import posixpath
+import re
 import threading
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
@@ -189,13 +191,13 @@ class Commits:
         self._index, self._committed, self._planning = Index.read(self.state), None, True
 
     def _prefetch(self) -> None:
-        """List the records' folder, then the part folders (locally by name, a stat of each file being what most of
-        a listing costs), on a thread of its own, beside the rest of the run's start:
-        `committed`, `recover` and `survey` take these listings, the folder being held by this run (its other shards
-        touch none of this shard's units). The stamps and sizes are the survey's, which a run defers for the units
-        it does not hand out (`Survey.later`): at 100 million rows these 585,000 files took 1.8 s listed with a stat
-        each, 0.4 s by name."""
-        folders = {f.path: f for f in (self.units, *self.folders.values())}
+        """List the records' folder, then the requeue folder (locally by name, a stat of each file being what most
+        of a listing costs), on a thread of its own, beside the rest of the run's start: `committed` and `survey`
+        (pass 2's units) take these listings, the folder being held by this run (its other shards touch none of this
+        shard's units). The output and rejects folders are listed by the survey of the units no pass hands out
+        (`Survey.later`), beside the run, which publishes what a killed run left staged (`_publish_left`): at 100
+        million rows their 390,000 files listed by name took 0.4 s of the resume's way to its first prompt."""
+        folders = {f.path: f for f in (self.units, self.folders["requeue"])}
         pool = ThreadPoolExecutor(1, thread_name_prefix="batchjson-listing")
         self._listings = {path: pool.submit(_list, folder, False) for path, folder in folders.items()}
         pool.shutdown(wait=False)
@@ -441,7 +443,8 @@ class Commits:
     # ----- after a kill, or damage -----------------------------------------------------------------------------
     def recover(self) -> None:
         """Roll forward units committed by a run that was killed before it published their files: its hidden files
-        from one listing of each folder (the one the survey takes after, `_prefetch`; names only without it)."""
+        from one listing of each folder, by name (`verify`; a run's survey publishes them unit by unit,
+        `_publish_left`)."""
         moved = False
         for kind, folder in self.folders.items():
             listing = self._listing(folder, keep=True, stat=False)["name"]
@@ -509,6 +512,11 @@ class Commits:
         found, flaws, parsed = Survey(), {}, {}  # flaws: key -> (where, what); parsed: name -> record read now
         if defer:  # pass 2's units now, from their records; the rest beside the run
             requeue = self._listing(self.folders["requeue"], stat=False)["name"]
+            hidden = pc.starts_with(requeue, ".")
+            if pc.any(hidden).as_py():  # requeue files a killed run left staged: published as they are surveyed
+                unstaged = pc.replace_substring_regex(requeue.filter(hidden), rf"^\.(.*?)({re.escape(STAGED)})?$",
+                                                      r"\1")
+                requeue = pc.unique(pa.chunked_array([*requeue.filter(pc.invert(hidden)).chunks, *unstaged.chunks]))
             held = pc.utf8_slice_codeunits(requeue.filter(pc.ends_with(requeue, ".parquet")), 0, -8)
             first, second = (pc.utf8_slice_codeunits(mine.filter(pc.starts_with(mine, f"{stage}-")), 3, -5)
                              for stage in Stage)
@@ -643,6 +651,13 @@ class Commits:
         kept = files[f"size_{kind}"]
         differ = files.filter(pc.and_(pc.and_(pc.is_valid(kept), pc.is_valid(seen)), pc.not_equal(kept, seen)))
         unknown = files.filter(pc.or_(pc.is_null(kept), pc.is_null(seen)))
+        staged_left = listing["name"].filter(pc.ends_with(listing["name"], STAGED))
+        if len(staged_left):  # a staged copy beside its published file: a kill between a publish's copy and delete
+            published = files.filter(pc.is_valid(seen))["file"]
+            copies = published.filter(pc.is_in(pc.binary_join_element_wise(".", published, STAGED, ""),
+                                               value_set=staged_left))
+            for name in copies.to_pylist():
+                (self.folders[kind] / staged(name)).unlink(missing_ok=True)
         order = KIND_ORDER.index(kind)
         for row in differ.to_pylist():
             name = self._file_name(row, kind, parsed)
@@ -662,10 +677,30 @@ class Commits:
         record = parsed.get(row["name"])
         return record["files"][kind] if record else row["file"]
 
+    def _publish_left(self, path: Location) -> bool:
+        """Publish a committed unit's file that a killed run left staged (`recover`'s move, for one file the survey
+        did not find under its final name): under its hidden name, or under a version's before STAGED (".<name>").
+        Whether one was there."""
+        for hidden in (self._hidden(path), path.with_name(f".{path.name}")):
+            try:
+                with writing(path):
+                    hidden.move(path)
+                return True
+            except FileNotFoundError:
+                continue  # not staged under that name
+        return False
+
     def _flaw(self, record: dict, kind: Kind, id_column: str) -> str:
-        name, rows = record["files"][kind], record["rows"][kind]
+        """What is wrong with a committed file the survey did not find listed with its size: "" if nothing. One not
+        under its final name is published first where a killed run left it staged (`_publish_left`)."""
+        name, rows, path = record["files"][kind], record["rows"][kind], self.part(record["stage"], record["key"], kind)
         try:
-            found = self.read_ids(record["stage"], record["key"], kind, [id_column]).num_rows
+            try:
+                found = path.read_parquet([id_column]).num_rows
+            except FileNotFoundError:
+                if self._publish_left(path):
+                    self.after(f"published {kind}", record["stage"])
+                found = path.read_parquet([id_column]).num_rows
         except FileNotFoundError:
             return f"{name} was missing"
         except Unreadable as e:

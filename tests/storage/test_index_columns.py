@@ -207,7 +207,8 @@ def test_a_record_in_two_files_of_the_index_is_planned_from_the_later(tmp_path):
 
 @pytest.mark.parametrize("checked", [None, 2])
 def test_a_deferred_survey_reads_now_only_the_records_of_pass_2s_units(finished, monkeypatch, checked):
-    """`survey(defer=True)`, as a run takes it: nothing is listed with a stat, and only the records of the units
+    """`survey(defer=True)`, as a run takes it: nothing is listed with a stat, the output and rejects folders not at
+    all (what a killed run left staged there is published as `later` finds it), and only the records of the units
     waiting for pass 2 (a requeue file, pass 1 committed, pass 2 not) are read, from their files, not the index. One
     whose requeue file was cut short is found before anything is handed out, the other is handed to pass 2 and
     tallied. A finished unit whose output file was cut short is left to `later` (beside the run), which names it
@@ -250,11 +251,11 @@ def test_a_deferred_survey_reads_now_only_the_records_of_pass_2s_units(finished,
     monkeypatch.setattr(Index, "_read", counted_index)
     storage = Storage(out)
     storage.commits.read_index()
-    storage.commits.recover()
     keys = sorted(r["key"] for r in records.values())
     read = record_reads(monkeypatch)
     found = storage.commits.survey(keys, "id", defer=True)
     assert [f for f in stated if f[1]] == [], stated  # nothing listed with a stat
+    assert sorted({name for name, _ in stated}) == ["requeue", "units"], stated  # the part folders beside the run
     assert indexed == []  # the index's files are read beside the run
     assert sorted(read) == sorted(f"p1-{unit['key']}.json" for unit in (waiting, fine)), read
     assert list(found.damaged) == [waiting["key"]] and requeue.name in found.damaged[waiting["key"]], found.damaged
