@@ -25,14 +25,10 @@ Configurations, run in the order given, for each --seqs (vLLM's max_num_seqs, it
   <cfg>-ngram, <cfg>-suffix, <cfg>-schema   the same with speculation (ngram k 4, suffix k 8, batchjson's schema
                 drafter k 8, as whole-runs configures them).
   <cfg>+stats   the same with vLLM's stats on (disable_log_stats = False, as batchjson's engine has them).
-  <cfg>+rows    the same with Model Runner V2's mask rows mapped by numpy (BATCHJSON_V2_MASK_ROWS=1,
-                engine/internals.py install_v2_mask_rows; with batchjson's fills).
   <cfg>+gcN     the same with Python's first-generation collection threshold N in the engine core
                 (BATCHJSON_ENGINE_GC; batchjson's GPU default 10,000, the interpreter's own 700: +gc700). Without it
                 an engine core with GrammarAhead ("ahead", "late") runs batchjson's default; the others keep the
                 interpreter's.
-  <cfg>+swN     the same with the engine core's switch interval N µs (BATCHJSON_ENGINE_SWITCH_US; the
-                interpreter's 5,000 without it): how long the launch may wait for the lock beside GrammarAhead.
   <cfg>+cgN     the same with CUDA graphs captured for steps of up to N tokens (engine/vllm_engine.py graph_sizes;
                 vLLM 0.26 captures up to 512, fewer tokens than a step at its full batch).
 Each reports generate seconds, engine steps, ms per step, the profile's parts per step (the engine core's
@@ -83,7 +79,7 @@ GRAMMAR_FRAMES = ("grammar_bitmask", "accept_tokens", "fill_next_token_bitmask",
 
 def parse(name: str) -> dict:
     """A configuration's name read: fills (vllm, batch, ahead, late, free), method, threads and its +flags."""
-    flags: dict = {flag: f"+{flag}" in name for flag in ("written", "rows", "stats", "mean")}
+    flags: dict = {flag: f"+{flag}" in name for flag in ("written", "stats", "mean")}
     for flag in flags:
         name = name.replace(f"+{flag}", "")
     graphs = re.search(r"\+cg(\d+)", name)
@@ -92,9 +88,6 @@ def parse(name: str) -> dict:
     collector = re.search(r"\+gc(\d+)", name)
     flags["gc"] = int(collector.group(1)) if collector else 0
     name = re.sub(r"\+gc\d+", "", name)
-    switch = re.search(r"\+sw(\d+)", name)
-    flags["switch"] = int(switch.group(1)) if switch else 0
-    name = re.sub(r"\+sw\d+", "", name)
     name, _, threads = name.partition("@")
     fills, _, method = name.partition("-")
     return {"fills": fills, "method": method, "threads": threads, **flags}
@@ -113,9 +106,7 @@ def one(cfg: dict) -> dict:
                        internals.GRAMMAR_FILLS_ENV: "batch" if ours else "vllm",
                        internals.AHEAD_ENV: "1" if fills in ("ahead", "late") else "0",
                        internals.AHEAD_FROM_ENV: "update" if fills == "late" else "launch",
-                       internals.V2_MASK_ROWS_ENV: "1" if read["rows"] else "0",
-                       internals.ENGINE_GC_ENV: str(read["gc"] or ""),  # "": batchjson's default
-                       internals.ENGINE_SWITCH_ENV: str(read["switch"] or "")})
+                       internals.ENGINE_GC_ENV: str(read["gc"] or "")})  # "": batchjson's default
     if threads:
         os.environ[internals.FILL_THREADS_ENV] = threads
     from batchjson.engine.vllm_engine import _vllm

@@ -159,11 +159,9 @@ def install() -> None:
 
 def install_fills() -> None:
     """The grammar fills' patches as the run asks for them: batchjson's batch fills unless grammar_fills = "vllm",
-    with Model Runner V2's rows by numpy where asked and GrammarAhead unless turned off."""
+    with GrammarAhead unless turned off."""
     if fills_wanted():
         install_batch_fills()
-        if v2_mask_rows_wanted():
-            install_v2_mask_rows()
         if ahead_wanted():
             install_grammar_ahead()
 
@@ -588,11 +586,6 @@ AHEAD_FROM_ENV = "BATCHJSON_GRAMMAR_AHEAD_FROM"
 # SmolLM2 x0.94 (run30); a CPU engine keeps the interpreter's (not measured there).
 ENGINE_GC_ENV = "BATCHJSON_ENGINE_GC"
 ENGINE_GC_FIRST = 10_000
-# The interpreter's switch interval in an engine core with GrammarAhead, in µs (unset: the interpreter's 5,000): how
-# long the forward's launch may wait for the interpreter's lock while GrammarAhead's thread runs Python. A
-# benchmark's knob (`bench grammar` +swN) until a GPU has measured it: the launch beside the thread took 11.3 ms
-# against 7.4 without a grammar (run30).
-ENGINE_SWITCH_ENV = "BATCHJSON_ENGINE_SWITCH_US"
 
 
 def ahead_wanted() -> bool:
@@ -654,7 +647,6 @@ class GrammarAhead:
             if manager.backend is None:
                 return None  # no grammar yet: asked again at the next step
             engine_gc(_cuda_platform())
-            engine_switch()
             fills = fills_for(manager)
             config = manager.vllm_config
             sync = not config.scheduler_config.async_scheduling
@@ -822,13 +814,6 @@ def engine_gc(gpu: bool) -> int:
     return first
 
 
-def engine_switch() -> None:
-    """Set this engine core's switch interval where ENGINE_SWITCH_ENV gives one (a positive count of µs)."""
-    given = os.environ.get(ENGINE_SWITCH_ENV, "")
-    if given.isdigit() and int(given) > 0:
-        sys.setswitchinterval(int(given) / 1e6)
-
-
 @installs_once
 def install_grammar_ahead() -> str:
     """Patch EngineCore.step_with_batch_queue (to note the step waiting in its queue), Scheduler.schedule (to start
@@ -908,87 +893,6 @@ def install_grammar_ahead() -> str:
     EngineCore.step_with_batch_queue, Scheduler.schedule = step_with_batch_queue, schedule_ahead
     Scheduler.update_from_output, Scheduler.get_grammar_bitmask = update_from_output, get_grammar_bitmask
     StructuredOutputManager.should_advance = should_advance
-    return "ok"
-
-
-# ---------------------------------------------------------------- the masks' logit rows in Model Runner V2
-# Read on: vllm/v1/worker/gpu/structured_outputs.py of 0.26. StructuredOutputsWorker.apply_grammar_bitmask(self,
-# logits, input_batch, grammar_req_ids, grammar_bitmask) copies the compact mask (grammar_bitmask: one row per logit
-# row of each grammar request, in grammar_req_ids' order) to its GPU buffer on its copy stream, maps each request to
-# its logits rows (input_batch.req_ids' index, cu_num_logits_np[index]..cu_num_logits_np[index + 1]) in a Python loop
-# over the requests, copies that mapping from pinned memory, makes the current stream wait for the copy stream,
-# launches _apply_grammar_bitmask_kernel on grid (rows, cdiv(vocab, 8192)) and makes the copy stream wait for the
-# current one. The loop takes 0.34 ms at 1,024 requests on the 2-core CPU, numpy 0.14 (BENCHMARKS.md).
-V2_MASKS_READ_ON = ("0.26.",)
-V2_MASK_ROWS_ENV = "BATCHJSON_V2_MASK_ROWS"  # "1": install_v2_mask_rows (off: no gain measured on a GPU)
-
-
-def v2_mask_rows_wanted() -> bool:
-    """Whether install_v2_mask_rows patches this process: only where V2_MASK_ROWS_ENV is "1". Its mapping is checked
-    against vLLM 0.26's loop on a CPU; on an H100 it changed nothing measurable (SmolLM2, run25: 28.5 ms a step
-    against 28.4-28.8 without; the 1.5B, run26: 66.9 against 60.5-69.5; BENCHMARKS.md)."""
-    return os.environ.get(V2_MASK_ROWS_ENV, "") == "1"
-
-
-def v2_logit_rows(req_ids, cu_num_logits, grammar_req_ids):
-    """apply_grammar_bitmask's mapping in Model Runner V2: the logits rows of each of `grammar_req_ids` in turn, as
-    int32, from `req_ids` (the batch's order) and `cu_num_logits` (its cumulative logits counts). A request not in
-    the batch raises KeyError, as vLLM's loop does."""
-    import numpy as np
-
-    index = {req_id: i for i, req_id in enumerate(req_ids)}
-    at = np.fromiter(map(index.__getitem__, grammar_req_ids), np.int64, len(grammar_req_ids))
-    cu = np.asarray(cu_num_logits, dtype=np.int64)
-    starts, counts = cu[at], cu[at + 1] - cu[at]
-    if (counts == 1).all():
-        return starts.astype(np.int32)
-    ends = np.cumsum(counts)
-    return (np.repeat(starts, counts) + np.arange(int(ends[-1])) - np.repeat(ends - counts, counts)).astype(np.int32)
-
-
-@installs_once
-def install_v2_mask_rows() -> str:
-    """Patch Model Runner V2's StructuredOutputsWorker.apply_grammar_bitmask (in this process) to map the mask's rows
-    to their logits rows with numpy (v2_logit_rows) where vLLM loops in Python; the rest is vLLM's. "ok" or why not
-    (then vLLM's own runs). Only where the V2 runner imports (a CUDA build)."""
-    import inspect
-
-    if why := unread_here(V2_MASKS_READ_ON):
-        return why
-    try:
-        from vllm.v1.worker.gpu import structured_outputs
-    except Exception as e:  # noqa: BLE001 - no V2 runner in this build (a CPU build's imports)
-        return f"no Model Runner V2 here ({type(e).__name__})"
-    worker = structured_outputs.StructuredOutputsWorker
-    own = worker.apply_grammar_bitmask
-    if list(inspect.signature(own).parameters) != ["self", "logits", "input_batch", "grammar_req_ids",
-                                                   "grammar_bitmask"] or not hasattr(structured_outputs,
-                                                                                     "_apply_grammar_bitmask_kernel"):
-        return "StructuredOutputsWorker.apply_grammar_bitmask changed"
-    import torch
-
-    kernel, to_gpu, triton = (structured_outputs._apply_grammar_bitmask_kernel, structured_outputs.async_copy_to_gpu,
-                              structured_outputs.triton)
-
-    @functools.wraps(own)
-    def apply_grammar_bitmask(self, logits, input_batch, grammar_req_ids, grammar_bitmask):
-        if not grammar_req_ids:
-            return
-        with torch.cuda.stream(self.copy_stream):
-            bitmask = to_gpu(grammar_bitmask, out=self.grammar_bitmask[: grammar_bitmask.shape[0]])
-        mapping = v2_logit_rows(input_batch.req_ids, input_batch.cu_num_logits_np, grammar_req_ids)
-        with torch.cuda.stream(self.copy_stream):
-            logits_indices = self.logits_indices[: len(mapping)].copy_(torch.from_numpy(mapping).pin_memory(),
-                                                                       non_blocking=True)
-        current_stream = torch.cuda.current_stream()
-        current_stream.wait_stream(self.copy_stream)
-        assert bitmask.shape[0] == len(mapping)
-        block = 8192
-        kernel[(bitmask.shape[0], triton.cdiv(logits.shape[-1], block))](
-            logits, logits.stride(0), logits_indices, bitmask, bitmask.stride(0), logits.shape[-1], BLOCK_SIZE=block)
-        self.copy_stream.wait_stream(current_stream)
-
-    worker.apply_grammar_bitmask = apply_grammar_bitmask
     return "ok"
 
 

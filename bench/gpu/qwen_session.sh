@@ -68,6 +68,8 @@
 # PLAN next49 (issues 46 and 40): the step with the collections' default against the interpreter's (+gc700),
 #   alternating, beside no grammar; whole runs at 6,000 rows, the default and bare vLLM alternating, both warm;
 #   then the drafted step with graphs to 4,608 tokens against vLLM's graphs, a step without drafts between them.
+# (next50 ran as run31: the switch interval (+swN) and Model Runner V2's mask rows by numpy (+rows) gained nothing and
+#  are gone; py-spy sampled nothing on that host.)
 # PLAN next50 (issue 46, after run30: the grammar adds 7-13 ms a step, +4 of it in the launch beside GrammarAhead's
 #   thread): the step with the engine core's switch interval at 500 and 200 µs (+swN) against the interpreter's
 #   5,000, alternating, beside no grammar, and Model Runner V2's mask rows mapped by numpy (+rows: sampling took 3.1

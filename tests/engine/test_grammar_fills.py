@@ -181,38 +181,6 @@ def test_masks_placed_in_one_scatter_mask_what_vllms_row_copies_mask():
     assert internals.install_mask_scatter() == "ok"  # on this vLLM; the CPU runner's logits keep vLLM's own path
 
 
-def v2_mapping(req_ids, cu_num_logits, grammar_req_ids) -> list[int]:
-    """Model Runner V2's mapping loop in StructuredOutputsWorker.apply_grammar_bitmask, as vLLM 0.26 writes it."""
-    mapping: list[int] = []
-    req_id_to_idx = {req_id: i for i, req_id in enumerate(req_ids)}
-    for grammar_req_id in grammar_req_ids:
-        req_idx = req_id_to_idx[grammar_req_id]
-        mapping.extend(range(cu_num_logits[req_idx], cu_num_logits[req_idx + 1]))
-    return mapping
-
-
-def test_v2_logit_rows_are_the_model_runners_mapping(monkeypatch):
-    """Model Runner V2's logits rows of the masks, as numpy makes them: one logit a request (no drafts), several (a
-    request with drafts among them), a batch in another order than the grammar requests', none; a request missing
-    from the batch raises as vLLM's loop does. The patch that uses them is off unless asked for (no GPU ran it)."""
-    import numpy as np
-
-    monkeypatch.delenv(internals.V2_MASK_ROWS_ENV, raising=False)
-    assert not internals.v2_mask_rows_wanted()
-    monkeypatch.setenv(internals.V2_MASK_ROWS_ENV, "1")
-    assert internals.v2_mask_rows_wanted()
-
-    batch = ["a", "free", "b", "c", "d"]
-    for counts in ([1, 1, 1, 1, 1], [4, 2, 1, 3, 1]):
-        cu = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
-        for grammar_ids in (["d", "c", "a", "b"], ["a"], []):
-            ours = internals.v2_logit_rows(batch, cu, grammar_ids)
-            assert ours.dtype == np.int32 and ours.tolist() == v2_mapping(batch, cu.tolist(), grammar_ids)
-    with pytest.raises(KeyError):
-        internals.v2_logit_rows(batch, cu, ["gone"])
-    assert internals.install_v2_mask_rows().startswith("vLLM 0.32")  # read on 0.26 alone: 0.32 keeps its own
-
-
 def test_an_unread_vllm_keeps_its_own_fills(monkeypatch):
     import vllm
 
@@ -479,20 +447,3 @@ def test_grammar_work_ahead_on_vllm_026s_own_scheduler(tiny_model, tmp_path, ste
     assert batch["work"] == 0
     if mode:  # the drafts were verified and taken: 65 steps where the same answers take 185 without them
         assert ahead["steps"] < 100
-
-
-@pytest.mark.parametrize("given,expected", [("", 0.005), ("500", 0.0005), ("0", 0.005), ("fast", 0.005)],
-                         ids=["unset", "500 µs", "zero", "not a number"])
-def test_an_engine_core_switches_threads_as_often_as_it_is_told(monkeypatch, given, expected):
-    """BATCHJSON_ENGINE_SWITCH_US sets the engine core's switch interval; unset, or not a positive count of µs, the
-    interpreter's stays."""
-    import sys
-
-    before = sys.getswitchinterval()
-    monkeypatch.setenv(internals.ENGINE_SWITCH_ENV, given)
-    try:
-        sys.setswitchinterval(0.005)
-        internals.engine_switch()
-        assert sys.getswitchinterval() == pytest.approx(expected)
-    finally:
-        sys.setswitchinterval(before)
