@@ -629,8 +629,9 @@ class Commits:
         took 55 MiB of Arrow's memory beside the run, 32,768 at a time 26 (most of it the listing's look-up)."""
         if isinstance(listing, Location):
             listing = _stat(listing, self._files_of(kind, _having(kind, records)).to_pylist())
+        staged_left = listing["name"].filter(pc.ends_with(listing["name"], STAGED))  # none unless a run was killed
         for start in range(0, records.num_rows, CHECKED):
-            self._check_slice(kind, records.slice(start, CHECKED), parsed, flaws, id_column, listing)
+            self._check_slice(kind, records.slice(start, CHECKED), parsed, flaws, id_column, listing, staged_left)
 
     @staticmethod
     def _files_of(kind: Kind, mine: pa.Table) -> pa.ChunkedArray:
@@ -641,8 +642,9 @@ class Commits:
                 pc.binary_join_element_wise(mine["key"], ".parquet", ""))
 
     def _check_slice(self, kind: Kind, records: pa.Table, parsed: dict, flaws: dict, id_column: str,
-                     listing: pa.Table) -> None:
-        """`_check_sizes` of some of the records, against the folder's whole listing."""
+                     listing: pa.Table, staged_left: pa.ChunkedArray) -> None:
+        """`_check_sizes` of some of the records, against the folder's whole listing (`staged_left`: its staged
+        names)."""
         mine = _having(kind, records.select(["name", "stage", "key", "kinds", f"rows_{kind}", f"size_{kind}"]))
         file = self._files_of(kind, mine)
         # each file's size as listed, null where it is not: looked up by name, not joined (index.py's `as_listed`)
@@ -651,7 +653,6 @@ class Commits:
         kept = files[f"size_{kind}"]
         differ = files.filter(pc.and_(pc.and_(pc.is_valid(kept), pc.is_valid(seen)), pc.not_equal(kept, seen)))
         unknown = files.filter(pc.or_(pc.is_null(kept), pc.is_null(seen)))
-        staged_left = listing["name"].filter(pc.ends_with(listing["name"], STAGED))
         if len(staged_left):  # a staged copy beside its published file: a kill between a publish's copy and delete
             published = files.filter(pc.is_valid(seen))["file"]
             copies = published.filter(pc.is_in(pc.binary_join_element_wise(".", published, STAGED, ""),
