@@ -295,7 +295,11 @@ class Worker:
         from batchjson.engine import resolve_model, weight_bytes
 
         weights = weight_bytes(resolve_model(self.spec.model.path))
-        auto = Auto(first.speculative, self.spec.model.max_in_flight, self.platform, rows,
+        # Requests that decode at once: max_in_flight, or the engine's batch where [model.engine] sets it smaller.
+        in_flight, batch = self.spec.model.max_in_flight, self.spec.model.engine.get("max_num_seqs")
+        if isinstance(batch, int) and batch > 0:
+            in_flight = min(in_flight or batch, batch)
+        auto = Auto(first.speculative, in_flight, self.platform, rows,
                     weights / 1e9 if weights else None,
                     schema_drafts=self.spec.schema_doc is not None and self.engines.schema_drafts)
         self.speculative = auto.current()

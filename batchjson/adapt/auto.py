@@ -116,7 +116,7 @@ class Auto(Policy):
 
     spec: SpeculativeSpec
     in_flight: int | None
-    """model.max_in_flight; None: the engine's batch."""
+    """Requests decoding at once: model.max_in_flight or [model.engine] max_num_seqs, the smaller; None: vLLM's."""
     platform: str
     total_rows: int
     weights_gb: float | None = None

@@ -291,3 +291,20 @@ def test_a_long_pass_tries_the_schema_drafts_only_where_the_engine_can_make_them
     assert [t["method"] for t in choice["trials"]][:2] == ["none", tried], choice
     assert [s.method for _, s in engines.started if s is not None][:1] == [tried]
     assert_exactly_once([f"r{i:05d}" for i in range(200)], tmp_path / "out", tmp_path / "out" / "_rejects")
+
+
+@pytest.mark.parametrize("engine_batch, first", [(8, "ngram"), (None, "none")])
+def test_auto_judges_the_engines_batch_where_the_job_sets_it_smaller(tmp_path, tiny_model, monkeypatch,
+                                                                     engine_batch, first):
+    """A job that caps the engine's batch ([model.engine] max_num_seqs) decodes that many requests at once whatever
+    max_in_flight keeps waiting: auto starts with the choice measured faster at that size."""
+    monkeypatch.setattr(speculation, "draft_method", lambda: "ngram")
+    monkeypatch.setattr(speculation, "MEASURED_SPEEDUP", {"cpu": {0.27: {"ngram": {8: 1.5, 64: 0.5}}}})
+    write_rows(tmp_path / "in.parquet", 40)
+    job = write_job(tmp_path, tiny_model, tmp_path / "in.parquet", speculative="auto")
+    engine = f"\n[model.engine]\nmax_num_seqs = {engine_batch}\n" if engine_batch else ""
+    job.write_text(job.read_text().replace("max_in_flight = 16\n", "max_in_flight = 64\n" + engine))
+    report = run_job(load_spec(job), engine_factory=FakeEngines(valid=1.0, delay=0.001), progress=False)
+    (choice,) = report.passes["pass1"].auto
+    assert choice["trials"][0]["method"] == first, choice
+    assert_exactly_once([f"r{i:05d}" for i in range(40)], tmp_path / "out", tmp_path / "out" / "_rejects")
