@@ -76,7 +76,7 @@
 #   ms with the grammar against 1.3 without); then no grammar and the default with the engine's threads sampled
 #   (py-spy --idle --native), for where the main thread waits (the interpreter's lock, or a CUDA event).
 # PLAN s16 (issue 40: where the schema drafts might pay): the schema drafts against none at 16 in flight, alternating,
-#   with suffix decoding (auto's choice there) between them; then the schema drafts against none at 64.
+#   with suffix decoding (auto's choice there) between them. s64: the schema drafts against none at 64.
 # PLAN s16w (issue 40): whole runs at 16 in flight ([model.engine] max_num_seqs = 16): none, the schema drafts,
 #   suffix decoding and the default (auto), none again.
 # PLAN w30k (issue 46's 0.7x at 30,000 rows, today's defaults): the default against warm bare vLLM, the default twice.
@@ -328,8 +328,8 @@ ahead+sw500+cg2048
             need q15 && gb g15-C6000-spy2 --task C --rows 6000 --model $q15 --seqs 1024 --timeout 200 \
               --configs free+cg2048,ahead+cg2048 --pyspy 5 --idle --native ;;
     s16) need q15 && gb g15-C480-16-schema --task C --rows 480 --model $q15 --seqs 16 --timeout 100 \
-           --configs ahead-schema,ahead,ahead-suffix,ahead-schema,ahead
-         need q15 && gb g15-C960-64-schema --task C --rows 960 --model $q15 --seqs 64 --timeout 100 \
+           --configs ahead-schema,ahead,ahead-suffix,ahead-schema,ahead ;;
+    s64) need q15 && gb g15-C960-64-schema --task C --rows 960 --model $q15 --seqs 64 --timeout 100 \
            --configs ahead-schema,ahead,ahead-schema,ahead ;;
     s16w) need q15 && wr t15-C960-16 --task C --rows 960 --model $q15 --timeout 150 \
             --runs none@16+warm,none@16,schema@16,suffix@16,auto@16,none@16 ;;
