@@ -75,6 +75,7 @@
 #   5,000, alternating, beside no grammar, and Model Runner V2's mask rows mapped by numpy (+rows: sampling took 3.1
 #   ms with the grammar against 1.3 without); then no grammar and the default with the engine's threads sampled
 #   (py-spy --idle --native), for where the main thread waits (the interpreter's lock, or a CUDA event).
+# (s16 ran as run32: its first config's 100 s ran out in the host's first compile; 180 s since.)
 # PLAN s16 (issue 40: where the schema drafts might pay): the schema drafts against none at 16 in flight, alternating,
 #   with suffix decoding (auto's choice there) between them. s64: the schema drafts against none at 64.
 # PLAN s16w (issue 40): whole runs at 16 in flight ([model.engine] max_num_seqs = 16): none, the schema drafts,
@@ -327,9 +328,9 @@ run_plan() {
 ahead+sw500+cg2048
             need q15 && gb g15-C6000-spy2 --task C --rows 6000 --model $q15 --seqs 1024 --timeout 200 \
               --configs free+cg2048,ahead+cg2048 --pyspy 5 --idle --native ;;
-    s16) need q15 && gb g15-C480-16-schema --task C --rows 480 --model $q15 --seqs 16 --timeout 100 \
+    s16) need q15 && gb g15-C480-16-schema --task C --rows 480 --model $q15 --seqs 16 --timeout 180 \
            --configs ahead-schema,ahead,ahead-suffix,ahead-schema,ahead ;;
-    s64) need q15 && gb g15-C960-64-schema --task C --rows 960 --model $q15 --seqs 64 --timeout 100 \
+    s64) need q15 && gb g15-C960-64-schema --task C --rows 960 --model $q15 --seqs 64 --timeout 180 \
            --configs ahead-schema,ahead,ahead-schema,ahead ;;
     s16w) need q15 && wr t15-C960-16 --task C --rows 960 --model $q15 --timeout 150 \
             --runs none@16+warm,none@16,schema@16,suffix@16,auto@16,none@16 ;;
