@@ -297,7 +297,7 @@ class Worker:
         weights = weight_bytes(resolve_model(self.spec.model.path))
         # Requests that decode at once: max_in_flight, or the engine's batch where [model.engine] sets it smaller.
         in_flight, batch = self.spec.model.max_in_flight, self.spec.model.engine.get("max_num_seqs")
-        if isinstance(batch, int) and batch > 0:
+        if type(batch) is int and batch > 0:
             in_flight = min(in_flight or batch, batch)
         auto = Auto(first.speculative, in_flight, self.platform, rows,
                     weights / 1e9 if weights else None,
