@@ -428,12 +428,18 @@ class Commits:
         """Rename the unit's staged files into place (again, after a kill: what is in place already is skipped)."""
         for kind, name in record["files"].items():
             path = self.part(record["stage"], record["key"], kind)
-            try:
-                with writing(path):
-                    self._hidden(path).move(path)
-            except FileNotFoundError:
-                pass  # published already (by an earlier try, or by another shard's recovery)
+            self._place(self._hidden(path), path)  # not there: published already (an earlier try, another shard)
             self.after(f"published {kind}", record["stage"])
+
+    @staticmethod
+    def _place(staged_path: Location, path: Location) -> bool:
+        """Move a staged file to its final name; whether it was there to move."""
+        try:
+            with writing(path):
+                staged_path.move(path)
+            return True
+        except FileNotFoundError:
+            return False
 
     def _unstage(self, stage: Stage, key: str) -> None:
         """Delete the files a unit staged before its record could be written: they are no unit's, and take space."""
@@ -682,14 +688,7 @@ class Commits:
         """Publish a committed unit's file that a killed run left staged (`recover`'s move, for one file the survey
         did not find under its final name): under its hidden name, or under a version's before STAGED (".<name>").
         Whether one was there."""
-        for hidden in (self._hidden(path), path.with_name(f".{path.name}")):
-            try:
-                with writing(path):
-                    hidden.move(path)
-                return True
-            except FileNotFoundError:
-                continue  # not staged under that name
-        return False
+        return any(self._place(hidden, path) for hidden in (self._hidden(path), path.with_name(f".{path.name}")))
 
     def _flaw(self, record: dict, kind: Kind, id_column: str) -> str:
         """What is wrong with a committed file the survey did not find listed with its size: "" if nothing. One not
