@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import collections
 import importlib
+import hashlib
 import json
 import os
 import sys
@@ -20,7 +21,9 @@ import pyarrow.parquet as pq
 HERE = Path(__file__).parent  # tests/
 
 # Keep vLLM's caches, its ZMQ sockets and the converted default model out of the home folder.
-SCRATCH = Path(os.environ.get("BATCHJSON_TEST_SCRATCH", Path(tempfile.gettempdir()) / "batchjson-tests"))
+# Per clone (a digest of its path), so that two clones' suites on one machine never share a model or a socket.
+_CLONE = hashlib.sha256(str(HERE.parent.resolve()).encode()).hexdigest()[:10]
+SCRATCH = Path(os.environ.get("BATCHJSON_TEST_SCRATCH", Path(tempfile.gettempdir()) / f"batchjson-tests-{_CLONE}"))
 for var, sub in (("VLLM_CACHE_ROOT", "vllm"), ("TORCHINDUCTOR_CACHE_DIR", "inductor"), ("HF_HOME", "hf"),
                  ("TMPDIR", "tmp"), ("BATCHJSON_CACHE", "models")):
     os.environ.setdefault(var, str(SCRATCH / sub))
