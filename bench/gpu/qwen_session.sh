@@ -102,6 +102,10 @@
 # PLAN fills15: the 1.5B's step with vLLM's fills, batchjson's and no grammar (bench grammar), whole runs of the
 #   default against bare vLLM and against grammar_fills = "vllm", then n-gram k 4 with each fill and vLLM's fills
 #   again (how many rows differ between two runs of the same configuration).
+# PLANS v34probe v34smol v34step v34w30k v34seqs (vLLM 0.34.0 over the host's torch): the sample job on SmolLM2 (its
+#   report lists the patches on), SmolLM2 at 30,000 rows against bare vLLM; the 1.5B's step at 1,024 in flight with
+#   vLLM's fills, batchjson's, none and each drafter; the 1.5B's default at 30,000 rows against bare vLLM, twice; the
+#   drafters against none at 64, 16 and 256 in flight.
 # PLAN all: the plans named in PLANS (default: what run15 left: startkv smolmps replicas15; SmolLM2's first, as its
 #   files come first) in that order, within BUDGET_S.
 set -u
@@ -169,6 +173,24 @@ mps() {  # CUDA MPS: the replicas' kernels share the GPU at once instead of taki
 }
 run_plan() {
   case $1 in
+    v34probe) need site && { python3 -c "import torch, vllm; print('torch', torch.__version__, 'vllm', vllm.__version__); \
+import vllm._C_stable_libtorch; print('ops ok')"; python3 -m batchjson check jobs/sample.toml; } >> $res/v34probe.log 2>&1
+              need smol && sed "s#^path = \"default\"#path = \"$smol\"#" jobs/sample.toml > jobs/.gpu-sample.toml \
+                && timeout 400 python3 -m batchjson run jobs/.gpu-sample.toml --output /tmp/out/sample \
+                   >> $res/v34probe.log 2>&1; cp /tmp/out/sample/_report.json $res/v34-sample-report.json 2>/dev/null
+              echo "[$(date +%T)] v34probe rc=$?" >> $res/session.log; tail -n 25 $res/v34probe.log >> $res/session.log ;;
+    v34smol) need smol && wr v34-smol-C30000 --task C --rows 30000 --model $smol --timeout 300 \
+               --runs warm-none,bare-none,auto ;;
+    v34step) need q15 && gb v34-g15-C6000 --task C --rows 6000 --model $q15 --seqs 1024 \
+               --configs vllm,ahead,free,batch,ahead-suffix,ahead-schema,ahead-ngram --timeout 200 ;;
+    v34w30k) need q15 && wr v34-t15-C30000 --task C --rows 30000 --model $q15 --timeout 300 \
+               --runs bare-none,auto,bare-none,auto ;;
+    v34seqs) need q15 && gb v34-g15-C1500-64 --task C --rows 1500 --model $q15 --seqs 64 \
+               --configs ahead,ahead-suffix,ahead-schema,ahead-ngram --timeout 150
+             need q15 && gb v34-g15-C480-16 --task C --rows 480 --model $q15 --seqs 16 \
+               --configs ahead,ahead-suffix,ahead-schema,ahead-ngram --timeout 150
+             need q15 && gb v34-g15-C3000-256 --task C --rows 3000 --model $q15 --seqs 256 \
+               --configs ahead,ahead-suffix,ahead-schema --timeout 150 ;;
     small) need smol && wr smol-C600 --task C --rows 600 --model $smol --timeout 120 \
              --runs warm-none,auto,bare-none,auto,bare-none ;;
     target) need q15 && wr t15-C6000 --task C --rows 6000 --model $q15 --timeout 200 \
