@@ -25,6 +25,7 @@ def output_folder(spec: JobSpec | None, output: str | None = None, shard: tuple[
     given the folder `output` alone, no spec)."""
     out = output or (spec.output.path if spec else None)
     if not out and required:
-        raise SpecError("no output folder: set output.path in the spec or pass --output.")
+        raise SpecError("no output folder: set output.path in the spec or pass --output." if spec else
+                        "no output folder: pass --output OUT, or the job's TOML file (its output.path names one).")
     rejects = spec.output.rejects or None if spec else None
     return Storage(out, rejects, shard) if out else None

@@ -68,7 +68,7 @@ class InputSpec:
     generate_ids: bool = field(default=False, metadata=ADDED_LATER)
     """For inputs without an id column: each row's id is made from its place, "<file below the input root>:<row
     group>:<row>", the same on every run over the same files. A resume is refused, naming the file, when a file with
-    committed units changed since (size, footer, or modification time or ETag); README, "Inputs without ids"."""
+    committed units changed since (size, footer, or modification time or ETag); docs/spec.md, "Inputs without ids"."""
     passthrough: tuple[str, ...] = ()
     """Columns copied unchanged into the output and rejects."""
     batch_size: int = 1024

@@ -9,7 +9,7 @@ only run beside a real engine are checked too. Then each subcommand runs in its 
 batchjson do so on the fake engine (BATCHJSON_BENCH_FAKE: `batchjson run` is bench/fakerun.py), with a model folder
 that holds only a tokenizer; those that need a real vLLM engine (compare, sweep, scale, gpu, spec-profile) show
 their --help, and whole-runs runs only its batchjson side (two replicas sharing a pretended GPU among them). Its
-time is in README.md.
+time is in docs/development.md.
 """
 
 from __future__ import annotations

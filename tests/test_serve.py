@@ -392,9 +392,9 @@ def test_a_stopped_server_keeps_its_batch_running_and_the_next_one_ends_it_when_
     assert {e["error"]["code"] for e in errors} == {"batch_expired"}
 
 
-def test_the_readmes_client_code_runs_as_it_is_against_the_server(fake, tmp_path, monkeypatch):
-    """README's example, with the server's own address for its base_url and a shorter poll."""
-    readme = (HERE.parent / "README.md").read_text()
+def test_the_docs_client_code_runs_as_it_is_against_the_server(fake, tmp_path, monkeypatch):
+    """docs/openai-batch.md's example, with the server's own address for its base_url and a shorter poll."""
+    readme = (HERE.parent / "docs" / "openai-batch.md").read_text()
     section = readme[readme.index("## The Batch API as a server"):]
     code = section[section.index("```python\n") + 10:section.index("```\n", section.index("```python\n") + 10)]
     assert 'base_url="http://127.0.0.1:8000/v1"' in code and "time.sleep(60)" in code
@@ -402,7 +402,7 @@ def test_the_readmes_client_code_runs_as_it_is_against_the_server(fake, tmp_path
     (tmp_path / "batch_requests.jsonl").write_bytes(jsonl([request(f"r{i}") for i in range(10)]))
     monkeypatch.chdir(tmp_path)
     scope: dict = {}
-    exec(compile(code, "README.md", "exec"), scope)
+    exec(compile(code, "docs/openai-batch.md", "exec"), scope)
     assert scope["batch"].status == "completed"
     got = [json.loads(x)["custom_id"] for text in (scope["results"], scope["errors"]) for x in text.splitlines()]
     assert sorted(got) == sorted(f"r{i}" for i in range(10))

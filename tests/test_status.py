@@ -258,3 +258,12 @@ def test_a_run_logs_its_progress_for_a_log_without_a_bar(tmp_path, monkeypatch, 
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("progress: ")]
     done = [int(re.match(r"progress: (\d+) of 64 rows finished", line)[1]) for line in lines]
     assert len(done) >= 8 and done == sorted(done) and done[-1] == report.valid + report.rejected, lines
+
+
+@pytest.mark.parametrize("command", ["status", "cancel"])
+def test_status_and_cancel_without_a_folder_say_to_pass_one(command):
+    """Given neither a job nor --output there is no spec to speak of: the message names what to pass."""
+    result = CliRunner().invoke(main, [command])
+    assert result.exit_code == 2
+    assert "no output folder: pass --output OUT, or the job's TOML file" in result.output
+    assert "spec" not in result.output

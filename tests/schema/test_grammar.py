@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import re
+import time
+from pathlib import Path
 
 import pytest
 
@@ -12,6 +15,7 @@ from batchjson.schema.grammar import choose, coverage, grammar_accepts, relax
 PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer", "multipleOf": 5},
                                            "tags": {"type": "array", "uniqueItems": True}},
           "required": ["name"]}
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_auto_picks_a_backend_and_says_why():
@@ -19,6 +23,32 @@ def test_auto_picks_a_backend_and_says_why():
     assert choice.backend == "xgrammar" and "auto" in choice.reason
     assert grammar_accepts(choice.relaxed, '{"name":"Ann","age":35,"tags":[1,"x"]}')
     assert not grammar_accepts(choice.relaxed, '{"age":35}')  # required is decoded
+
+
+def test_auto_chooses_alike_on_a_busy_machine(monkeypatch):
+    """A build slowed by a loaded machine (12 s, where the sample's grammar took 4.5-6.2 s on a busy one) changes
+    nothing: auto still takes xgrammar, because it builds the schema; only a refusal passes a backend over."""
+    real = grammar.build
+
+    def slow(relaxed, disable_any_whitespace=True):
+        if relaxed.backend == "xgrammar":
+            time.sleep(12)
+        return real(relaxed, disable_any_whitespace)
+
+    monkeypatch.setattr(grammar, "build", slow)
+    monkeypatch.setattr(grammar, "_CACHE", {})
+    schema = json.loads((ROOT / "sample_data" / "schema.json").read_text())
+    choice = choose(schema)
+    assert choice.backend == "xgrammar", choice.reason
+    assert re.fullmatch(r"auto: the first of xgrammar/guidance, and it builds this schema; built in \d+ ms", choice.reason)
+
+
+def test_a_build_that_never_ends_counts_as_a_refusal_and_the_reason_says_so(monkeypatch):
+    monkeypatch.setattr(grammar, "build", lambda relaxed, *_: time.sleep(3) if relaxed.backend == "xgrammar" else None)
+    monkeypatch.setattr(grammar, "_CACHE", {})
+    choice = choose(PERSON, limit_s=0.5)
+    assert choice.backend == "guidance"
+    assert choice.reason.startswith("auto: xgrammar refused it: its build ran over 0.5s; built in")
 
 
 def test_explicit_backend_is_kept_and_relaxed_so_vllm_accepts_it():
@@ -100,7 +130,7 @@ def test_array_root_runs_on_the_auto_backend(tmp_path, tiny_model, engines):
     write_rows(tmp_path / "in.parquet", 6)
     job = write_job(tmp_path, tiny_model, tmp_path / "in.parquet", schema=schema, speculative="ngram")
     report = run_job(load_spec(job), engine_factory=engines, progress=False)
-    assert report.passes["pass1"].grammar.startswith("xgrammar (auto: first of xgrammar/guidance")
+    assert report.passes["pass1"].grammar.startswith("xgrammar (auto: the first of xgrammar/guidance, and it builds")
     out = ds.dataset(sorted(str(p) for p in (tmp_path / "out").glob("*.parquet"))).to_table()
     assert report.valid == out.num_rows > 0
     assert all(set(v) <= {"red", "green"} for v in out.column("value").to_pylist())
