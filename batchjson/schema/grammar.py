@@ -252,10 +252,11 @@ def _import_backend(backend: str) -> None:
 def _auto_reason(trials: list[Trial]) -> str:
     """Why "auto" took the last of `trials`: the backends before it refused the schema; the build's time is shown,
     not weighed."""
-    chosen = trials[-1]
-    why = "; ".join(f"{t.backend} refused it: {t.error}" for t in trials[:-1])
-    return (f"auto: {why or 'the first of ' + '/'.join(AUTO_ORDER) + ', and it builds this schema'}; "
-            f"built in {chosen.seconds * 1000:.0f} ms")
+    chosen, built = trials[-1], f"{trials[-1].seconds * 1000:.0f} ms"
+    refused = "; ".join(f"{t.backend} refused it: {t.error}" for t in trials[:-1])
+    if refused:
+        return f"auto: {refused}; {chosen.backend} built it in {built}"
+    return f"auto: the first of {'/'.join(AUTO_ORDER)}, and it builds this schema; built in {built}"
 
 
 def _first_line(e: Exception) -> str:

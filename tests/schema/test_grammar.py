@@ -48,7 +48,7 @@ def test_a_build_that_never_ends_counts_as_a_refusal_and_the_reason_says_so(monk
     monkeypatch.setattr(grammar, "_CACHE", {})
     choice = choose(PERSON, limit_s=0.5)
     assert choice.backend == "guidance"
-    assert choice.reason.startswith("auto: xgrammar refused it: its build ran over 0.5s; built in")
+    assert choice.reason.startswith("auto: xgrammar refused it: its build ran over 0.5s; guidance built it in ")
 
 
 def test_explicit_backend_is_kept_and_relaxed_so_vllm_accepts_it():
