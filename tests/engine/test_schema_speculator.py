@@ -5,7 +5,6 @@ the job's `method = "schema"` becoming the registered method's speculative_confi
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import sys
@@ -163,28 +162,24 @@ def test_tokens_gained_beyond_the_window_are_read_whole_and_a_refused_token_leav
     assert out[0].tolist() == reference(compiled, encode, prompt, runner.output(4))
 
 
-def vllm_034() -> Path | None:
-    """vLLM 0.34's Python sources (`make install` puts them in the virtualenv; VLLM_034_SRC names another copy)."""
-    base = Path(os.environ.get("VLLM_034_SRC") or Path(sys.prefix) / "vllm-0.34")
-    for root in (base, base / "src"):
-        if (root / "vllm/v1/worker/gpu/spec_decode/speculator_config.py").is_file():
-            return root
-    return None
-
-
 @pytest.fixture
-def registry_034(monkeypatch):
-    """vLLM 0.34's speculator_config.py (it imports nothing of 0.34 beside this vLLM's) as this process's registry."""
-    root = vllm_034()
-    if root is None:
-        pytest.skip("no vLLM 0.34 sources (make install puts them in .venv/vllm-0.34)")
-    path = root / "vllm/v1/worker/gpu/spec_decode/speculator_config.py"
-    spec = importlib.util.spec_from_file_location(schema_drafter.REGISTRY, path)
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, schema_drafter.REGISTRY, module)
-    spec.loader.exec_module(module)
-    yield module
+def registry_034():
+    """vLLM 0.34's registry of speculative methods: this vLLM's, else its Python file from vLLM 0.34's sources (`make
+    install` puts them in the virtualenv; VLLM_034_SRC names another copy), as bench schema-drafter --fake loads it."""
+    from bench.schema_drafter import use_registry
+
+    before = sys.modules.get(schema_drafter.REGISTRY)
+    try:
+        registry = use_registry(Path(os.environ.get("VLLM_034_SRC") or Path(sys.prefix) / "vllm-0.34"))
+    except SystemExit as e:
+        pytest.skip(str(e))
+    registry._CUSTOM_CONFIGS.pop(schema_drafter.METHOD, None)  # as in a process the plugin has not run in yet
+    yield registry
     sys.modules.pop(schema_drafter.CONFIG.rsplit(".", 1)[0], None)
+    if before is None:
+        sys.modules.pop(schema_drafter.REGISTRY, None)
+    else:
+        sys.modules[schema_drafter.REGISTRY] = before
 
 
 def test_on_vllm_034_the_plugin_registers_the_method_and_its_config_sets_up_a_drafter_without_a_model(registry_034):
