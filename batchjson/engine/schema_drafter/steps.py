@@ -84,25 +84,33 @@ class StepDrafts:
         tokens (earlier positions repeat token 0: never read), `rows[i]` all its tokens, for the rows `unknown`
         named. A position with nothing to propose repeats the request's last token (the target verifies it as any
         draft; MRv2 verifies k tokens a request in every step)."""
-        width = tails.shape[1]
-        out[:, :] = tails[:, width - 1:width]
-        for i, slot in enumerate(slots):
-            if sampled[i] <= 0:
+        width, tail_rows = tails.shape[1], tails.tolist()  # Python ints: a numpy read costs a call each
+        drafts = [[row[-1]] * self.k for row in tail_rows]
+        live: list[tuple[int, Request, list[int]]] = []  # (row, request, its new tokens)
+        for i, (slot, prompt_len, total, n) in enumerate(zip(*(np.asarray(a).tolist() for a in (
+                slots, prompt_lens, total_lens, sampled)))):
+            if n <= 0:
                 continue
-            prompt_len, total = int(prompt_lens[i]), int(total_lens[i])
-            state = self.requests.get(int(slot))
+            state = self.requests.get(slot)
             if i in rows:
                 tokens = list(rows[i][:total])
                 if state is None:
-                    state = self.requests[int(slot)] = Request(self._matcher(), tokens[:prompt_len])
+                    state = self.requests[slot] = Request(self._matcher(), tokens[:prompt_len])
                 new = tokens[prompt_len + state.seen:]
             else:
-                new = tails[i, width - (total - prompt_len - state.seen):].tolist() if total - prompt_len > state.seen else []
-            self._take(state, new)
-            if state.matcher is not None and state.matcher.is_terminated():
+                gained = total - prompt_len - state.seen
+                new = tail_rows[i][width - gained:] if gained > 0 else []
+            state.seen += len(new)
+            state.tail = (state.tail + new)[-COPY_MAX:]
+            live.append((i, state, new))
+        advance([(state, new) for _, state, new in live])
+        for i, state, _ in live:
+            matcher = state.matcher
+            if matcher is not None and matcher.is_terminated():
                 continue
-            draft = self.drafter.propose(state.matcher or NO_GRAMMAR, state.prompt, state.tail)
-            out[i, :len(draft)] = draft
+            draft = self.drafter.propose(matcher or NO_GRAMMAR, state.prompt, state.tail)
+            drafts[i][:len(draft)] = draft
+        out[:, :] = drafts
 
     def _matcher(self):
         if self.grammar is None:
@@ -111,18 +119,19 @@ class StepDrafts:
 
         return xgr.GrammarMatcher(self.grammar)
 
-    @staticmethod
-    def _take(state: Request, new: list[int]) -> None:
-        """The request's grammar through `new` (the output's tokens since the last step); tokens after its end are
-        kept for copies only."""
-        state.seen += len(new)
-        state.tail = (state.tail + new)[-COPY_MAX:]
+
+def advance(requests: list[tuple[Request, list[int]]]) -> None:
+    """Each request's matcher through its new tokens. A matcher that refuses a token the target wrote is dropped
+    (the request then gets copies only); one that ended takes nothing more. (xgrammar's batch accept was slower:
+    its answer is read an element at a time.)"""
+    for state, new in requests:
         matcher = state.matcher
+        if matcher is None:
+            continue
         for token in new:
-            if matcher is None or matcher.is_terminated():
-                break
             if not matcher.accept_token(token):
-                state.matcher = None
+                if not matcher.is_terminated():
+                    state.matcher = None
                 break
 
 
