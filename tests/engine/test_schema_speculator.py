@@ -214,3 +214,41 @@ def test_the_job_method_schema_names_the_registered_method_with_the_jobs_grammar
     assert config["method"] == schema_drafter.METHOD in registry_034.registered_speculative_methods()
     assert config["num_speculative_tokens"] == 8 and config["max_model_len"] == 300
     assert json.loads(config["speculator_options"]["json_schema"]) == choice.grammar_schema
+
+
+def test_the_speculator_reads_vllms_request_states_and_writes_each_rows_draft(kit, tiny_model, monkeypatch):
+    """speculator.py on Model Runner V2's inputs as vLLM 0.34 passes them (its BaseSpeculator stood in for: this vLLM
+    has none), on CPU tensors: the drafts it returns are steps.py's, row for row; a dummy run drafts nothing."""
+    import vllm.tokenizers
+
+    tokenizer, encode, compiled = kit
+    monkeypatch.setitem(sys.modules, "vllm.v1.worker.gpu.spec_decode.speculator",
+                        types.SimpleNamespace(BaseSpeculator=object))
+    monkeypatch.setattr(vllm.tokenizers, "cached_tokenizer_from_config", lambda model_config: tokenizer)
+    name = "batchjson.engine.schema_drafter.speculator"
+    monkeypatch.setitem(sys.modules, name, None)  # its state now, restored after the test: the module on the stand-in
+    del sys.modules[name]                          # base is imported afresh here and forgotten after
+    from batchjson.engine.schema_drafter.speculator import SchemaSpeculator
+
+    ns = types.SimpleNamespace
+    config = ns(speculative_config=ns(num_speculative_tokens=K, speculator_options={"json_schema": json.dumps(SCHEMA)}),
+                scheduler_config=ns(max_num_seqs=8), structured_outputs_config=ns(disable_any_whitespace=True),
+                model_config=ns(get_vocab_size=lambda: len(tokenizer)))
+    runner = Runner(StepDrafts(encode, compiled, K))
+    states = ns(all_token_ids=ns(gpu=runner.tokens), total_len=ns(gpu=runner.total),
+                prompt_len=ns(np=runner.prompt_len), req_id_to_index={"a": 2, "b": 5})
+    speculator = SchemaSpeculator(config, torch.device("cpu"), req_states=states)
+    prompts = {2: "Add Omar Khan to the free plan.", 5: "Put Alice Blue on pro now."}
+    for slot, text in prompts.items():
+        runner.add(slot, encode(text), encode('{"name":"x","plan":"pro"}'))
+        speculator.add_request(slot)
+    batch = ns(num_reqs=2, idx_mapping=torch.tensor([5, 2]), idx_mapping_np=np.array([5, 2]))
+    for step in range(4):
+        expected = runner.step([5, 2])  # the same state, drafted by steps.py alone
+        sampled = torch.tensor([1, 1], dtype=torch.int32)  # any count > 0: the lengths say what was added
+        drafts = speculator.propose(batch, None, None, None, None, sampled, None, None, None, None, None,
+                                    num_speculative_tokens=K)
+        assert drafts.tolist() == expected.tolist(), step
+    assert speculator.propose(batch, *[None] * 10, dummy_run=True).shape == (2, K)
+    speculator.on_requests_finished({"a"})
+    assert 2 not in speculator.steps.requests and 5 in speculator.steps.requests
