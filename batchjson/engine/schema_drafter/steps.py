@@ -81,7 +81,7 @@ class StepDrafts:
 
         Row i is the request in `slots[i]`: `prompt_lens[i]` prompt tokens, `total_lens[i]` tokens in all,
         `sampled[i]` tokens added this step (0: a prompt chunk, no draft wanted), `tails[i]` its last `window()`
-        tokens (earlier positions repeat token 0: never read), `rows[i]` all its tokens, for the rows `unknown`
+        tokens (a short request's repeat its first token there: never read), `rows[i]` all its tokens, for the rows `unknown`
         named. A position with nothing to propose repeats the request's last token (the target verifies it as any
         draft; MRv2 verifies k tokens a request in every step)."""
         width, tail_rows = tails.shape[1], tails.tolist()  # Python ints: a numpy read costs a call each
