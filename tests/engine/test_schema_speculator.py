@@ -218,7 +218,8 @@ def test_the_job_method_schema_names_the_registered_method_with_the_jobs_grammar
 
 def test_the_speculator_reads_vllms_request_states_and_writes_each_rows_draft(kit, tiny_model, monkeypatch):
     """speculator.py on Model Runner V2's inputs as vLLM 0.34 passes them (its BaseSpeculator stood in for: this vLLM
-    has none), on CPU tensors: the drafts it returns are steps.py's, row for row; a dummy run drafts nothing."""
+    has none), on CPU tensors: the drafts it returns are steps.py's, row for row, each with the odds adaptive
+    verification ranks drafts by (a forced string's first); a dummy run drafts nothing."""
     import vllm.tokenizers
 
     tokenizer, encode, compiled = kit
@@ -231,7 +232,8 @@ def test_the_speculator_reads_vllms_request_states_and_writes_each_rows_draft(ki
     from batchjson.engine.schema_drafter.speculator import SchemaSpeculator
 
     ns = types.SimpleNamespace
-    config = ns(speculative_config=ns(num_speculative_tokens=K, speculator_options={"json_schema": json.dumps(SCHEMA)}),
+    config = ns(speculative_config=ns(num_speculative_tokens=K, speculator_options={"json_schema": json.dumps(SCHEMA)},
+                                      enable_adaptive_verification=True),
                 scheduler_config=ns(max_num_seqs=8), structured_outputs_config=ns(disable_any_whitespace=True),
                 model_config=ns(get_vocab_size=lambda: len(tokenizer)))
     runner = Runner(StepDrafts(encode, compiled, K))
@@ -249,6 +251,9 @@ def test_the_speculator_reads_vllms_request_states_and_writes_each_rows_draft(ki
         drafts = speculator.propose(batch, None, None, None, None, sampled, None, None, None, None, None,
                                     num_speculative_tokens=K)
         assert drafts.tolist() == expected.tolist(), step
+        odds = speculator.draft_token_confidence_probs[:2]  # adaptive verification's: forced 1, copies less, repeats 0
+        assert set(odds.flatten().tolist()) <= {0.0, 0.75, 1.0}
+        assert step or odds[:, 0].tolist() == [1.0, 1.0]  # after the first token: the first key, forced
     assert speculator.propose(batch, *[None] * 10, dummy_run=True).shape == (2, K)
     speculator.on_requests_finished({"a"})
     assert 2 not in speculator.steps.requests and 5 in speculator.steps.requests

@@ -48,6 +48,11 @@ class SchemaSpeculator(BaseSpeculator):
         rows = vllm_config.scheduler_config.max_num_seqs
         self.drafts = torch.zeros((rows, self.k), dtype=torch.int64, device=device)
         self.host = torch.zeros((rows, self.k), dtype=torch.int64, pin_memory=device.type == "cuda")
+        # MRv2's adaptive verification (speculative_config enable_adaptive_verification, off by default) verifies the
+        # likeliest drafts first, by these odds: a forced string's first, a repeat of the last token never.
+        self.enable_adaptive_verification = bool(getattr(spec, "enable_adaptive_verification", False))
+        self.draft_token_confidence_probs = torch.zeros((rows, self.k), dtype=torch.float32, device=device)
+        self.odds = torch.zeros((rows, self.k), dtype=torch.float32, pin_memory=device.type == "cuda")
 
     def init_cudagraph_manager(self, cudagraph_mode) -> None:
         pass  # no forward of its own
@@ -82,7 +87,9 @@ class SchemaSpeculator(BaseSpeculator):
         prompt_lens = states.prompt_len.np[slots]
         unknown = [r for r in self.steps.unknown(slots, prompt_lens, totals) if sampled[r] > 0]
         rows = read_rows(states.all_token_ids.gpu, idx, unknown, totals)
-        out = self.host[:n].numpy()
-        self.steps.draft(slots, prompt_lens, totals, sampled, tails, rows, out)
+        odds = self.odds[:n].numpy() if self.enable_adaptive_verification else None
+        self.steps.draft(slots, prompt_lens, totals, sampled, tails, rows, self.host[:n].numpy(), odds)
         self.drafts[:n].copy_(self.host[:n], non_blocking=True)
+        if odds is not None:
+            self.draft_token_confidence_probs[:n].copy_(self.odds[:n], non_blocking=True)
         return self.drafts[:n]

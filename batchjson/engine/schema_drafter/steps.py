@@ -18,6 +18,9 @@ import numpy as np
 from batchjson.schema.drafts import COPY_MAX, Drafter, PromptIndex
 
 
+COPY_ODDS = 0.75  # a copy's tokens were accepted 68-86% of the time (BENCHMARKS.md, "The schema drafts, offline")
+
+
 class Unconstrained:
     """A matcher that forces nothing: the drafter then proposes copies only."""
 
@@ -76,16 +79,20 @@ class StepDrafts:
         return rows
 
     def draft(self, slots: Sequence[int], prompt_lens: Sequence[int], total_lens: Sequence[int],
-              sampled: Sequence[int], tails: np.ndarray, rows: dict[int, Sequence[int]], out: np.ndarray) -> None:
+              sampled: Sequence[int], tails: np.ndarray, rows: dict[int, Sequence[int]], out: np.ndarray,
+              confidence: np.ndarray | None = None) -> None:
         """Write each request's draft into `out` (shape [len(slots), k]).
 
         Row i is the request in `slots[i]`: `prompt_lens[i]` prompt tokens, `total_lens[i]` tokens in all,
         `sampled[i]` tokens added this step (0: a prompt chunk, no draft wanted), `tails[i]` its last `window()`
         tokens (a short request's repeat its first token there: never read), `rows[i]` all its tokens, for the rows `unknown`
         named. A position with nothing to propose repeats the request's last token (the target verifies it as any
-        draft; MRv2 verifies k tokens a request in every step)."""
+        draft; MRv2 verifies k tokens a request in every step). `confidence` (same shape), where given, gets each
+        position's odds of acceptance for MRv2's adaptive verification, which verifies the likeliest first: 1 for a
+        forced string's, COPY_ODDS for a copy's, 0 for a repeat."""
         width, tail_rows = tails.shape[1], tails.tolist()  # Python ints: a numpy read costs a call each
         drafts = [[row[-1]] * self.k for row in tail_rows]
+        odds = [[0.0] * self.k for _ in tail_rows] if confidence is not None else None
         live: list[tuple[int, Request, list[int]]] = []  # (row, request, its new tokens)
         for i, (slot, prompt_len, total, n) in enumerate(zip(*(np.asarray(a).tolist() for a in (
                 slots, prompt_lens, total_lens, sampled)))):
@@ -108,9 +115,13 @@ class StepDrafts:
             matcher = state.matcher
             if matcher is not None and matcher.is_terminated():
                 continue
-            draft = self.drafter.propose(matcher or NO_GRAMMAR, state.prompt, state.tail)
+            draft, forced = self.drafter.draft(matcher or NO_GRAMMAR, state.prompt, state.tail)
             drafts[i][:len(draft)] = draft
+            if odds is not None:
+                odds[i][:len(draft)] = [1.0 if forced else COPY_ODDS] * len(draft)
         out[:, :] = drafts
+        if odds is not None:
+            confidence[:, :] = odds
 
     def _matcher(self):
         if self.grammar is None:
