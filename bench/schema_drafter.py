@@ -7,9 +7,9 @@ keep greedy outputs token for token, and what does it give?
 On a GPU with vLLM 0.34 and batchjson's vLLM plugin registered (bench/gpu/register_plugin.sh where batchjson is not
 pip-installed): one vllm.LLM per side, each in its own process, decodes the task's prompts greedily under its JSON
 Schema (xgrammar, no whitespace); `schema` adds speculative_config {"method": "batchjson_schema",
-"num_speculative_tokens": k} (other sides: none, ngram, suffix). Prints each side's generate seconds, its speed
-against `none`, acceptance (vLLM's spec_decode counters) and how many rows' tokens equal `none`'s; writes
-OUT/summary.json.
+"num_speculative_tokens": k} (other sides: none, ngram, suffix; --options adds keys to each drafting side's).
+Prints each side's generate seconds, its speed against `none`, acceptance (vLLM's spec_decode counters) and how
+many rows' tokens equal `none`'s; writes OUT/summary.json.
 
     python -m bench schema-drafter --fake --vllm-src DIR --tokenizer MODEL_DIR     # bench smoke: no engine
 
@@ -34,14 +34,14 @@ from bench.common import ROOT, answer_one, dump, one_process, table
 SIDES = ("none", "schema", "ngram", "suffix")
 
 
-def side_config(side: str, k: int, schema: dict) -> dict | None:
+def side_config(side: str, k: int, schema: dict, options: dict) -> dict | None:
     from batchjson.engine import schema_drafter
 
     if side == "none":
         return None
     if side == "schema":
-        return schema_drafter.speculative_config(k, schema, {})
-    return {"method": side, "num_speculative_tokens": k}
+        return schema_drafter.speculative_config(k, schema, options)
+    return {"method": side, "num_speculative_tokens": k} | options
 
 
 def one(cfg: dict) -> dict:
@@ -63,7 +63,7 @@ def one(cfg: dict) -> dict:
                              "process: pip install batchjson, or bash bench/gpu/register_plugin.sh")
     schema = task_schema(cfg["task"])
     llm = LLM(model=cfg["model"], max_num_seqs=cfg["max_num_seqs"], max_model_len=cfg["max_model_len"], seed=0,
-              disable_log_stats=False, speculative_config=side_config(cfg["side"], cfg["k"], schema),
+              disable_log_stats=False, speculative_config=side_config(cfg["side"], cfg["k"], schema, cfg["options"]),
               structured_outputs_config={"backend": "xgrammar", "disable_any_whitespace": True})
     _, prompts, _ = task_prompts(cfg["task"], cfg["rows"], frame(llm, TASKS[cfg["task"]]["system"]))
     params = SamplingParams(temperature=0.0, max_tokens=cfg["max_tokens"],
@@ -88,7 +88,7 @@ def compare(args) -> int:
     for side in args.sides.split(","):
         cfg = {"side": side, "model": args.model, "task": args.task, "rows": args.rows, "k": args.k,
                "max_num_seqs": args.max_num_seqs, "max_model_len": args.max_model_len,
-               "max_tokens": args.max_tokens, "result": str(out / f"{side}.json")}
+               "max_tokens": args.max_tokens, "options": json.loads(args.options), "result": str(out / f"{side}.json")}
         results.append(one_process("schema-drafter", cfg, args.timeout) | {"side": side})
     base = next((r for r in results if r["side"] == "none" and "tokens" in r), None)
     rows = []
@@ -223,6 +223,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--options", default="{}", help='more speculative_config keys for the drafting sides, as JSON '
+                    '(e.g. \'{"enable_adaptive_verification": true}\')')
     ap.add_argument("--timeout", type=float, default=1200, help="seconds for each side's process")
     ap.add_argument("--fake", action="store_true", help="no engine: the settings path and the speculator's work")
     ap.add_argument("--vllm-src", type=Path, default=Path(sys.prefix) / "vllm-0.34",
