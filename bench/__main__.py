@@ -32,6 +32,8 @@ COMMANDS = {
     "grammar": ("grammar", "what the JSON constraint costs a step: no grammar, vLLM's mask fills, batchjson's"),
     "ahead": ("ahead", "the grammars' work beside the forward's launch, on vLLM 0.26's own scheduler, no GPU"),
     "drafts": ("drafts", "the schema drafter's proposals on ground-truth answers, offline: tokens per step, acceptance"),
+    "schema-drafter": ("schema_drafter", "the schema drafter as vLLM 0.34's registered method: speed, acceptance, "
+                                         "outputs equal to none's (--fake: no engine)"),
     "spec-profile": ("spec_profile", "where a speculative step's time goes, per in-flight size (vLLM plugin)"),
     "validators": ("validators", "validation's cost per row: Validator.check against other validators"),
     "openai-batch": ("openai_batch", "import-openai and export-openai: peak memory and time per requests file size"),

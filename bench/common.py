@@ -125,11 +125,23 @@ def rate(n: float, seconds: float) -> float:
 
 
 # The speculative_config of each method as the benchmarks run it in bare vLLM (and batchjson's k for it): "schema" is
-# batchjson's drafter as vLLM's custom_class proposer (engine/internals.py).
+# batchjson's drafter as vLLM's custom_class proposer (engine/internals.py), or on vLLM 0.34 the method it registers
+# (`speculative`).
 SPECULATIVE = {"suffix": {"method": "suffix", "num_speculative_tokens": 8},
                "ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4},
                "draft": {"method": "draft_model", "num_speculative_tokens": 4},
                "schema": {"method": "custom_class", "model": SCHEMA_PROPOSER, "num_speculative_tokens": 8}}
+
+
+def speculative(method: str, schema: dict | None) -> dict:
+    """SPECULATIVE[method], where "schema" is the method batchjson registers where vLLM has a registry of them (0.34:
+    engine/schema_drafter/), drafting from `schema` (the one the engine decodes under)."""
+    from batchjson.engine import schema_drafter
+
+    if method == "schema" and schema_drafter.register():
+        return schema_drafter.speculative_config(SPECULATIVE[method]["num_speculative_tokens"], schema, {})
+    return SPECULATIVE[method]
+
 
 def dump(path: Path, data: Any) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)

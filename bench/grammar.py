@@ -67,7 +67,7 @@ import time
 from pathlib import Path
 
 from batchjson.engine.vllm_engine import graph_sizes
-from bench.common import SPECULATIVE, answer_one, dump, one_process, table
+from bench.common import answer_one, dump, one_process, speculative, table
 
 PARTS = ("schedule", "update_from_output", "advance", "grammar_bitmask", "get_grammar_bitmask", "ahead",
          "ahead_advance", "ahead_fill", "forward", "sample_tokens", "propose", "drafts", "gc", "engine_step")
@@ -127,7 +127,7 @@ def one(cfg: dict) -> dict:
     if method or stats:  # the draft counters need vLLM's stats; +stats: as batchjson's engine runs (its report)
         kwargs["disable_log_stats"] = False
     if method:
-        kwargs["speculative_config"] = SPECULATIVE[method]
+        kwargs["speculative_config"] = speculative(method, schema(cfg["task"]))
     if current_platform.is_cpu():
         kwargs["enforce_eager"] = True
     llm = vllm.LLM(**kwargs)

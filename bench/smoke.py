@@ -200,6 +200,8 @@ def plan(w: Path, model: Path) -> list[tuple]:
                    "--seqs", "8", "--min-requests", "1", "--out", str(w / "ahead")]),  # make install fetched vLLM 0.26
         ("drafts", ["--tasks", "C", "--rows", "6", "--ks", "4", "--tokenizer", str(byte_tokenizer(w / "bytes-drafts")),
                     "--out", str(w / "drafts")]),
+        ("schema-drafter", ["--fake", "--vllm-src", str(Path(sys.prefix) / "vllm-0.34"), "--rows", "8", "--tokenizer",
+                            str(byte_tokenizer(w / "bytes-spec")), "--out", str(w / "schema-drafter")]),
         ("drafts", ["--cost", "--tasks", "C", "--rows", "6", "--ks", "4", "--tokenizer",
                     str(byte_tokenizer(w / "bytes-drafts")), "--out", str(w / "drafts-cost")]),
         # Two replicas on one (pretended) GPU: the fake engine needs none, the layout only CUDA_VISIBLE_DEVICES.

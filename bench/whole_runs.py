@@ -85,7 +85,7 @@ from pathlib import Path
 from batchjson.engine.devices import visible_gpus
 from batchjson.engine.internals import AHEAD_ENV
 from batchjson.engine.vllm_engine import graph_sizes
-from bench.common import P1, P2, ROOT, SPECULATIVE, cli, run_group
+from bench.common import P1, P2, ROOT, SPECULATIVE, cli, run_group, speculative
 from bench.replicas import HostSampler
 from bench.tasks import TASKS, schema, score, write_task
 
@@ -105,7 +105,7 @@ def bare(task: str, rows: int, model: str, max_tokens: int, method: str, seqs: i
     imported = stamp()
     kwargs = dict(model=model, structured_outputs_config={"backend": "xgrammar", "disable_any_whitespace": True})
     if method != "none":
-        kwargs["speculative_config"] = SPECULATIVE[method] | ({"model": draft} if method == "draft" else {})
+        kwargs["speculative_config"] = speculative(method, schema(task)) | ({"model": draft} if method == "draft" else {})
     if seqs:
         kwargs["max_num_seqs"] = seqs
     if current_platform.is_cpu():

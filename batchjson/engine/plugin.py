@@ -5,7 +5,9 @@ The engine processes of a batchjson run die with the runner, whatever kills it.
 Without it, a runner killed by SIGKILL or the OOM killer leaves vLLM's engine process alive, holding gigabytes
 of memory (GPU memory on a GPU) until someone finds it. It also installs, in those processes, the scheduler patches
 (internals.py: no drafts for pass 2, a fast loop guard) and, when the run asks for it by environment (BATCHJSON_PROFILE_STEPS), the step profiler
-(profiler.py). Does nothing outside a batchjson run, nor in the runner process itself.
+(profiler.py). Does nothing outside a batchjson run, nor in the runner process itself, but one thing: in every
+process, where vLLM has a registry of speculative methods (0.34), it registers the schema drafter's
+(schema_drafter/), which any vLLM engine may then name, batchjson's or not.
 
 Forked engine processes. vLLM loads its general plugins once per process, and on CUDA it forks the engine-core
 process from the runner, which has loaded them already (where this plugin does nothing): so the runner registers an
@@ -20,7 +22,7 @@ import os
 import signal
 
 # Imported here, not in the at-fork hook, which runs in a child just forked (internals imports no vLLM when loaded).
-from batchjson.engine import internals
+from batchjson.engine import internals, schema_drafter
 
 PR_SET_PDEATHSIG = 1
 
@@ -40,6 +42,8 @@ def register(replica: bool = False) -> None:
     to the runner and leaves the patches until it starts a vLLM engine (install_pending): a fake engine's replica
     never imports vLLM (seconds of CPU each)."""
     global _FORK_HOOK, _DONE, _PENDING
+    if not replica:  # vLLM's call: vLLM is imported (a replica's own call imports none)
+        schema_drafter.register()
     runner = os.environ.get("BATCHJSON_RUNNER_PID")
     if not runner:
         return

@@ -22,7 +22,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-from batchjson.engine import devices, internals, kv_sizes, plugin
+from batchjson.engine import devices, internals, kv_sizes, plugin, schema_drafter
 from batchjson.engine.base import Engine, EngineFactory
 from batchjson.engine.models import resolve_model
 from batchjson.errors import EngineDied, EngineError
@@ -98,9 +98,10 @@ def graph_sizes(largest: int) -> list[int]:
 
 
 def engine_kwargs(model: ModelSpec, decoding: DecodingSpec, backend: str, speculative: SpeculativeSpec | None,
-                  cpu: bool) -> dict[str, Any]:
+                  cpu: bool, schema: dict | None = None) -> dict[str, Any]:
     """The keyword arguments of `vllm.LLM` for one engine: `backend` decodes the grammar, `speculative` (None: no
-    speculation) drafts, on a CPU (`cpu`) or a GPU; `[model.engine]` goes last and overrides any of them."""
+    speculation) drafts, on a CPU (`cpu`) or a GPU; `schema`: the grammar's JSON Schema, which the schema drafter
+    follows; `[model.engine]` goes last and overrides any of them."""
     drafting = speculative is not None and speculative.enabled
     kwargs: dict[str, Any] = dict(
         # vLLM's stats only where the draft's counters are read (llm.get_metrics()): elsewhere they are work in every
@@ -121,7 +122,7 @@ def engine_kwargs(model: ModelSpec, decoding: DecodingSpec, backend: str, specul
     elif not drafting:  # drafted steps (1 + k tokens a request) with these graphs: not measured, vLLM's own
         kwargs["compilation_config"] = {"cudagraph_capture_sizes": graph_sizes(GRAPH_TOKENS)}
     if drafting:
-        kwargs["speculative_config"] = speculative_config(speculative)
+        kwargs["speculative_config"] = speculative_config(speculative, schema)
     return kwargs | model.engine
 
 
@@ -132,13 +133,18 @@ def engine_settings(model: ModelSpec, decoding: DecodingSpec, schema: dict | Non
     choice = choose(schema, decoding.structured_output_backend or model.structured_output_backend,
                     model.disable_any_whitespace)
     drafting = speculative if speculative is not None and speculative.enabled else None
-    return choice, engine_kwargs(model, decoding, choice.backend, drafting, cpu) if choice.backend else {}
+    return choice, (engine_kwargs(model, decoding, choice.backend, drafting, cpu, choice.grammar_schema)
+                    if choice.backend else {})
 
 
-def speculative_config(spec: SpeculativeSpec) -> dict[str, Any]:
+def speculative_config(spec: SpeculativeSpec, schema: dict | None = None) -> dict[str, Any]:
     """vLLM's speculative_config for `spec`; `[speculative.options]` goes last and overrides any of it. "schema" is
-    batchjson's drafter (the tokens the grammar forces, copies from the prompt): vLLM's custom_class proposer."""
+    batchjson's drafter (the tokens the grammar forces, copies from the prompt; `schema`: the grammar's JSON Schema,
+    None for any JSON object): the method it registered where vLLM has a registry of them (0.34's Model Runner V2:
+    schema_drafter/), else vLLM's custom_class proposer."""
     if spec.method == "schema":
+        if schema_drafter.register():
+            return schema_drafter.speculative_config(spec.num_speculative_tokens, schema, spec.options)
         if why := internals.schema_drafts_unready():
             raise EngineError(f'speculative.method = "schema" cannot run here ({why}): choose another method '
                               '(auto, suffix, ngram, none).')
@@ -461,4 +467,4 @@ class VllmEngines(EngineFactory):
 
     @property
     def schema_drafts(self) -> bool:
-        return not internals.schema_drafts_unready()
+        return schema_drafter.register() or not internals.schema_drafts_unready()
