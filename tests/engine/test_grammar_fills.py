@@ -229,7 +229,7 @@ class Request(SimpleNamespace):
 
 def ahead_requests(gs) -> dict:
     return {str(i): Request(structured_output_request=SimpleNamespace(grammar=g), use_structured_output=True,
-                            is_prefill_chunk=False, async_tokens_to_discard=0, finished=False)
+                            is_prefill_chunk=False, finished=False, **{internals.stale_field(): 0})
             for i, g in enumerate(gs)}
 
 
@@ -257,7 +257,7 @@ def vllm_update(requests, ids, tokens, skip=frozenset()) -> list[str]:
         request = requests.get(req_id)
         if request is None or request.finished or req_id not in tokens or req_id in skip:
             continue
-        if request.async_tokens_to_discard:
+        if getattr(request, internals.stale_field()):
             continue
         request.structured_output_request.grammar.accept_tokens(req_id, [tokens[req_id]])
         moved.append(req_id)
@@ -322,8 +322,8 @@ def test_an_engine_core_collects_its_first_generation_less_often_on_a_gpu(monkey
 
 def test_grammar_work_ahead_skips_what_vllm_skips_and_refills_what_vllm_moved(grammar_kit):
     """One step with every case update_from_output treats apart: a request finished (aborted) and one gone, one whose
-    tokens are dropped (async_tokens_to_discard), one still in its prefill (no token), a terminated grammar, a token
-    the grammar refuses. Only the plain requests are advanced ahead; vLLM's own update then advances the refused one
+    tokens are dropped (its stale_field: 0.26's async_tokens_to_discard), one still in its prefill (no token), a
+    terminated grammar, a token the grammar refuses. Only the plain requests are advanced ahead; vLLM's own update then advances the refused one
     (and ends it), whose row is filled again; the masks and counts are vLLM's. A step with two tokens for a request is
     left to vLLM whole."""
     tokenizer, compiled, vocab = grammar_kit
@@ -335,7 +335,7 @@ def test_grammar_work_ahead_skips_what_vllm_skips_and_refills_what_vllm_moved(gr
     for requests in (theirs, ours):
         requests["1"].finished = True
         del requests["2"]
-        requests["3"].async_tokens_to_discard = 1
+        setattr(requests["3"], internals.stale_field(), 1)
     ids = [str(i) for i in range(8)]
     tokens = {r: answer[0] for r in ids if r != "4"}  # 4: a prefill chunk, no token
     refused = tokenizer.encode("}", add_special_tokens=False)[0]
