@@ -94,7 +94,7 @@ def one(cfg: dict) -> dict:
     from transformers import AutoTokenizer
     from vllm.config import (CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig, StructuredOutputsConfig,
                              VllmConfig)
-    from vllm.sampling_params import SamplingParams, StructuredOutputsParams
+    from vllm.sampling_params import RepetitionDetectionParams, SamplingParams, StructuredOutputsParams
     from vllm.config import SpeculativeConfig
     from vllm.v1.core.sched.async_scheduler import AsyncScheduler
     from vllm.v1.core.sched.scheduler import Scheduler
@@ -106,15 +106,19 @@ def one(cfg: dict) -> dict:
 
     assert vllm.__version__ in VERSIONS, vllm.__version__
     strided = vllm.__version__ >= "0.34"  # a request's mask rows: a block of k + 1 (0.34), else 1 + its drafts
+    assert strided or cfg["sync"] or not cfg["drafts"], "--drafts: with --sync on vLLM 0.26 (its n-gram drafts)"
     indexed = "req_id_to_index" in ModelRunnerOutput.__dataclass_fields__  # 0.26's field, gone in 0.34
 
     def runner_output(req_ids, **fields):
         if indexed:
             fields["req_id_to_index"] = {r: i for i, r in enumerate(req_ids)}
         return ModelRunnerOutput(req_ids=req_ids, **fields)
-    installed = {"fills": internals.install_batch_fills() if cfg["name"] != "vllm" else "off",
+    installed = {"no_draft": internals.install_no_draft(), "guard": internals.install_fast_loop_guard(),
+                 "idle_drafter": internals.install_idle_drafter() if strided else "off",  # 0.26's: the V1 runner's
+                 "fills": internals.install_batch_fills() if cfg["name"] != "vllm" else "off",
                  "ahead": internals.install_grammar_ahead() if cfg["name"] in ("ahead", "late") else "off"}
-    jobs = {"work": 0, "served": 0, "moved": 0, "thread_s": 0.0, "wait_s": 0.0, "launch_s": 0.0}
+    jobs = {"work": 0, "served": 0, "moved": 0, "thread_s": 0.0, "wait_s": 0.0, "launch_s": 0.0, "fills": 0,
+            "no_draft_drafted": 0}
     ahead = internals.GrammarAhead
     masks, advanced = ahead.masks, ahead.advanced
 
@@ -142,6 +146,14 @@ def one(cfg: dict) -> dict:
         return got
 
     ahead.work, ahead.fill_beside = counted(ahead.work), counted(ahead.fill_beside)
+    bitmask = internals.BatchFills.bitmask
+
+    def fills_counted(self, *args):  # the steps whose masks BatchFills made (not vLLM's own)
+        got = bitmask(self, *args)
+        jobs["fills"] += got is not None
+        return got
+
+    internals.BatchFills.bitmask = fills_counted
     if cfg["name"] == "late":  # the thread's work is the fill alone (advanced() advances on the engine core's thread)
         ahead.fill_next = counted(ahead.fill_next)
     ahead.masks, ahead.advanced = counted_masks, timed_advanced
@@ -233,7 +245,7 @@ def one(cfg: dict) -> dict:
                 assert torch.equal(row, twin_mask[0]), f"request {req_id}: its mask differs at token {at}+{j}"
                 checked[0] += 1
                 if j < len(drafts) and not twin.is_terminated() and not cut:
-                    cut = not twin.accept_token(drafts[j])
+                    cut = drafts[j] == -1 or not twin.accept_token(drafts[j])
                     assert strided or not cut, (req_id, at, j)  # 0.26 keeps only the valid prefix
                     moved += not cut
             if moved:
@@ -254,7 +266,10 @@ def one(cfg: dict) -> dict:
                     sampled.append([0])
                     continue
                 drafts = list(drafted.get(req_id, ()))
-                assert -1 not in drafts  # one step at a time, drafts are the runner's own
+                assert not sync or -1 not in drafts  # ahead of time (0.34), the slots left empty are -1
+                if -1 in drafts:
+                    drafts = drafts[:drafts.index(-1)]
+                jobs["no_draft_drafted"] += bool(drafts) and req_id in no_draft
                 if check and not free:
                     assert req_id in first, f"request {req_id}: no mask row at token {len(got)}"
                     self.check_rows(req_id, grammar_output.grammar_bitmask, first[req_id], drafts, len(got))
@@ -269,8 +284,12 @@ def one(cfg: dict) -> dict:
                             assert twins[req_id].accept_token(t)
                 got.extend(new)
                 sampled.append(new)
-            if k or not non_block:  # one step at a time: the tokens as they are
+            if not non_block:  # one step at a time: the tokens as they are
                 return runner_output(req_ids, sampled_token_ids=sampled)
+            if k:  # drafted, ahead of time (0.34): GrammarAhead leaves these steps to vLLM
+                done = Future()
+                done.set_result(runner_output(req_ids, sampled_token_ids=sampled))
+                return done
             return OutputFuture(Output(req_ids, [t[0] for t in sampled]))
 
         def take_draft_token_ids(self):
@@ -297,11 +316,15 @@ def one(cfg: dict) -> dict:
     core.aborts_queue = queue.Queue()
     core.is_mm_encoder_only, core._weight_version = False, None  # 0.34's (0.26 reads neither)
 
+    every = cfg.get("no_draft_every", 0)  # every this many requests asks for no drafts (NO_DRAFT), from the first
+    no_draft = {str(i) for i in range(rows) if every and i % every == 0}
+    guard = RepetitionDetectionParams(max_pattern_size=16, min_count=8)  # the loop guard runs at every token
     for i in range(rows):
+        extra = {"extra_args": {internals.NO_DRAFT: True}} if str(i) in no_draft else {}
         if free:
-            params = SamplingParams(temperature=0.0, max_tokens=len(answers[str(i)]), ignore_eos=True)
+            params = SamplingParams(temperature=0.0, max_tokens=len(answers[str(i)]), ignore_eos=True, **extra)
         else:
-            params = SamplingParams(temperature=0.0, max_tokens=200,
+            params = SamplingParams(temperature=0.0, max_tokens=200, repetition_detection=guard, **extra,
                                     structured_outputs=StructuredOutputsParams(json=SCHEMA))
             params.update_from_generation_config({}, eos_token_id=tok.eos_token_id)
             params.structured_outputs._backend = "xgrammar"  # as vLLM's input processing sets it
@@ -309,6 +332,9 @@ def one(cfg: dict) -> dict:
         if not free:
             manager.grammar_init(request)
         scheduler.add_request(request)
+    if strided and no_draft:  # the idle drafter's answer: a no-draft request's drafts are unused, another's are not
+        flagged, other = (scheduler.requests[r] for r in (min(no_draft), next(r for r in answers if r not in no_draft)))
+        jobs["drafts_unused"] = [scheduler._drafts_unused(r, r.num_tokens - 1, 1) for r in (flagged, other)]
     if not free:
         twin = manager.backend.compiler.compile_json_schema(json.dumps(SCHEMA), any_whitespace=False,
                                                             **({"separators": separators} if separators else {}))
@@ -353,6 +379,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--check", type=int, default=1, help="1: check every mask row (0 for timings)")
     ap.add_argument("--model", default=None, help="a model folder for its tokenizer and config (default SmolLM2)")
     ap.add_argument("--min-requests", type=int, default=0, help="GrammarAhead.min_requests (0: its own)")
+    ap.add_argument("--no-draft-every", type=int, default=0, help="every this many requests asks for no drafts")
     ap.add_argument("--sync", action="store_true", help="one step at a time (vLLM's EngineCore.step, as with drafts)")
     ap.add_argument("--drafts", type=int, default=0, help="k drafted tokens a step (with --sync): the answer's next k")
     ap.add_argument("--timeout", type=float, default=600)
@@ -363,8 +390,6 @@ def main(argv: list[str]) -> int:
         return 0
     if not args.vllm_src or not (args.vllm_src / "vllm").is_dir():
         ap.error("--vllm-src: a folder `python -m bench ahead --fetch DIR` filled")
-    if args.drafts and not args.sync:
-        ap.error("--drafts: with --sync (vLLM 0.26 schedules one step at a time with n-gram drafts)")
     if args.model is None:
         from batchjson.engine.models import default_model_dir, resolve_model
 
@@ -379,6 +404,7 @@ def main(argv: list[str]) -> int:
             cfg = {"name": name, "rows": args.rows, "seqs": args.seqs, "launch_ms": args.launch_ms,
                    "launch_releases": args.launch_releases,
                    "min_requests": args.min_requests, "sync": args.sync, "drafts": args.drafts,
+                   "no_draft_every": args.no_draft_every,
                    "check": args.check, "model": args.model, "result": str(out / f"result-{name}.json")}
             row = one_process("ahead", cfg, args.timeout, env=env) | {
                 "name": name, "turn": turn, "rows": args.rows, "seqs": args.seqs, "launch_ms": args.launch_ms,
