@@ -1,23 +1,26 @@
 """The grammars' work beside the forward's launch (engine/internals.py GrammarAhead) on vLLM 0.26's or 0.34's own
 scheduler, with no GPU: that vLLM's Python (its AsyncScheduler, StructuredOutputManager with the xgrammar backend, and
 EngineCore.step_with_batch_queue, which runs as it does in the engine process) over the installed CPU build drives a
-fake model runner on this CPU. The runner answers each request with its ground-truth JSON, token by token, and checks every mask row it is
-given against a matcher of its own; a run passes when every answer comes back whole and every row matched.
+fake model runner on this CPU. The runner answers each request with its ground-truth JSON, token by token, and checks
+every mask row it is given against a matcher of its own; a run passes when every answer comes back whole and every
+row matched.
 
     python -m bench ahead --fetch DIR [--version 0.34.0]  # vLLM's Python files from the package index (no .so)
     python -m bench ahead --vllm-src DIR --configs ahead,batch,free --rows 2048 --seqs 1024 --launch-ms 25 \\
         --check 0 --repeat 2 --out OUT
 
 Configurations, each in its own process with DIR first on its path: `ahead` (GrammarAhead on), `batch` (batchjson's
-batch fills when vLLM asks for the masks), `vllm` (vLLM's own fills), `free` (no grammar, the same tokens: ignore_eos, max_tokens = the answer's
-length). `--launch-ms` spends that much of the engine core thread's CPU time in Python in each forward's launch, as
-Model Runner V2's input preparation does (24 ms a step for the 1.5B at 1,024 in flight on the H200 host): the window the
-grammar work can go beside. ms per step: the loop's wall time over its steps; core_cpu: the CPU time of the engine
-core's thread (the launch's busy wait included), which bounds the step where a spare core runs the grammar's thread;
-ahead_cpu: that thread's CPU time (GrammarAhead.work, fill_beside); wait: the engine core thread's wait for that
-thread (in update_from_output and get_grammar_bitmask). `--sync` schedules one step at a time (EngineCore.step, as
-vLLM 0.26 does with n-gram, suffix or draft-model drafts), where only the fill goes on the thread; `--drafts K` then
-proposes the answer's next K tokens (one request in three with a wrong second token) for vLLM to cut and verify.
+batch fills when vLLM asks for the masks), `vllm` (vLLM's own fills), `free` (no grammar, the same tokens:
+ignore_eos, max_tokens = the answer's length). `--launch-ms` spends that much of the engine core thread's CPU time in
+Python in each forward's launch, as Model Runner V2's input preparation does (24 ms a step for the 1.5B at 1,024 in
+flight on the H200 host): the window the grammar work can go beside. ms per step: the loop's wall time over its steps;
+core_cpu: the CPU time of the engine core's thread (the launch's busy wait included), which bounds the step where a
+spare core runs the grammar's thread; ahead_cpu: that thread's CPU time (GrammarAhead.work, fill_beside); wait: the
+engine core thread's wait for that thread (in update_from_output and get_grammar_bitmask). `--sync` schedules one step
+at a time (EngineCore.step, as vLLM 0.26 does with n-gram, suffix or draft-model drafts), where only the fill goes on
+the thread; `--drafts K` then proposes the answer's next K tokens (one request in three with a wrong second token)
+for vLLM to cut and verify; without `--sync` (0.34 only) vLLM schedules the drafts ahead, unchecked, as Model Runner V2
+does. `--no-draft-every N`: every Nth request asks for no drafts (NO_DRAFT); every request runs the loop guard.
 Results: OUT/ahead.json.
 """
 
@@ -66,7 +69,8 @@ def answers_for(tokenizer, compiled, rows: int, separators=(", ", ": ")) -> dict
     out = {}
     for i in range(rows):
         name, city = WORDS[i % len(WORDS)]
-        text = json.dumps({"name": name * (1 + i % 3), "city": city, "n": i, "tags": ["t"] * (i % 4)}, separators=separators)
+        text = json.dumps({"name": name * (1 + i % 3), "city": city, "n": i, "tags": ["t"] * (i % 4)},
+                          separators=separators)
         ids = tokenizer.encode(text, add_special_tokens=False)
         probe = xgr.GrammarMatcher(compiled)
         assert all(probe.accept_token(t) for t in ids), text

@@ -37,7 +37,8 @@ of threads that take turns at the GIL between rows; serially with drafts). `inst
 StructuredOutputManager.grammar_bitmask with BatchFills: the same rows from one call to xgrammar's batch matcher (C++
 threads), into pinned buffers the GPU runner copies as they are (H200, the 1.5B at 1,024 in flight: 62.4-71.2 ms a
 step against vLLM's 81.4-98.8; BENCHMARKS.md, "What the JSON constraint costs a step"); on vLLM 0.34, in its layout
-of k + 1 rows a request where the engine drafts k. Checked against FILLS_READ_ON; `[model] grammar_fills = "vllm"` (GRAMMAR_FILLS_ENV) keeps vLLM's fills.
+of k + 1 rows a request where the engine drafts k. Checked against FILLS_READ_ON; `[model] grammar_fills = "vllm"`
+(GRAMMAR_FILLS_ENV) keeps vLLM's fills.
 
 **The grammars' work beside the forward's launch.** Under async scheduling vLLM launches step n+1's forward, then
 waits for step n's tokens, advances every grammar by its token (a few Python calls per request in
@@ -46,9 +47,10 @@ update_from_output) and fills n+1's masks, all on the engine core's one thread w
 are on the host by then, xgrammar's batch accept and batch fill run in C++ without the GIL, and the engine core's
 thread only skips the grammars already advanced and takes the masks. One step at a time (vLLM 0.26 with drafts) the
 thread fills the step's masks, every drafted position's, while the forward launches. Checked against AHEAD_READ_ON
-(vLLM 0.26 and 0.34; Model Runner V2 without drafts, or one step at a time); elsewhere the masks are made when vLLM asks for them. On by default
-(an H100: the 1.5B's step x0.77-0.89 of the batch fills at the step, its drafted step x0.91-0.98, 0 rows
-differing; AHEAD_ENV "0" turns it off; BENCHMARKS.md, "The grammars' work beside the forward's launch").
+(vLLM 0.26 and 0.34; Model Runner V2 without drafts, or one step at a time); elsewhere the masks are made when vLLM
+asks for them. On by default (an H100: the 1.5B's step x0.77-0.89 of the batch fills at the step, its drafted step
+x0.91-0.98, 0 rows differing; AHEAD_ENV "0" turns it off; BENCHMARKS.md, "The grammars' work beside the forward's
+launch").
 
 **The schema drafts made where the grammar already is.** `[speculative] method = "schema"` drafts what each
 request's grammar forces next, else a copy from its prompt (schema/drafts.py). vLLM asks a custom drafter in the model
@@ -82,6 +84,7 @@ and without them a killed engine hangs the runner, or a forked engine process ou
 they use instead of READ_ON, and step aside where a name is missing.
 
 `notice()` is the line the run's report gives when a patch is off in this vLLM (a version not in READ_ON).
+BATCHJSON_PATCHES_OFF (PATCHES_OFF_ENV) names patches to leave off in a run, for side-by-side measurements.
 """
 
 from __future__ import annotations
@@ -113,6 +116,9 @@ AUDIT_TWIN = "batchjson_audit_twin"  # ... beside NO_DRAFT: a speculation audit'
 # from scheduled_spec_decode_tokens (its _prepare_inputs: num_draft_tokens_np), and utils.py is 0.32's, unchanged.
 READ_ON = ("0.26.", "0.32.", "0.33.", "0.34.")  # the vLLM versions both patches were read on
 _ANSWERS: dict[str, str] = {}  # a patch's name -> "ok", or why it is not installed in this process
+# Patches to leave off in every process of a run, by name (install_<name>, comma-separated: "no_draft,idle_drafter"),
+# for side-by-side measurements; each answers "off: BATCHJSON_PATCHES_OFF" and vLLM's own code runs.
+PATCHES_OFF_ENV = "BATCHJSON_PATCHES_OFF"
 
 
 def unread_here(read_on: tuple[str, ...], off: dict[str, str] | None = None) -> str:
@@ -132,11 +138,13 @@ def unread_here(read_on: tuple[str, ...], off: dict[str, str] | None = None) -> 
 def installs_once(install: Callable[[], str]) -> Callable[[], str]:
     """A patch's install, run once per process: its answer ("ok", or why the patch is not installed) is kept and
     returned by every later call, and an exception becomes the answer ("TypeName: message"): a patch never breaks
-    the engine, vLLM's own behaviour stays."""
+    the engine, vLLM's own behaviour stays. A patch named in PATCHES_OFF_ENV is not installed."""
     name = install.__name__.removeprefix("install_")
 
     @functools.wraps(install)
     def once() -> str:
+        if name not in _ANSWERS and name in os.environ.get(PATCHES_OFF_ENV, "").split(","):
+            _ANSWERS[name] = f"off: {PATCHES_OFF_ENV}"
         if name not in _ANSWERS:
             try:
                 _ANSWERS[name] = install()

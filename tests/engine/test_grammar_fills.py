@@ -421,7 +421,8 @@ def test_grammar_work_goes_ahead_by_default(monkeypatch):
 
 
 VLLM_SRC = {v: Path(sys.prefix) / f"vllm-{v}" for v in ("0.26", "0.34")}  # their Python files: `make install`
-MODES = {"ahead": [], "one at a time, drafted": ["--sync", "--drafts", "4"], "ahead of time, drafted": ["--drafts", "4"]}
+MODES = {"ahead": [], "one at a time, drafted": ["--sync", "--drafts", "4"],
+         "ahead of time, drafted": ["--drafts", "4"]}
 
 
 def on_vllms_scheduler(version: str, tiny_model: str, out: Path, *args: str) -> list[dict]:

@@ -313,6 +313,29 @@ def test_an_install_runs_once_and_its_exception_is_its_answer():
         internals.reset(kept)
 
 
+def test_a_patch_named_off_is_not_installed(monkeypatch):
+    """BATCHJSON_PATCHES_OFF (side-by-side measurements): a patch it names is never installed and says so; the
+    others install as before."""
+    calls = []
+
+    @internals.installs_once
+    def install_thing() -> str:
+        calls.append(1)
+        return "ok"
+
+    @internals.installs_once
+    def install_other() -> str:
+        return "ok"
+
+    monkeypatch.setenv(internals.PATCHES_OFF_ENV, "idle_drafter,thing")
+    kept = internals.reset()
+    try:
+        assert install_thing() == f"off: {internals.PATCHES_OFF_ENV}" and not calls
+        assert install_other() == "ok"
+    finally:
+        internals.reset(kept)
+
+
 def test_the_profiler_times_nothing_on_a_vllm_it_was_not_read_on(monkeypatch, tmp_path):
     """Outside PROFILER_READ_ON every part is skipped, with why, and no vLLM class is touched."""
     import vllm
