@@ -5,7 +5,7 @@ PIP := $(PY) -m pip -q --disable-pip-version-check
 
 .PHONY: install run test test-fast bench bench-smoke sample-data clean
 
-install: $(VENV)/.installed $(VENV)/vllm-0.26
+install: $(VENV)/.installed $(VENV)/vllm-0.26 $(VENV)/vllm-0.34
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -22,6 +22,11 @@ $(VENV)/.installed: pyproject.toml
 # its own scheduler (bench/ahead.py)
 $(VENV)/vllm-0.26: $(VENV)/.installed
 	$(PY) -m bench ahead --fetch $@
+
+# vLLM 0.34's Python files (63 MB of its 240 MB wheel, no compiled module): the same tests for the patches read on 0.34,
+# whose scheduler and structured-output manager import over the CPU build
+$(VENV)/vllm-0.34: $(VENV)/.installed
+	$(PY) -m bench ahead --fetch $@ --version 0.34.0
 
 run: install
 	$(VENV)/bin/batchjson run jobs/sample.toml

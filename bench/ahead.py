@@ -1,23 +1,26 @@
-"""The grammars' work beside the forward's launch (engine/internals.py GrammarAhead) on vLLM 0.26's own scheduler,
-with no GPU: vLLM 0.26's Python (its AsyncScheduler, StructuredOutputManager with the xgrammar backend, and
-EngineCore.step_with_batch_queue, which runs as it does in the engine process) drives a fake model runner on this
-CPU. The runner answers each request with its ground-truth JSON, token by token, and checks every mask row it is
-given against a matcher of its own; a run passes when every answer comes back whole and every row matched.
+"""The grammars' work beside the forward's launch (engine/internals.py GrammarAhead) on vLLM 0.26's or 0.34's own
+scheduler, with no GPU: that vLLM's Python (its AsyncScheduler, StructuredOutputManager with the xgrammar backend, and
+EngineCore.step_with_batch_queue, which runs as it does in the engine process) over the installed CPU build drives a
+fake model runner on this CPU. The runner answers each request with its ground-truth JSON, token by token, and checks
+every mask row it is given against a matcher of its own; a run passes when every answer comes back whole and every
+row matched.
 
-    python -m bench ahead --fetch DIR          # vLLM 0.26's Python files from the package index (CUDA code unused)
+    python -m bench ahead --fetch DIR [--version 0.34.0]  # vLLM's Python files from the package index (no .so)
     python -m bench ahead --vllm-src DIR --configs ahead,batch,free --rows 2048 --seqs 1024 --launch-ms 25 \\
         --check 0 --repeat 2 --out OUT
 
 Configurations, each in its own process with DIR first on its path: `ahead` (GrammarAhead on), `batch` (batchjson's
-batch fills when vLLM asks for the masks), `free` (no grammar, the same tokens: ignore_eos, max_tokens = the answer's
-length). `--launch-ms` spends that much of the engine core thread's CPU time in Python in each forward's launch, as
-Model Runner V2's input preparation does (24 ms a step for the 1.5B at 1,024 in flight on the H200 host): the window the
-grammar work can go beside. ms per step: the loop's wall time over its steps; core_cpu: the CPU time of the engine
-core's thread (the launch's busy wait included), which bounds the step where a spare core runs the grammar's thread;
-ahead_cpu: that thread's CPU time (GrammarAhead.work, fill_beside); wait: the engine core thread's wait for that
-thread (in update_from_output and get_grammar_bitmask). `--sync` schedules one step at a time (EngineCore.step, as
-vLLM 0.26 does with n-gram, suffix or draft-model drafts), where only the fill goes on the thread; `--drafts K` then
-proposes the answer's next K tokens (one request in three with a wrong second token) for vLLM to cut and verify.
+batch fills when vLLM asks for the masks), `vllm` (vLLM's own fills), `free` (no grammar, the same tokens:
+ignore_eos, max_tokens = the answer's length). `--launch-ms` spends that much of the engine core thread's CPU time in
+Python in each forward's launch, as Model Runner V2's input preparation does (24 ms a step for the 1.5B at 1,024 in
+flight on the H200 host): the window the grammar work can go beside. ms per step: the loop's wall time over its steps;
+core_cpu: the CPU time of the engine core's thread (the launch's busy wait included), which bounds the step where a
+spare core runs the grammar's thread; ahead_cpu: that thread's CPU time (GrammarAhead.work, fill_beside); wait: the
+engine core thread's wait for that thread (in update_from_output and get_grammar_bitmask). `--sync` schedules one step
+at a time (EngineCore.step, as vLLM 0.26 does with n-gram, suffix or draft-model drafts), where only the fill goes on
+the thread; `--drafts K` then proposes the answer's next K tokens (one request in three with a wrong second token)
+for vLLM to cut and verify; without `--sync` (0.34 only) vLLM schedules the drafts ahead, unchecked, as Model Runner V2
+does. `--no-draft-every N`: every Nth request asks for no drafts (NO_DRAFT); every request runs the loop guard.
 Results: OUT/ahead.json.
 """
 
@@ -33,7 +36,7 @@ from pathlib import Path
 
 from bench.common import ROOT, answer_one, dump, one_process, table
 
-VERSION = "0.26.0"
+VERSIONS = ("0.26.0", "0.34.0")  # the vLLM versions whose Python this runs on (--fetch: the first by default)
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "city": {"type": "string"},
                                            "n": {"type": "integer"},
                                            "tags": {"type": "array", "items": {"type": "string"}}},
@@ -41,8 +44,8 @@ SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "city": {
 WORDS = [("ann", "oslo"), ("bo", "rome"), ("cy", 'new "york"'), ("dee\\x", "lima"), ("e", "a\nb")]  # escapes too
 
 
-def fetch(folder: Path) -> Path:
-    """vLLM 0.26's Python files (no compiled module is imported on this path) into `folder`, from its wheel."""
+def fetch(folder: Path, version: str = VERSIONS[0]) -> Path:
+    """vLLM `version`'s Python files (no compiled module is imported on this path) into `folder`, from its wheel."""
     import glob
     import tempfile
     import zipfile
@@ -50,23 +53,24 @@ def fetch(folder: Path) -> Path:
     if (folder / "vllm" / "v1" / "engine" / "core.py").exists():
         return folder
     with tempfile.TemporaryDirectory() as tmp:
-        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", f"vllm=={VERSION}", "-d", tmp],
+        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", f"vllm=={version}", "-d", tmp],
                        check=True)
-        with zipfile.ZipFile(glob.glob(f"{tmp}/vllm-{VERSION}-*.whl")[0]) as wheel:
+        with zipfile.ZipFile(glob.glob(f"{tmp}/vllm-{version}-*.whl")[0]) as wheel:
             names = [n for n in wheel.namelist() if n.startswith("vllm/") and n.endswith(".py")]
             wheel.extractall(folder.with_name(folder.name + ".part"), names)
     folder.with_name(folder.name + ".part").rename(folder)
     return folder
 
 
-def answers_for(tokenizer, compiled, rows: int) -> dict[str, list[int]]:
+def answers_for(tokenizer, compiled, rows: int, separators=(", ", ": ")) -> dict[str, list[int]]:
     """Each row's answer as tokens the grammar takes (the tokenizer's own split), then the end token."""
     import xgrammar as xgr
 
     out = {}
     for i in range(rows):
         name, city = WORDS[i % len(WORDS)]
-        text = json.dumps({"name": name * (1 + i % 3), "city": city, "n": i, "tags": ["t"] * (i % 4)})
+        text = json.dumps({"name": name * (1 + i % 3), "city": city, "n": i, "tags": ["t"] * (i % 4)},
+                          separators=separators)
         ids = tokenizer.encode(text, add_special_tokens=False)
         probe = xgr.GrammarMatcher(compiled)
         assert all(probe.accept_token(t) for t in ids), text
@@ -75,7 +79,7 @@ def answers_for(tokenizer, compiled, rows: int) -> dict[str, list[int]]:
 
 
 def one(cfg: dict) -> dict:
-    """One configuration in this process (vLLM 0.26's Python first on the path)."""
+    """One configuration in this process (vLLM 0.26's or 0.34's Python first on the path)."""
     import queue
     from collections import deque
     from concurrent.futures import Future
@@ -94,7 +98,7 @@ def one(cfg: dict) -> dict:
     from transformers import AutoTokenizer
     from vllm.config import (CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig, StructuredOutputsConfig,
                              VllmConfig)
-    from vllm.sampling_params import SamplingParams, StructuredOutputsParams
+    from vllm.sampling_params import RepetitionDetectionParams, SamplingParams, StructuredOutputsParams
     from vllm.config import SpeculativeConfig
     from vllm.v1.core.sched.async_scheduler import AsyncScheduler
     from vllm.v1.core.sched.scheduler import Scheduler
@@ -104,10 +108,21 @@ def one(cfg: dict) -> dict:
     from vllm.v1.request import Request
     from vllm.v1.structured_output import StructuredOutputManager
 
-    assert vllm.__version__ == VERSION, vllm.__version__
-    installed = {"fills": internals.install_batch_fills(),
+    assert vllm.__version__ in VERSIONS, vllm.__version__
+    strided = vllm.__version__ >= "0.34"  # a request's mask rows: a block of k + 1 (0.34), else 1 + its drafts
+    assert strided or cfg["sync"] or not cfg["drafts"], "--drafts: with --sync on vLLM 0.26 (its n-gram drafts)"
+    indexed = "req_id_to_index" in ModelRunnerOutput.__dataclass_fields__  # 0.26's field, gone in 0.34
+
+    def runner_output(req_ids, **fields):
+        if indexed:
+            fields["req_id_to_index"] = {r: i for i, r in enumerate(req_ids)}
+        return ModelRunnerOutput(req_ids=req_ids, **fields)
+    installed = {"no_draft": internals.install_no_draft(), "guard": internals.install_fast_loop_guard(),
+                 "idle_drafter": internals.install_idle_drafter() if strided else "off",  # 0.26's: the V1 runner's
+                 "fills": internals.install_batch_fills() if cfg["name"] != "vllm" else "off",
                  "ahead": internals.install_grammar_ahead() if cfg["name"] in ("ahead", "late") else "off"}
-    jobs = {"work": 0, "served": 0, "moved": 0, "thread_s": 0.0, "wait_s": 0.0, "launch_s": 0.0}
+    jobs = {"work": 0, "served": 0, "moved": 0, "thread_s": 0.0, "wait_s": 0.0, "launch_s": 0.0, "fills": 0,
+            "no_draft_drafted": 0}
     ahead = internals.GrammarAhead
     masks, advanced = ahead.masks, ahead.advanced
 
@@ -135,6 +150,14 @@ def one(cfg: dict) -> dict:
         return got
 
     ahead.work, ahead.fill_beside = counted(ahead.work), counted(ahead.fill_beside)
+    bitmask = internals.BatchFills.bitmask
+
+    def fills_counted(self, *args):  # the steps whose masks BatchFills made (not vLLM's own)
+        got = bitmask(self, *args)
+        jobs["fills"] += got is not None
+        return got
+
+    internals.BatchFills.bitmask = fills_counted
     if cfg["name"] == "late":  # the thread's work is the fill alone (advanced() advances on the engine core's thread)
         ahead.fill_next = counted(ahead.fill_next)
     ahead.masks, ahead.advanced = counted_masks, timed_advanced
@@ -161,17 +184,18 @@ def one(cfg: dict) -> dict:
     scheduler = (Scheduler if sync else AsyncScheduler)(vllm_config=config, kv_cache_config=kv,
                                                          structured_output_manager=manager, block_size=16)
     info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=config.model_config.get_vocab_size())
-    compiled = xgr.GrammarCompiler(info).compile_json_schema(json.dumps(SCHEMA), any_whitespace=False)
-    answers = answers_for(tok, compiled, rows)
-    twins = {r: xgr.GrammarMatcher(compiled) for r in answers}
+    separators = (",", ":") if strided else None  # 0.34 compiles with them (disable_any_whitespace)
+    compiled = xgr.GrammarCompiler(info).compile_json_schema(json.dumps(SCHEMA), any_whitespace=False,
+                                                             separators=separators)
+    answers = answers_for(tok, compiled, rows, separators or (", ", ": "))
+    twins: dict = {}  # request -> a matcher of the runner's own, from vLLM's compiler (0.34's drops special tokens)
     twin_mask = xgr.allocate_token_bitmask(1, info.vocab_size)
     releasing, small = cfg.get("launch_releases", False), torch.zeros(8)
     checked = [0]
 
     class Output:  # Model Runner V2's AsyncOutput, as vLLM and GrammarAhead read it
         def __init__(self, req_ids, tokens):
-            self.model_runner_output = ModelRunnerOutput(req_ids=req_ids,
-                                                         req_id_to_index={r: i for i, r in enumerate(req_ids)})
+            self.model_runner_output = runner_output(req_ids)
             self.sampled_token_ids = np.array(tokens, dtype=np.int64).reshape(len(tokens), 1)
             self.num_sampled_tokens_np = np.ones(len(tokens), dtype=np.int32)
             self.copy_event = SimpleNamespace(synchronize=lambda: None)
@@ -208,24 +232,26 @@ def one(cfg: dict) -> dict:
             jobs["launch_s"] += time.perf_counter() - began
             done = Future()
             done.set_result(None if scheduler_output.total_num_scheduled_tokens
-                            else ModelRunnerOutput(req_ids=[], req_id_to_index={}))
+                            else runner_output([]))
             return done
 
         def check_rows(self, req_id, bitmask, first, drafts, at):
             """The request's mask rows (one per drafted position, then the bonus one) against its twin matcher
-            advanced through the drafts before each (vLLM 0.26's rows: -1 once the grammar has ended)."""
-            twin, moved = twins[req_id], 0
+            advanced through the drafts before each (-1 once the grammar has ended; 0.34: and after a draft it
+            refuses, as its check keeps one refused draft)."""
+            twin, moved, cut = twins[req_id], 0, False
             for j in range(len(drafts) + 1):
-                if twin.is_terminated():
+                if twin.is_terminated() or cut:
                     twin_mask.fill_(-1)
                 else:
                     twin.fill_next_token_bitmask(twin_mask)
                 row = torch.from_numpy(np.ascontiguousarray(bitmask[first + j]))
                 assert torch.equal(row, twin_mask[0]), f"request {req_id}: its mask differs at token {at}+{j}"
                 checked[0] += 1
-                if j < len(drafts) and not twin.is_terminated():
-                    assert twin.accept_token(drafts[j]), (req_id, at, j)
-                    moved += 1
+                if j < len(drafts) and not twin.is_terminated() and not cut:
+                    cut = drafts[j] == -1 or not twin.accept_token(drafts[j])
+                    assert strided or not cut, (req_id, at, j)  # 0.26 keeps only the valid prefix
+                    moved += not cut
             if moved:
                 twin.rollback(moved)
 
@@ -236,7 +262,7 @@ def one(cfg: dict) -> dict:
             first, row = {}, 0
             for r in ([] if grammar_output is None else grammar_output.structured_output_request_ids):
                 first[r] = row
-                row += 1 + len(drafted.get(r, ()))
+                row += 1 + (k if strided else len(drafted.get(r, ())))
             sampled = []
             for req_id in req_ids:
                 got, answer = self.sampled.setdefault(req_id, []), answers[req_id]
@@ -244,7 +270,10 @@ def one(cfg: dict) -> dict:
                     sampled.append([0])
                     continue
                 drafts = list(drafted.get(req_id, ()))
-                assert -1 not in drafts  # one step at a time, drafts are the runner's own
+                assert not sync or -1 not in drafts  # ahead of time (0.34), the slots left empty are -1
+                if -1 in drafts:
+                    drafts = drafts[:drafts.index(-1)]
+                jobs["no_draft_drafted"] += bool(drafts) and req_id in no_draft
                 if check and not free:
                     assert req_id in first, f"request {req_id}: no mask row at token {len(got)}"
                     self.check_rows(req_id, grammar_output.grammar_bitmask, first[req_id], drafts, len(got))
@@ -259,9 +288,12 @@ def one(cfg: dict) -> dict:
                             assert twins[req_id].accept_token(t)
                 got.extend(new)
                 sampled.append(new)
-            if k or not non_block:  # one step at a time: the tokens as they are
-                return ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
-                                         sampled_token_ids=sampled)
+            if not non_block:  # one step at a time: the tokens as they are
+                return runner_output(req_ids, sampled_token_ids=sampled)
+            if k:  # drafted, ahead of time (0.34): GrammarAhead leaves these steps to vLLM
+                done = Future()
+                done.set_result(runner_output(req_ids, sampled_token_ids=sampled))
+                return done
             return OutputFuture(Output(req_ids, [t[0] for t in sampled]))
 
         def take_draft_token_ids(self):
@@ -286,12 +318,17 @@ def one(cfg: dict) -> dict:
     core.is_ec_consumer, core.is_pooling_model, core.log_stats = True, False, False
     core.async_scheduling, core.check_for_draft_tokens = not sync, bool(k)
     core.aborts_queue = queue.Queue()
+    core.is_mm_encoder_only, core._weight_version = False, None  # 0.34's (0.26 reads neither)
 
+    every = cfg.get("no_draft_every", 0)  # every this many requests asks for no drafts (NO_DRAFT), from the first
+    no_draft = {str(i) for i in range(rows) if every and i % every == 0}
+    guard = RepetitionDetectionParams(max_pattern_size=16, min_count=8)  # the loop guard runs at every token
     for i in range(rows):
+        extra = {"extra_args": {internals.NO_DRAFT: True}} if str(i) in no_draft else {}
         if free:
-            params = SamplingParams(temperature=0.0, max_tokens=len(answers[str(i)]), ignore_eos=True)
+            params = SamplingParams(temperature=0.0, max_tokens=len(answers[str(i)]), ignore_eos=True, **extra)
         else:
-            params = SamplingParams(temperature=0.0, max_tokens=200,
+            params = SamplingParams(temperature=0.0, max_tokens=200, repetition_detection=guard, **extra,
                                     structured_outputs=StructuredOutputsParams(json=SCHEMA))
             params.update_from_generation_config({}, eos_token_id=tok.eos_token_id)
             params.structured_outputs._backend = "xgrammar"  # as vLLM's input processing sets it
@@ -299,6 +336,13 @@ def one(cfg: dict) -> dict:
         if not free:
             manager.grammar_init(request)
         scheduler.add_request(request)
+    if strided and no_draft:  # the idle drafter's answer: a no-draft request's drafts are unused, another's are not
+        flagged, other = (scheduler.requests[r] for r in (min(no_draft), next(r for r in answers if r not in no_draft)))
+        jobs["drafts_unused"] = [scheduler._drafts_unused(r, r.num_tokens - 1, 1) for r in (flagged, other)]
+    if not free:
+        twin = manager.backend.compiler.compile_json_schema(json.dumps(SCHEMA), any_whitespace=False,
+                                                            **({"separators": separators} if separators else {}))
+        twins.update({r: xgr.GrammarMatcher(twin) for r in answers})
     texts: dict[str, list[int]] = {}
     steps, start, cpu = 0, time.perf_counter(), time.thread_time()
     while scheduler.has_requests() or core.batch_queue:
@@ -326,7 +370,8 @@ def main(argv: list[str]) -> int:
         return 0
     ap = argparse.ArgumentParser(prog="python -m bench ahead", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--fetch", type=Path, help="put vLLM 0.26's Python files in this folder, then stop")
+    ap.add_argument("--fetch", type=Path, help="put vLLM's Python files in this folder, then stop")
+    ap.add_argument("--version", default=VERSIONS[0], choices=VERSIONS, help="--fetch: this vLLM's")
     ap.add_argument("--vllm-src", type=Path, help="a folder --fetch filled")
     ap.add_argument("--configs", default="ahead,batch")
     ap.add_argument("--repeat", type=int, default=1, help="the configurations in turn, this many times")
@@ -338,18 +383,17 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--check", type=int, default=1, help="1: check every mask row (0 for timings)")
     ap.add_argument("--model", default=None, help="a model folder for its tokenizer and config (default SmolLM2)")
     ap.add_argument("--min-requests", type=int, default=0, help="GrammarAhead.min_requests (0: its own)")
+    ap.add_argument("--no-draft-every", type=int, default=0, help="every this many requests asks for no drafts")
     ap.add_argument("--sync", action="store_true", help="one step at a time (vLLM's EngineCore.step, as with drafts)")
     ap.add_argument("--drafts", type=int, default=0, help="k drafted tokens a step (with --sync): the answer's next k")
     ap.add_argument("--timeout", type=float, default=600)
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
     if args.fetch:
-        print(fetch(args.fetch.resolve()))
+        print(fetch(args.fetch.resolve(), args.version))
         return 0
     if not args.vllm_src or not (args.vllm_src / "vllm").is_dir():
         ap.error("--vllm-src: a folder `python -m bench ahead --fetch DIR` filled")
-    if args.drafts and not args.sync:
-        ap.error("--drafts: with --sync (vLLM 0.26 schedules one step at a time with n-gram drafts)")
     if args.model is None:
         from batchjson.engine.models import default_model_dir, resolve_model
 
@@ -364,6 +408,7 @@ def main(argv: list[str]) -> int:
             cfg = {"name": name, "rows": args.rows, "seqs": args.seqs, "launch_ms": args.launch_ms,
                    "launch_releases": args.launch_releases,
                    "min_requests": args.min_requests, "sync": args.sync, "drafts": args.drafts,
+                   "no_draft_every": args.no_draft_every,
                    "check": args.check, "model": args.model, "result": str(out / f"result-{name}.json")}
             row = one_process("ahead", cfg, args.timeout, env=env) | {
                 "name": name, "turn": turn, "rows": args.rows, "seqs": args.seqs, "launch_ms": args.launch_ms,

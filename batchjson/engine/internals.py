@@ -21,6 +21,9 @@ per-request mask): their drafts are computed and dropped; README.md, "What a req
 pass 1's engine, a draft model's forwards were wasted whole (pass 2 at x2.29 its time, on an H200).
 `install_idle_drafter` makes the V1 model runner's `_input_fits_in_drafter` answer False for such a step, which takes
 vLLM's own path for a step it cannot draft for (no drafter forward, zeroed drafts). Checked against RUNNER_READ_ON.
+vLLM 0.34 has no V1 runner: there the scheduler counts a no-draft request's drafts as unused (`_drafts_unused`), so
+Model Runner V2 proposes with K = 0 in a step of such requests alone (its own skip_drafts: the draft model's one
+prefill forward stays, its k - 1 decode forwards go). Checked against SKIP_DRAFTS_READ_ON.
 
 **A loop guard at the cost of a few list operations.** vLLM checks `repetition_detection` after every output token,
 in the engine-core process that also schedules every step: `check_sequence_repetition` compares the output's tail
@@ -33,8 +36,9 @@ pattern sizes where the last token recurs, and compares whole slices in C): 16.7
 of threads that take turns at the GIL between rows; serially with drafts). `install_batch_fills` replaces
 StructuredOutputManager.grammar_bitmask with BatchFills: the same rows from one call to xgrammar's batch matcher (C++
 threads), into pinned buffers the GPU runner copies as they are (H200, the 1.5B at 1,024 in flight: 62.4-71.2 ms a
-step against vLLM's 81.4-98.8; BENCHMARKS.md, "What the JSON constraint costs a step"). Checked against
-FILLS_READ_ON; `[model] grammar_fills = "vllm"` (GRAMMAR_FILLS_ENV) keeps vLLM's fills.
+step against vLLM's 81.4-98.8; BENCHMARKS.md, "What the JSON constraint costs a step"); on vLLM 0.34, in its layout
+of k + 1 rows a request where the engine drafts k. Checked against FILLS_READ_ON; `[model] grammar_fills = "vllm"`
+(GRAMMAR_FILLS_ENV) keeps vLLM's fills.
 
 **The grammars' work beside the forward's launch.** Under async scheduling vLLM launches step n+1's forward, then
 waits for step n's tokens, advances every grammar by its token (a few Python calls per request in
@@ -43,9 +47,10 @@ update_from_output) and fills n+1's masks, all on the engine core's one thread w
 are on the host by then, xgrammar's batch accept and batch fill run in C++ without the GIL, and the engine core's
 thread only skips the grammars already advanced and takes the masks. One step at a time (vLLM 0.26 with drafts) the
 thread fills the step's masks, every drafted position's, while the forward launches. Checked against AHEAD_READ_ON
-(vLLM 0.26; Model Runner V2 without drafts); elsewhere the masks are made when vLLM asks for them. On by default
-(an H100: the 1.5B's step x0.77-0.89 of the batch fills at the step, its drafted step x0.91-0.98, 0 rows
-differing; AHEAD_ENV "0" turns it off; BENCHMARKS.md, "The grammars' work beside the forward's launch").
+(vLLM 0.26 and 0.34; Model Runner V2 without drafts, or one step at a time); elsewhere the masks are made when vLLM
+asks for them. On by default (an H100: the 1.5B's step x0.77-0.89 of the batch fills at the step, its drafted step
+x0.91-0.98, 0 rows differing; AHEAD_ENV "0" turns it off; BENCHMARKS.md, "The grammars' work beside the forward's
+launch").
 
 **The schema drafts made where the grammar already is.** `[speculative] method = "schema"` drafts what each
 request's grammar forces next, else a copy from its prompt (schema/drafts.py). vLLM asks a custom drafter in the model
@@ -79,6 +84,7 @@ and without them a killed engine hangs the runner, or a forked engine process ou
 they use instead of READ_ON, and step aside where a name is missing.
 
 `notice()` is the line the run's report gives when a patch is off in this vLLM (a version not in READ_ON).
+BATCHJSON_PATCHES_OFF (PATCHES_OFF_ENV) names patches to leave off in a run, for side-by-side measurements.
 """
 
 from __future__ import annotations
@@ -106,27 +112,39 @@ AUDIT_TWIN = "batchjson_audit_twin"  # ... beside NO_DRAFT: a speculation audit'
 # left to compute (a resumed one, a fully cached prompt) with placeholder drafts (-1, not the drafter's) for one step,
 # to keep a uniform CUDA graph. check_sequence_repetition(token_ids, params) in
 # vllm/v1/core/sched/utils.py, called by check_stop through the module's name (the same file in 0.32 and 0.33).
-READ_ON = ("0.26.", "0.32.", "0.33.")  # the vLLM versions both patches were read on
+# 0.34: the same names and signatures; every model runs on Model Runner V2, which takes each request's drafts to verify
+# from scheduled_spec_decode_tokens (its _prepare_inputs: num_draft_tokens_np), and utils.py is 0.32's, unchanged.
+READ_ON = ("0.26.", "0.32.", "0.33.", "0.34.")  # the vLLM versions both patches were read on
 _ANSWERS: dict[str, str] = {}  # a patch's name -> "ok", or why it is not installed in this process
+# Patches to leave off in every process of a run, by name (install_<name>, comma-separated: "no_draft,idle_drafter"),
+# for side-by-side measurements; each answers "off: BATCHJSON_PATCHES_OFF" and vLLM's own code runs.
+PATCHES_OFF_ENV = "BATCHJSON_PATCHES_OFF"
 
 
-def unread_here(read_on: tuple[str, ...]) -> str:
-    """Why a patch read on the versions `read_on` stays off in this process's vLLM ("" where it was read)."""
+def unread_here(read_on: tuple[str, ...], off: dict[str, str] | None = None) -> str:
+    """Why a patch read on the versions `read_on` stays off in this process's vLLM ("" where it was read); `off`
+    gives, for versions that were read and where the patch has nothing to do, why."""
     import vllm
 
-    if vllm.__version__.startswith(read_on):
+    version = vllm.__version__
+    if version.startswith(read_on):
         return ""
-    return f"vLLM {vllm.__version__} is not a version this patch was read on ({'x, '.join(read_on)}x)"
+    for prefix, why in (off or {}).items():
+        if version.startswith(prefix):
+            return f"off on vLLM {version}: {why}"
+    return f"vLLM {version} is not a version this patch was read on ({'x, '.join(read_on)}x)"
 
 
 def installs_once(install: Callable[[], str]) -> Callable[[], str]:
     """A patch's install, run once per process: its answer ("ok", or why the patch is not installed) is kept and
     returned by every later call, and an exception becomes the answer ("TypeName: message"): a patch never breaks
-    the engine, vLLM's own behaviour stays."""
+    the engine, vLLM's own behaviour stays. A patch named in PATCHES_OFF_ENV is not installed."""
     name = install.__name__.removeprefix("install_")
 
     @functools.wraps(install)
     def once() -> str:
+        if name not in _ANSWERS and name in os.environ.get(PATCHES_OFF_ENV, "").split(","):
+            _ANSWERS[name] = f"off: {PATCHES_OFF_ENV}"
         if name not in _ANSWERS:
             try:
                 _ANSWERS[name] = install()
@@ -239,6 +257,15 @@ def install_no_draft() -> str:
 # answer there from outside, so on V2 a pass-2 step still pays the draft forward (README, "What a request without a
 # draft still costs").
 RUNNER_READ_ON = ("0.26.", "0.32.", "0.33.")
+# Read on: vllm/v1/core/sched/scheduler.py and vllm/v1/worker/gpu/model_runner.py of these versions (no V1 runner).
+# Scheduler.schedule sets SchedulerOutput.skip_drafts when _drafts_unused(self, request, num_computed_tokens,
+# num_new_tokens) is True for every request it schedules (running and new alike), and only where the drafter has a
+# forward of its own (can_skip_drafts: num_lookahead_tokens > 0; not ngram or suffix). Model Runner V2 then proposes
+# with K = 0: StandaloneARSpeculator.propose still runs its one prefill forward (the draft model's KV cache must
+# take the step's tokens) and skips its k - 1 decode forwards, handing -1 drafts that the next step does not schedule.
+# A request that gets no drafts (NO_DRAFT) can use none: that is all the patch tells vLLM. A step of drafted
+# requests too keeps its drafts (vLLM has no way to skip them for some: few_drafted's rule is V1's only).
+SKIP_DRAFTS_READ_ON = ("0.34.",)
 
 
 def few_drafted(requests: dict, req_ids: list[str]) -> bool:
@@ -273,6 +300,8 @@ def install_idle_drafter() -> str:
     decoding keeps per-request state that every step must see."""
     import inspect
 
+    if not unread_here(SKIP_DRAFTS_READ_ON):
+        return _install_skip_drafts()
     if why := unread_here(RUNNER_READ_ON):
         return why
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
@@ -291,6 +320,27 @@ def install_idle_drafter() -> str:
     return "ok"
 
 
+def _install_skip_drafts() -> str:
+    """Model Runner V2's idle drafter (SKIP_DRAFTS_READ_ON): the scheduler counts a NO_DRAFT request's drafts as
+    unused, so a step of such requests alone (pass 2 on pass 1's engine) is proposed for with K = 0."""
+    import inspect
+
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    unused = getattr(Scheduler, "_drafts_unused", None)
+    if unused is None or list(inspect.signature(unused).parameters) != [
+            "self", "request", "num_computed_tokens", "num_new_tokens"]:
+        return "Scheduler._drafts_unused changed"
+
+    @functools.wraps(unused)
+    def drafts_unused(self, request, num_computed_tokens, num_new_tokens):
+        return (request.request_id in (self.__dict__.get("_batchjson_no_draft") or ())
+                or unused(self, request, num_computed_tokens, num_new_tokens))
+
+    Scheduler._drafts_unused = drafts_unused
+    return "ok"
+
+
 # ---------------------------------------------------------------- the grammar's masks at a full batch
 # Read on: vllm/v1/structured_output/__init__.py of these versions. StructuredOutputManager.grammar_bitmask(self,
 # requests, structured_output_request_ids, scheduled_spec_decode_tokens) returns one int32 row (vocab/32 words) per
@@ -301,8 +351,17 @@ def install_idle_drafter() -> str:
 # back around the drafted positions. 0.26 and 0.32 differ only with drafts: after a -1 draft (padding), 0.26 fills
 # the bonus row from the grammar and 0.32 leaves it -1; a draft the grammar rejects raises in 0.26 and makes 0.32 copy
 # the last row into the rest. So the drafted path here is 0.26's, and on 0.32 a step with drafts takes vLLM's own.
-FILLS_READ_ON = ("0.26.", "0.32.")
-DRAFTED_FILLS_READ_ON = ("0.26.",)
+# 0.34 (its __init__.py, backend_xgrammar.py, and Model Runner V2's structured_outputs.py): where the engine drafts
+# (vllm_config.num_speculative_tokens = k > 0), each request owns a block of mask_stride = k + 1 rows, from
+# i * (k + 1), whether or not it has drafts this step; rows past its own are left as they were (the runner's kernel
+# masks only the positions a request has logits for). Without k, one row per request, as before. In a block: each
+# drafted position's row, then the bonus row, from the grammar advanced through the drafts before it; once a draft
+# is -1 (padding), refused by the grammar, or the grammar has ended, every later row of the block is -1, and the
+# grammar is rolled back at the end. Under async scheduling the drafts are the drafter's unchecked ones
+# (update_draft_token_ids_in_output pads them with -1), so refusals happen there and are not errors.
+FILLS_READ_ON = ("0.26.", "0.32.", "0.34.")
+DRAFTED_FILLS_READ_ON = ("0.26.", "0.34.")
+STRIDED_FILLS_READ_ON = ("0.34.",)  # the versions whose rows are blocks of k + 1 (the rest: a row per position)
 GRAMMAR_FILLS_ENV = "BATCHJSON_GRAMMAR_FILLS"  # "batch" (the default) or "vllm": set by VllmEngine from the spec
 MASK_BUFFERS = 3  # a buffer is filled again 3 steps later: vLLM keeps at most 2 steps in flight (its batch queue)
 
@@ -326,13 +385,14 @@ class BatchFills:
     without first copying it into pinned memory of its own (19.4 MB a step at 1,024 rows of a 151,936-token
     vocabulary)."""
 
-    def __init__(self, rows: int, words: int, drafted: bool, pinned: bool = False):
+    def __init__(self, rows: int, words: int, drafted: bool, pinned: bool = False, stride: int = 0):
         import torch
         import xgrammar as xgr
 
         self.buffers = [torch.empty((rows, words), dtype=torch.int32, pin_memory=pinned) for _ in range(MASK_BUFFERS)]
         self.turn = 0
         self.drafted = drafted  # this vLLM's drafted path is the one read (DRAFTED_FILLS_READ_ON)
+        self.stride = stride  # rows a request owns (vLLM 0.34: k + 1), or 0: a row per position, packed (0.26)
         self.batch = xgr.BatchGrammarMatcher(fill_threads())
         self.xgr = xgr
         core = getattr(getattr(xgr, "base", None), "_core", None)  # xgrammar's FFI module (0.2.8, 0.2.9)
@@ -349,14 +409,19 @@ class BatchFills:
         k = (config.speculative_config.num_speculative_tokens if config.speculative_config else 0) or 0
         words = manager.backend.allocate_token_bitmask(1).shape[1]
         pinned = torch.cuda.is_available() and torch.cuda.is_initialized()
-        return cls(config.scheduler_config.max_num_seqs * (1 + k), words, drafted, pinned)
+        stride = 1 + k if k and not unread_here(STRIDED_FILLS_READ_ON) else 0
+        return cls(config.scheduler_config.max_num_seqs * (1 + k), words, drafted, pinned, stride)
 
     def bitmask(self, requests, ids, drafts):
         """vLLM's grammar_bitmask for these requests, or None where this step is vLLM's own (drafts on an unread
         vLLM)."""
         if drafts and any(drafts.get(r) for r in ids):
             return self._drafted(requests, ids, drafts) if self.drafted else None
-        return self.fill([requests[r].structured_output_request.grammar for r in ids])[:len(ids)].numpy()
+        grammars = [requests[r].structured_output_request.grammar for r in ids]
+        if self.stride:  # the first row of each request's block
+            return self.fill(grammars, self._next(), range(0, len(ids) * self.stride, self.stride))[
+                :len(ids) * self.stride].numpy()
+        return self.fill(grammars)[:len(ids)].numpy()
 
     def accept(self, matchers, tokens):
         """xgrammar's batch accept of one token each: truthy where accepted, in order. Its wrapper reads the answer
@@ -414,16 +479,18 @@ class BatchFills:
         return mask
 
     def _drafted(self, requests, ids, drafts):
-        """vLLM 0.26's rows with drafts: for each request, a row per drafted position filled from the grammar
-        advanced through the drafts before it, then the bonus row; after a -1 draft the drafted rows are -1 and the
-        grammar stays; a terminated grammar's rows are -1; the grammar is rolled back at the end."""
+        """vLLM's rows with drafts: for each request, a row per drafted position filled from the grammar
+        advanced through the drafts before it, then the bonus row; a terminated grammar's rows are -1; the grammar is
+        rolled back at the end. After a -1 draft the grammar stays and the drafted rows are -1; vLLM 0.26 fills the
+        bonus row (and raises at a refused draft), 0.34 (`stride`) makes the rest of the block -1 after a -1 draft
+        or a refused one, and places each request's rows at its block of `stride`."""
         mask = self._next()
         grammars = [requests[r].structured_output_request.grammar for r in ids]
         tokens = [drafts.get(r, ()) for r in ids]
         first, row = [], 0
         for t in tokens:
             first.append(row)
-            row += len(t) + 1
+            row += self.stride or len(t) + 1
         total = row
         ended = [g.is_terminated() for g in grammars]
         applying = [True] * len(ids)
@@ -436,7 +503,7 @@ class BatchFills:
             for i in live:
                 t, at = tokens[i], first[i] + position
                 bonus = position == len(t)
-                if (bonus or applying[i]) and not ended[i]:
+                if ((bonus and not self.stride) or applying[i]) and not ended[i]:
                     matchers.append(grammars[i].matcher)
                     rows.append(at)
                 else:
@@ -454,6 +521,9 @@ class BatchFills:
                 moved = [grammars[i].matcher for i in movers]
                 accepted = self.accept(moved, moves)
                 for i, token, ok in zip(movers, moves, accepted):
+                    if not ok and self.stride:  # 0.34: the rest of the block is -1
+                        applying[i] = False
+                        continue
                     if not ok:  # vLLM 0.26 raises the same (the scheduler validated every draft before)
                         raise AssertionError((token, ids[i], drafts))
                     advanced[i] += 1
@@ -573,7 +643,15 @@ def install_batch_fills() -> str:
 # after (post_step: update_draft_token_ids, where vLLM cuts them with validate_tokens). Between schedule() and
 # get_grammar_bitmask nothing touches a grammar or the scheduler's requests, so the step's masks (its drafted
 # positions' too) can be filled on a thread from the moment it is scheduled.
-AHEAD_READ_ON = ("0.26.",)
+# 0.34: the same step_with_batch_queue, EngineCore.step and get_grammar_bitmask; the advance in update_from_output is
+# StructuredOutputManager.accept_tokens(request, new_token_ids) (should_advance is gone; without a reasoning parser it
+# is grammar.accept_tokens of them all, which returns True untouched on a terminated grammar), called for every
+# request that got tokens unless its output is stale and dropped: Request.num_stale_output_tokens (0.26's
+# async_tokens_to_discard) is read before update_from_output counts it down, so a request with any is left to vLLM
+# (and refilled if vLLM advanced it). ModelRunnerOutput has no req_id_to_index: the rows are req_ids' order. Async
+# scheduling is on with drafts too (Model Runner V2 everywhere), and their drafts reach the step's output only after
+# update_from_output (update_draft_token_ids_in_output): a drafted engine that schedules ahead is vLLM's own here.
+AHEAD_READ_ON = ("0.26.", "0.34.")
 AHEAD_ENV = "BATCHJSON_GRAMMAR_AHEAD"  # "0": GrammarAhead off (on by default, with drafts too)
 # Where vLLM schedules ahead, when the grammars take step n's tokens: "launch" (the default, on the thread beside n+1's
 # launch) or "update" (when update_from_output(n) asks, on the engine core's thread, as one batch call; n+1's fill
@@ -635,6 +713,7 @@ class GrammarAhead:
         from vllm.v1.request import RequestStatus
 
         self.preempted = RequestStatus.PREEMPTED  # a status above it is a finished request's
+        self.stale = stale_field()
 
     @classmethod
     def for_scheduler(cls, scheduler) -> "GrammarAhead | None":
@@ -705,10 +784,11 @@ class GrammarAhead:
         with the forward's launch: one pass over the requests, vLLM's checks read as fields (RequestStatus.
         is_finished: status > PREEMPTED; XgrammarGrammar.is_terminated: _is_terminated), and a matcher asked
         whether it ended only after a stop token (vLLM's matchers end only by accepting one)."""
-        requests, known, preempted = self.requests, self.grammars, self.preempted
+        requests, known, preempted, stale = self.requests, self.grammars, self.preempted, self.stale
         try:
             output.copy_event.synchronize()
-            index = output.model_runner_output.req_id_to_index
+            ran = output.model_runner_output
+            index = getattr(ran, "req_id_to_index", None) or {r: i for i, r in enumerate(ran.req_ids)}
             rows = [index[r] for r in ids]
             counts = output.num_sampled_tokens_np[rows]
             if len(rows) and counts.max() > 1:  # drafted tokens: not a step this reads
@@ -716,7 +796,7 @@ class GrammarAhead:
             tokens = output.sampled_token_ids[rows, 0].tolist()
             movers = [(req_id, grammar, token) for req_id, count, token in zip(ids, counts.tolist(), tokens)
                       if count and (request := requests.get(req_id)) is not None and request.status <= preempted
-                      and not request.async_tokens_to_discard
+                      and not getattr(request, stale)
                       and not (grammar := known.get(req_id)
                                or request.structured_output_request.grammar)._is_terminated]
         except Exception:  # noqa: BLE001 - nothing advanced yet: this step is vLLM's own
@@ -801,6 +881,12 @@ class GrammarAhead:
         self.grammars = {}
 
 
+def stale_field() -> str:
+    """The Request field that counts the output tokens vLLM will not take from the steps in flight (0.26's name, or
+    0.34's)."""
+    return "async_tokens_to_discard" if not unread_here(("0.26.",)) else "num_stale_output_tokens"
+
+
 def engine_gc(gpu: bool) -> int:
     """Set this engine core's first-generation collection threshold (ENGINE_GC_ENV, else ENGINE_GC_FIRST on a GPU, else
     the interpreter's own): the threshold set, or 0 where none was. Each step of a full batch makes and drops thousands
@@ -817,26 +903,32 @@ def engine_gc(gpu: bool) -> int:
 @installs_once
 def install_grammar_ahead() -> str:
     """Patch EngineCore.step_with_batch_queue (to note the step waiting in its queue), Scheduler.schedule (to start
-    GrammarAhead's work), Scheduler.update_from_output and StructuredOutputManager.should_advance (to skip the grammars
-    advanced there) and Scheduler.get_grammar_bitmask (to hand over its masks). "ok" or why not (then the masks are
-    made when vLLM asks for them). Installed with BatchFills unless AHEAD_ENV is "0" (`ahead_wanted`)."""
+    GrammarAhead's work), Scheduler.update_from_output and StructuredOutputManager.should_advance (0.26) or
+    accept_tokens (0.34) (to skip the grammars advanced there) and Scheduler.get_grammar_bitmask (to hand over its
+    masks). "ok" or why not (then the masks are made when vLLM asks for them). Installed with BatchFills unless
+    AHEAD_ENV is "0" (`ahead_wanted`)."""
     import inspect
 
     if why := unread_here(AHEAD_READ_ON) or _batch_fills_unready():
         return why
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.engine.core import EngineCore
+    from vllm.v1.request import Request
     from vllm.v1.structured_output import StructuredOutputManager
 
     step, schedule = EngineCore.step_with_batch_queue, Scheduler.schedule
     update, masks = Scheduler.update_from_output, Scheduler.get_grammar_bitmask
-    advance = StructuredOutputManager.should_advance
-    if (list(inspect.signature(update).parameters) != ["self", "scheduler_output", "model_runner_output"]
+    hook = "should_advance" if not unread_here(("0.26.",)) else "accept_tokens"  # where vLLM advances a grammar
+    advance = getattr(StructuredOutputManager, hook, None)
+    if (advance is None or list(inspect.signature(update).parameters) != ["self", "scheduler_output",
+                                                                          "model_runner_output"]
             or list(inspect.signature(masks).parameters) != ["self", "scheduler_output"]
-            or list(inspect.signature(advance).parameters) != ["self", "request"]
-            or list(inspect.signature(step).parameters) != ["self"]):
-        return ("EngineCore.step_with_batch_queue, Scheduler.update_from_output/get_grammar_bitmask or "
-                "should_advance changed")
+            or list(inspect.signature(advance).parameters) != ["self", "request"] + ["new_token_ids"] * (
+                hook == "accept_tokens")
+            or list(inspect.signature(step).parameters) != ["self"]
+            or f"self.{stale_field()} =" not in inspect.getsource(Request.__init__)):
+        return (f"EngineCore.step_with_batch_queue, Scheduler.update_from_output/get_grammar_bitmask, {hook} or "
+                f"Request.{stale_field()} changed")
 
     @functools.wraps(step)
     def step_with_batch_queue(self):
@@ -867,13 +959,13 @@ def install_grammar_ahead() -> str:
             manager.__dict__["_batchjson_advanced"] = None
 
     @functools.wraps(advance)
-    def should_advance(self, request):
+    def should_advance(self, request, *tokens):  # 0.26: whether to advance; 0.34: the advance (accept_tokens)
         skip = self.__dict__.get("_batchjson_advanced")
         if skip is None:
-            return advance(self, request)
+            return advance(self, request, *tokens)
         if request.request_id in skip[0]:
-            return False  # advanced already, beside the forward's launch
-        answer = advance(self, request)
+            return bool(tokens)  # advanced already, beside the forward's launch (0.34: "accepted")
+        answer = advance(self, request, *tokens)
         if answer:
             skip[1].add(request.request_id)
         return answer
@@ -892,7 +984,7 @@ def install_grammar_ahead() -> str:
 
     EngineCore.step_with_batch_queue, Scheduler.schedule = step_with_batch_queue, schedule_ahead
     Scheduler.update_from_output, Scheduler.get_grammar_bitmask = update_from_output, get_grammar_bitmask
-    StructuredOutputManager.should_advance = should_advance
+    setattr(StructuredOutputManager, hook, should_advance)
     return "ok"
 
 
@@ -906,6 +998,8 @@ def install_grammar_ahead() -> str:
 # skipped. It builds a (logit rows x words) pinned tensor of -1 every step, copies the rows into it one at a time in
 # Python and copies it all to the GPU: at 1,024 requests with k = 8, 9,216 rows and 175 MB a step.
 MASKS_READ_ON = ("0.26.", "0.32.")
+MASKS_OFF = {"0.34.": "no V1 GPU model runner (vllm/v1/worker/gpu_model_runner.py is gone); Model Runner V2, which "
+                      "runs every engine, copies the mask once and applies it on the GPU by its own kernel"}
 
 
 def mask_rows(req_ids, grammar_ids, spec_tokens):
@@ -962,7 +1056,7 @@ def install_mask_scatter() -> str:
     why not (then vLLM's own runs)."""
     import inspect
 
-    if why := unread_here(MASKS_READ_ON):
+    if why := unread_here(MASKS_READ_ON, MASKS_OFF):
         return why
     from vllm.v1.structured_output import utils
     from vllm.v1.worker import gpu_model_runner
@@ -997,6 +1091,9 @@ def install_mask_scatter() -> str:
 # request.spec_token_ids, which the next step schedules. Request: prompt_token_ids, output_token_ids,
 # structured_output_request.grammar (XgrammarGrammar: `matcher`, `is_terminated()`).
 SCHEMA_DRAFTS_READ_ON = ("0.26.", "0.32.")
+SCHEMA_DRAFTS_OFF = {"0.34.": "method custom_class is gone (Model Runner V2 drafts only with the speculators of "
+                              "vllm/v1/worker/gpu/spec_decode/, on the GPU side); the schema drafts need a speculator "
+                              "registered with register_speculative_method"}
 SCHEMA_PROPOSER = "batchjson.engine.internals.SchemaProposer"
 
 
@@ -1005,7 +1102,7 @@ def schema_drafts_unready() -> str:
     import importlib.util
     import inspect
 
-    if why := unread_here(SCHEMA_DRAFTS_READ_ON):
+    if why := unread_here(SCHEMA_DRAFTS_READ_ON, SCHEMA_DRAFTS_OFF):
         return why
     if importlib.util.find_spec("vllm.v1.spec_decode.custom_class_proposer") is None:
         return "this vLLM has no custom_class proposer"
@@ -1203,8 +1300,8 @@ def install_fast_loop_guard() -> str:
 # general plugins, then builds the executor (the workers' init_device takes the memory snapshot) and calls
 # self._initialize_kv_caches(vllm_config), which sets self.available_gpu_memory_for_kv_cache to the bytes the first
 # worker's determine_available_memory found for the KV cache (by profiling, or kv_cache_memory_bytes as given: then
-# it skips the profiling's memory measurement), allocates the cache and captures the CUDA graphs.
-KV_SIZE_READ_ON = ("0.26.", "0.32.")
+# it skips the profiling's memory measurement), allocates the cache and captures the CUDA graphs. 0.34: the same.
+KV_SIZE_READ_ON = ("0.26.", "0.32.", "0.34.")
 KV_SIZE_ENV = "BATCHJSON_KV_SIZE_FILE"  # where the engine core writes its KV cache's bytes (set by VllmEngine)
 
 
@@ -1244,8 +1341,10 @@ def install_kv_size_report() -> str:
 # StructuredOutputManager.accept_tokens; vLLM's own fills with drafts call it too, batchjson's BatchFills do not), so
 # "advance" is timed call by call, under 1 us of the timer's own a call (< 1 ms a step at 1,024 requests, inside
 # "update_from_output"). Scheduler.schedule returns a SchedulerOutput with total_num_scheduled_tokens;
-# EngineCore.shutdown(self) ends the engine core.
-PROFILER_READ_ON = ("0.26.", "0.32.")
+# EngineCore.shutdown(self) ends the engine core. 0.34: no V1 runner (its entries are skipped), every engine on V2,
+# whose speculators (standalone_ar for draft_model, ngram, suffix, target_dependent_ar, dflash) override propose;
+# StructuredOutputManager.accept_tokens calls XgrammarGrammar.accept_tokens from update_from_output.
+PROFILER_READ_ON = ("0.26.", "0.32.", "0.34.")
 V1 = "vllm.v1.worker.gpu_model_runner"
 V2 = "vllm.v1.worker.gpu.model_runner"
 TIMED = (
@@ -1274,9 +1373,8 @@ TIMED = (
 )
 # V2's speculators override BaseSpeculator.propose in these modules: imported (when they import) so that every
 # subclass that defines propose is timed.
-V2_SPECULATORS = ("vllm.v1.worker.gpu.spec_decode.autoregressive.speculator",
-                  "vllm.v1.worker.gpu.spec_decode.dflash.speculator",
-                  "vllm.v1.worker.gpu.spec_decode.eagle.speculator")
+V2_SPECULATORS = tuple(f"vllm.v1.worker.gpu.spec_decode.{name}.speculator" for name in (
+    "autoregressive", "dflash", "eagle", "standalone_ar", "ngram", "suffix", "target_dependent_ar"))
 Timer = Callable[[Callable, str, bool], Callable]  # (method, part, runs on the GPU) -> the timed method
 
 

@@ -229,7 +229,7 @@ class Request(SimpleNamespace):
 
 def ahead_requests(gs) -> dict:
     return {str(i): Request(structured_output_request=SimpleNamespace(grammar=g), use_structured_output=True,
-                            is_prefill_chunk=False, async_tokens_to_discard=0, finished=False)
+                            is_prefill_chunk=False, finished=False, **{internals.stale_field(): 0})
             for i, g in enumerate(gs)}
 
 
@@ -257,7 +257,7 @@ def vllm_update(requests, ids, tokens, skip=frozenset()) -> list[str]:
         request = requests.get(req_id)
         if request is None or request.finished or req_id not in tokens or req_id in skip:
             continue
-        if request.async_tokens_to_discard:
+        if getattr(request, internals.stale_field()):
             continue
         request.structured_output_request.grammar.accept_tokens(req_id, [tokens[req_id]])
         moved.append(req_id)
@@ -322,8 +322,8 @@ def test_an_engine_core_collects_its_first_generation_less_often_on_a_gpu(monkey
 
 def test_grammar_work_ahead_skips_what_vllm_skips_and_refills_what_vllm_moved(grammar_kit):
     """One step with every case update_from_output treats apart: a request finished (aborted) and one gone, one whose
-    tokens are dropped (async_tokens_to_discard), one still in its prefill (no token), a terminated grammar, a token
-    the grammar refuses. Only the plain requests are advanced ahead; vLLM's own update then advances the refused one
+    tokens are dropped (its stale_field: 0.26's async_tokens_to_discard), one still in its prefill (no token), a
+    terminated grammar, a token the grammar refuses. Only the plain requests are advanced ahead; vLLM's own update then advances the refused one
     (and ends it), whose row is filled again; the masks and counts are vLLM's. A step with two tokens for a request is
     left to vLLM whole."""
     tokenizer, compiled, vocab = grammar_kit
@@ -335,7 +335,7 @@ def test_grammar_work_ahead_skips_what_vllm_skips_and_refills_what_vllm_moved(gr
     for requests in (theirs, ours):
         requests["1"].finished = True
         del requests["2"]
-        requests["3"].async_tokens_to_discard = 1
+        setattr(requests["3"], internals.stale_field(), 1)
     ids = [str(i) for i in range(8)]
     tokens = {r: answer[0] for r in ids if r != "4"}  # 4: a prefill chunk, no token
     refused = tokenizer.encode("}", add_special_tokens=False)[0]
@@ -420,30 +420,57 @@ def test_grammar_work_goes_ahead_by_default(monkeypatch):
         assert ("beside the forward" in internals.grammar_fills("batch")) == on, setting
 
 
-VLLM_026 = Path(sys.prefix) / "vllm-0.26"  # vLLM 0.26's Python files: make install puts them there
+VLLM_SRC = {v: Path(sys.prefix) / f"vllm-{v}" for v in ("0.26", "0.34")}  # their Python files: `make install`
+MODES = {"ahead": [], "one at a time, drafted": ["--sync", "--drafts", "4"],
+         "ahead of time, drafted": ["--drafts", "4"]}
 
 
-@pytest.mark.parametrize("steps", ["ahead", "one at a time, drafted"])
-def test_grammar_work_ahead_on_vllm_026s_own_scheduler(tiny_model, tmp_path, steps):
-    """vLLM 0.26's own scheduler, StructuredOutputManager (xgrammar) and engine step (step_with_batch_queue under
-    async scheduling; step and post_step one step at a time, with n-gram-style drafts of 4 tokens that vLLM cuts and
-    verifies), their Python on this CPU, with a model runner that answers every request with its ground truth and
-    checks each mask row it is given, drafted positions included, against a matcher of its own (bench/ahead.py): with
-    GrammarAhead the thread serves every step after the first few and vLLM advances no grammar itself; with the masks
-    made when vLLM asks, the same answers and rows."""
-    assert (VLLM_026 / "vllm").is_dir(), f"{VLLM_026} is missing: `make install` fetches vLLM 0.26's Python files"
-    mode = ["--sync", "--drafts", "4"] if steps != "ahead" else []
-    proc = subprocess.run([sys.executable, "-m", "bench", "ahead", "--vllm-src", str(VLLM_026), "--configs",
-                           "ahead,batch", "--rows", "120", "--seqs", "32", "--min-requests", "1", "--model", tiny_model,
-                           *mode, "--out", str(tmp_path)],
+def on_vllms_scheduler(version: str, tiny_model: str, out: Path, *args: str) -> list[dict]:
+    """`python -m bench ahead ARGS` on vLLM `version`'s own Python over the CPU build: its runs."""
+    src = VLLM_SRC[version]
+    assert (src / "vllm").is_dir(), f"{src} is missing: `make install` fetches vLLM {version}'s Python files"
+    proc = subprocess.run([sys.executable, "-m", "bench", "ahead", "--vllm-src", str(src), "--model", tiny_model,
+                           "--seqs", "32", "--min-requests", "1", *args, "--out", str(out)],
                           cwd=Path(__file__).parents[2], capture_output=True, text=True, timeout=500)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    ahead, batch = json.loads((tmp_path / "ahead.json").read_text())
-    assert ahead["installed"] == {"fills": "ok", "ahead": "ok"} and batch["installed"]["ahead"] == "off"
+    return json.loads((out / "ahead.json").read_text())
+
+
+@pytest.mark.parametrize("version,steps", [("0.26", "ahead"), ("0.26", "one at a time, drafted"), ("0.34", "ahead"),
+                                           ("0.34", "one at a time, drafted"), ("0.34", "ahead of time, drafted")])
+def test_grammar_work_ahead_on_vllms_own_scheduler(tiny_model, tmp_path, version, steps):
+    """vLLM 0.26's or 0.34's own scheduler, StructuredOutputManager (xgrammar) and engine step (step_with_batch_queue
+    under async scheduling; step and post_step one step at a time, with n-gram-style drafts of 4 tokens that vLLM cuts
+    and verifies; 0.34 also drafts ahead of time, its drafts unchecked), their Python on this CPU, with a model runner
+    that answers every request with its ground truth and checks each mask row it is given, drafted positions
+    included (0.34: in blocks of k + 1 rows), against a matcher of its own (bench/ahead.py): with GrammarAhead the
+    thread serves every step after the first few and vLLM advances no grammar itself (drafted ahead of time: every
+    step is vLLM's, with BatchFills' masks); with the masks made when vLLM asks, the same answers and rows."""
+    mode = MODES[steps]
+    ahead, batch = on_vllms_scheduler(version, tiny_model, tmp_path, "--configs", "ahead,batch", "--rows", "120",
+                                      *mode)
+    assert ahead["installed"]["fills"] == ahead["installed"]["ahead"] == "ok" and batch["installed"]["ahead"] == "off"
     for run in (ahead, batch):
         assert run["right"] == 120 and run["checked_rows"] > 120 * 10
     assert ahead["checked_rows"] == batch["checked_rows"]  # each request its own steps (when it starts varies)
-    assert ahead["served"] == ahead["work"] >= ahead["steps"] - 4 and ahead["moved"] == 0
+    if steps == "ahead of time, drafted":
+        assert ahead["work"] == 0 and batch["fills"] >= batch["steps"] - 4
+    else:
+        assert ahead["served"] == ahead["work"] >= ahead["steps"] - 4 and ahead["moved"] == 0
     assert batch["work"] == 0
     if mode:  # the drafts were verified and taken: 65 steps where the same answers take 185 without them
         assert ahead["steps"] < 100
+
+
+@pytest.mark.parametrize("version", ["0.26", "0.34"])
+def test_requests_without_drafts_get_none_on_vllms_own_scheduler(tiny_model, tmp_path, version):
+    """A speculative engine on vLLM's own scheduler (0.26 one step at a time, 0.34 ahead of time) with every third
+    request asking for no drafts (NO_DRAFT) and the loop guard on every token: those requests are scheduled no
+    drafted token, every answer comes back whole, and on 0.34 the scheduler counts their drafts as unused (the
+    idle drafter: a step of them alone proposes nothing) and the others' as used."""
+    run, = on_vllms_scheduler(version, tiny_model, tmp_path, "--configs", "batch", "--rows", "60", "--drafts", "4",
+                              "--no-draft-every", "3", *(["--sync"] if version == "0.26" else []))
+    assert run["installed"]["no_draft"] == run["installed"]["guard"] == "ok"
+    assert run["right"] == 60 and run["no_draft_drafted"] == 0
+    if version == "0.34":
+        assert run["installed"]["idle_drafter"] == "ok" and run["drafts_unused"] == [True, False]

@@ -269,7 +269,7 @@ def test_the_plugin_installs_both_scheduler_patches_in_an_engine_process():
     assert "schedule wrapped: True" in done.stdout
 
 
-UNREAD = "0.34.0"
+UNREAD = "0.35.0"
 
 
 def test_a_vllm_the_patches_were_not_read_on_gets_neither_and_says_why(monkeypatch):
@@ -286,7 +286,7 @@ def test_a_vllm_the_patches_were_not_read_on_gets_neither_and_says_why(monkeypat
     kept = internals.reset()  # as in a fresh process
     try:
         assert internals.install_no_draft() == \
-            f"vLLM {UNREAD} is not a version this patch was read on (0.26.x, 0.32.x, 0.33.x)"
+            f"vLLM {UNREAD} is not a version this patch was read on (0.26.x, 0.32.x, 0.33.x, 0.34.x)"
         assert "check_sequence_repetition is not the one this was read on" in internals.install_fast_loop_guard()
         assert not internals.no_draft_ready()
         assert (Scheduler.add_request, Scheduler.schedule, utils.check_sequence_repetition) == before  # untouched
@@ -313,6 +313,29 @@ def test_an_install_runs_once_and_its_exception_is_its_answer():
         internals.reset(kept)
 
 
+def test_a_patch_named_off_is_not_installed(monkeypatch):
+    """BATCHJSON_PATCHES_OFF (side-by-side measurements): a patch it names is never installed and says so; the
+    others install as before."""
+    calls = []
+
+    @internals.installs_once
+    def install_thing() -> str:
+        calls.append(1)
+        return "ok"
+
+    @internals.installs_once
+    def install_other() -> str:
+        return "ok"
+
+    monkeypatch.setenv(internals.PATCHES_OFF_ENV, "idle_drafter,thing")
+    kept = internals.reset()
+    try:
+        assert install_thing() == f"off: {internals.PATCHES_OFF_ENV}" and not calls
+        assert install_other() == "ok"
+    finally:
+        internals.reset(kept)
+
+
 def test_the_profiler_times_nothing_on_a_vllm_it_was_not_read_on(monkeypatch, tmp_path):
     """Outside PROFILER_READ_ON every part is skipped, with why, and no vLLM class is touched."""
     import vllm
@@ -327,17 +350,17 @@ def test_the_profiler_times_nothing_on_a_vllm_it_was_not_read_on(monkeypatch, tm
     got = read_profile(tmp_path / "p.json")
     assert len(got["patches"]) == len(internals.TIMED) and not got["errors"]
     assert set(got["patches"].values()) == {
-        f"skipped: vLLM {UNREAD} is not a version this patch was read on (0.26.x, 0.32.x)"}
+        f"skipped: vLLM {UNREAD} is not a version this patch was read on (0.26.x, 0.32.x, 0.34.x)"}
     assert (Scheduler.schedule, EngineCore.shutdown) == before
 
 
 def test_the_report_line_for_a_vllm_outside_read_on():
     line = internals.unread(UNREAD)
     assert line == (f"vLLM {UNREAD} is newer than the versions batchjson's engine patches were read on (0.26, 0.32, "
-                    "0.33): both are off (pass 2 cannot share a speculative engine, and vLLM's own loop guard runs)")
+                    "0.33, 0.34): both are off (pass 2 cannot share a speculative engine, and vLLM's own loop guard runs)")
     assert internals.unread("0.25.1").startswith("vLLM 0.25.1 is not one of the versions")
     assert internals.unread("dev").startswith("vLLM dev is not one of the versions")
-    assert internals.unread("0.33.0") == internals.unread("0.33.2rc1") == internals.unread("0.26.0") == ""
+    assert internals.unread("0.34.0") == internals.unread("0.33.2rc1") == internals.unread("0.26.0") == ""
 
 
 def test_a_run_on_an_unread_vllm_says_so_once_in_its_summary(tmp_path, tiny_model):
