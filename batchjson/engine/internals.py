@@ -1591,3 +1591,24 @@ def let_forked_child_load_plugins() -> None:
     plugins = sys.modules.get("vllm.plugins")
     if plugins is not None and hasattr(plugins, "plugins_loaded"):
         plugins.plugins_loaded = False
+
+
+def skip_msa_warmup_without_cute() -> str:
+    """vLLM 0.34's kernel warmup imports the MiniMax-M3 MSA kernels for every model on CUDA, and they import the CuTe
+    DSL (nvidia-cutlass-dsl): where its `cutlass.cute` is missing, every engine start fails. The warmup applies to
+    MiniMax-M3 alone, so there it is replaced by one that does nothing. Read on: vLLM 0.34.0,
+    model_executor/warmup/kernel_warmup.py (`from vllm.model_executor.warmup.minimax_m3_msa_warmup import
+    minimax_m3_msa_warmup` under `current_platform.is_cuda()`)."""
+    import importlib.util
+    import types
+
+    name = "vllm.model_executor.warmup.minimax_m3_msa_warmup"
+    try:
+        if importlib.util.find_spec(name) is None or importlib.util.find_spec("cutlass.cute") is not None:
+            return "not needed"
+    except (ImportError, ValueError):  # `cutlass` itself missing
+        pass
+    stub = types.ModuleType(name)
+    stub.minimax_m3_msa_warmup = lambda worker: None
+    sys.modules[name] = stub
+    return "ok"

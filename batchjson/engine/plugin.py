@@ -44,6 +44,7 @@ def register(replica: bool = False) -> None:
     global _FORK_HOOK, _DONE, _PENDING
     if not replica:  # vLLM's call: vLLM is imported (a replica's own call imports none)
         schema_drafter.register()
+        internals.skip_msa_warmup_without_cute()
     runner = os.environ.get("BATCHJSON_RUNNER_PID")
     if not runner:
         return

@@ -109,7 +109,7 @@
 # PLAN all: the plans named in PLANS (default: what run15 left: startkv smolmps replicas15; SmolLM2's first, as its
 #   files come first) in that order, within BUDGET_S.
 set -u
-export PYTHONPATH=/tmp/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 PATH=/tmp/spy/bin:$PATH
+export PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 PATH=/tmp/spy/bin:$PATH
 res=/tmp/res
 mkdir -p $res
 case "$1" in
@@ -182,9 +182,9 @@ import vllm._C_stable_libtorch; print('ops ok')"; python3 -m batchjson check job
     v34smol) need smol && wr v34-smol-C30000 --task C --rows 30000 --model $smol --timeout 300 \
                --runs warm-none,bare-none,auto ;;
     v34step) need q15 && gb v34-g15-C6000 --task C --rows 6000 --model $q15 --seqs 1024 \
-               --configs vllm,ahead,free,batch,ahead-suffix,ahead-schema,ahead-ngram --timeout 200 ;;
+               --configs vllm,ahead,free,ahead-suffix,ahead-schema,ahead-ngram --timeout 200 ;;
     v34w30k) need q15 && wr v34-t15-C30000 --task C --rows 30000 --model $q15 --timeout 300 \
-               --runs bare-none,auto,bare-none,auto ;;
+               --runs bare-none,auto ;;
     v34seqs) need q15 && gb v34-g15-C1500-64 --task C --rows 1500 --model $q15 --seqs 64 \
                --configs ahead,ahead-suffix,ahead-schema,ahead-ngram --timeout 150
              need q15 && gb v34-g15-C480-16 --task C --rows 480 --model $q15 --seqs 16 \
