@@ -179,6 +179,86 @@ def test_an_index_entry_edited_by_hand_vouches_for_nothing(tmp_path, tiny_model,
     assert CliRunner().invoke(cli.main, ["verify", str(job)]).exit_code == 0
 
 
+def test_an_index_rewritten_whole_with_its_digests_vouches_for_no_record(tmp_path, tiny_model, monkeypatch):
+    """Tried as a hostile user would: the index is rewritten whole, its copy of a unit's commit record listing no
+    output file and its digests recomputed, so that it is consistent; the output file is deleted. The unit's own
+    record file still names that file: the end check compares the index's copy with it, so it never claims the lost
+    rows ("ok" over 48 - n). The run fails its check (exit 3, naming the file), and the next one redoes the unit."""
+    from batchjson.storage.index import digest
+    from batchjson.storage.location import json_bytes
+
+    ids = [f"r{i:05d}" for i in range(48)]
+    write_rows(tmp_path / "in.parquet", 48)
+    job = write_job(tmp_path, tiny_model, tmp_path / "in.parquet", batch_size=12)  # 4 units
+    out = tmp_path / "out"
+    assert cli_run(monkeypatch, job).exit_code == 0
+    index = read_index(out / "_batchjson")
+    entry = next(entry for name, entry in sorted(index["records"].items())
+                 if name.startswith("p1-") and entry["record"]["rows"].get("output", 0) >= 2)
+    record = entry["record"]
+    gone = out / record["files"].pop("output")
+    del record["rows"]["output"], record["sizes"]["output"]
+    entry["sha256"] = digest(json_bytes(record))  # consistent: the copy has its digest, its columns their fingerprint
+    write_index(out / "_batchjson", index)
+    gone.unlink()
+
+    result = cli_run(monkeypatch, job)
+    assert result.exit_code == 3, result.output
+    assert "exactly-once check ok" not in result.output, result.output
+    assert f"{gone.name} is listed in its commit record but missing" in result.output, result.output
+    again = cli_run(monkeypatch, job)
+    assert again.exit_code == 0, again.output
+    assert f"{gone.name} was missing; the unit was redone" in again.output, again.output
+    assert claimed_rows(again.output) == 48, again.output
+    assert_exactly_once(ids, out, out / "_rejects")
+    assert CliRunner().invoke(cli.main, ["verify", str(job)]).exit_code == 0
+
+
+def rewrite_in_place(part: Path, table: pa.Table) -> None:
+    """Write `table` over the Parquet file `part` at its size and modification time (its footer's metadata padded
+    to the size), as a rewrite that a listing cannot tell from the file."""
+    import os
+    import pyarrow.parquet as pq
+
+    size, mtime = part.stat().st_size, part.stat().st_mtime_ns
+    def write(pad: int) -> int:
+        with pq.ParquetWriter(part, table.schema, store_schema=False) as writer:  # no Arrow schema: a smaller file
+            writer.write_table(table)
+            writer.add_key_value_metadata({"pad": "x" * pad})  # the footer grows byte for byte with it
+        return part.stat().st_size
+
+    pad = size - write(0)
+    while (over := write(pad) - size) > 0:  # the length's own bytes (a varint) grow with it
+        pad -= over
+    assert over == 0
+    os.utime(part, ns=(mtime, mtime))
+
+
+def test_the_end_check_says_which_units_it_did_not_read(tmp_path, tiny_model, monkeypatch):
+    """Tried as a hostile user would: an output file is rewritten without one of its rows, at its size and time. A
+    rerun's end check trusts the unit from its commit record and the file's unchanged stamp, without reading it, and
+    says so: its summary names the units it did not read and the command that reads them, which finds the lost row
+    (exit 3)."""
+    import pyarrow.parquet as pq
+
+    write_rows(tmp_path / "in.parquet", 48)
+    job = write_job(tmp_path, tiny_model, tmp_path / "in.parquet", batch_size=12)  # 4 units
+    out = tmp_path / "out"
+    assert cli_run(monkeypatch, job).exit_code == 0
+    part = next(p for p in sorted(out.glob("p1-*.parquet")) if pq.read_metadata(p).num_rows >= 2)
+    table = pq.read_table(part)
+    lost = table.column("id")[0].as_py()
+    rewrite_in_place(part, table.slice(1))
+
+    again = cli_run(monkeypatch, job)
+    assert again.exit_code == 0, again.output
+    assert re.search(r"\(4 units: 0 read, 4 trusted from their commit records, not re-read \(read by the check of "
+                     r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d UTC, their files unchanged since\); `batchjson verify` reads "
+                     r"them\)", again.output), again.output
+    proof = CliRunner().invoke(cli.main, ["verify", str(job)])
+    assert proof.exit_code == 3 and repr(lost) in proof.output, proof.output
+
+
 def test_the_end_check_says_how_many_units_it_took_from_the_index(tmp_path, tiny_model, monkeypatch):
     """The end check counts a unit unchanged since a check read it (as it committed, or the last passing check of
     the folder) from its record, without reading its files; the summary, the report and `batchjson verify` (which
