@@ -126,11 +126,11 @@ class JobRun:
                     raise
                 self.checks.close(wait=not self.stop.is_set())
                 report.timeline["passes"] = mark()
-                report.tally(commits.records())
                 # Units a check read (an earlier passing check, or as they were finished), unchanged since, are
-                # counted from their records (verify.py).
-                verdict = verify(commits, self.source, everything, self.spec.input.id_column, scan.repeated,
-                                 commits.trusted() - repeats)
+                # counted from their records (verify.py), each read from its file first: the tally counts those too.
+                trusted = commits.trusted() - repeats
+                report.tally(commits.records())
+                verdict = verify(commits, self.source, everything, self.spec.input.id_column, scan.repeated, trusted)
                 report.timeline["verified"] = mark()
                 if not (self.stop.is_set() or self.watch.expired) and self.shard[1] == 1 and verdict.pending \
                         and verdict.ok:

@@ -265,20 +265,76 @@ class Commits:
         return self._index.written
 
     def trusted(self) -> frozenset[str]:
-        """The committed units whose records and files are all listed as a check read them: the last passing check
-        of the folder (its records as indexed) or, as each unit committed, a run's check of it (`vouch`; index.py).
-        The end check counts them from their records. Lists the folders now; `write_index` keeps these stamps."""
+        """The committed units whose records and files are all as a check read them: the last passing check of the
+        folder (the index) or this run's check of the unit as it committed (`vouch`). The end check counts them from
+        their records, not reading their files.
+
+        Each record is its file's bytes, read now where this run has not (a record file is small; on object storage
+        a few at a time, `_read_records_now`): the index's copy vouches for a record only where it is those bytes (its
+        digest), so an index rewritten whole, digests recomputed, vouches for no record it does not hold. Each file
+        a record lists is listed now with the stamp the check saw and the size the record keeps. What a file holds is
+        not read: one rewritten at its size and time is trusted, and the end check's summary says so (`batchjson
+        verify` reads it). Lists the folders now; `write_index` keeps these stamps."""
         self._list_parts()
+        listed = self._listed()  # listed now: a replica's commits are in no set of this process
+        self._read_records_now([name for name, _, _ in listed if self._read.get(name) is None])
         units, changed = set(), set()
-        for name, size, mtime in self._listed():  # listed now: a replica's commits are in no set of this process
+        for name, size, mtime in listed:
             units.add(UnitName.parse(name).key)
-            found = self._index.record(name, (size, mtime))
-            data = found[1] if found else self._bytes(name) if self._index.checked(name, (size, mtime)) else None
-            if data is None or not all(self._index.checked(part, self._seen.get(self._path(kind, part)))
-                                       for kind, part in orjson.loads(data)["files"].items()):
+            if not self._as_checked(name, (size, mtime)):
                 changed.add(UnitName.parse(name).key)
         self._news = self._news or bool(changed)
         return frozenset(units - changed)
+
+    def _read_records_now(self, names: list[str]) -> None:
+        """Read these record files into `_read` (one that is gone or damaged is left out: verify names its unit),
+        on object storage 16 at a time, a thousand kept in flight at most. A record the index holds other bytes of
+        (or none) is news: the next index, or its next part, takes it from its file."""
+        def read(name: str) -> bytes | None:
+            try:
+                data = (self.units / name).read_bytes()
+                _parsed(name, data)
+                return data
+            except (FileNotFoundError, DamagedRecord):
+                return None
+
+        pool = None if self.units.local else ThreadPoolExecutor(16, thread_name_prefix="batchjson-records")
+        try:
+            for start in range(0, len(names), 1000):
+                chunk = names[start:start + 1000]
+                for name, data in zip(chunk, pool.map(read, chunk) if pool else map(read, chunk)):
+                    if data is not None and self._index.copy(name) != data:
+                        self._keep(name, data)
+                    elif data is not None:
+                        self._read[name] = data
+        finally:
+            if pool:
+                pool.shutdown()
+
+    def _as_checked(self, name: str, stamp: tuple[int, int]) -> bool:
+        """Whether the record `name`, listed with `stamp`, and the files it lists are as a check read them
+        (`trusted`): its bytes as read from its file."""
+        data = self._read.get(name)
+        if data is None:
+            return False
+        found = self._index.record(name, stamp)
+        if not (found is not None and found[0] == digest(data) or self._index.checked(name, stamp)):
+            return False
+        record = orjson.loads(data)
+        sizes = record.get("sizes", {})
+        for kind, part in record["files"].items():
+            seen = self._seen.get(self._path(kind, part))
+            if not self._index.checked(part, seen) or sizes.get(kind, seen[0]) != seen[0]:
+                return False
+        return True
+
+    def _keep(self, name: str, data: bytes) -> None:
+        """A record's bytes, read from its file or written by this run: kept (`_read`), and news for the index."""
+        self._read[name] = data
+        self._news = True
+        if self.fold_every:
+            with self._folding:
+                self._fresh.append(name)
 
     def _list_parts(self) -> None:
         """List the part files of every folder into `_seen` (path -> stamp), one at a time."""
@@ -337,11 +393,7 @@ class Commits:
             return data, None
         data = (self.units / name).read_bytes()
         record = _parsed(name, data)  # a record that does not read as one fails here, before it is kept
-        self._read[name] = data
-        self._news = True
-        if self.fold_every:
-            with self._folding:
-                self._fresh.append(name)
+        self._keep(name, data)
         return data, record
 
     def _load(self, name: str) -> dict:
@@ -415,11 +467,7 @@ class Commits:
         path = self.record_path(stage, key)
         with writing(path, undo=lambda: self._unstage(stage, key)):
             path.write_json(record)
-        self._read[path.name] = json_bytes(record)
-        self._news = True
-        if self.fold_every:
-            with self._folding:
-                self._fresh.append(path.name)
+        self._keep(path.name, json_bytes(record))
         if self._committed is not None:  # a replica's commits list nothing (the driver's listing decides)
             self._committed.add(UnitName(stage, key).unit_id())
         self.after("committed", stage)

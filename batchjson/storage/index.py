@@ -44,8 +44,11 @@ million rows (195,320 records) that was 6.4-6.9 s of planning, and the shelves' 
 "The index as columns"). The bytes, once read, go onto a `Shelf` (shelf.py), at 100 million rows about 145 MB.
 
 What the index cannot prove is that it was written by a run: one rewritten whole, digests and fingerprints included,
-is believed for the units it names. Hence the end check's count of units taken from it; `batchjson verify` never
-uses it.
+is believed by the planning. So the end check reads every record file (small: a GET each on object storage) and
+trusts a unit only where the index's copy is its record file's bytes, and each file the record lists has the size
+it keeps and the stamp a check saw (`Commits.trusted`); a forged copy makes its unit read, as without the index.
+What a trusted file holds is not read again: the summary says how many units it trusted, and `batchjson verify`,
+which never uses the index, reads them all.
 """
 
 from __future__ import annotations

@@ -174,7 +174,8 @@ def test_an_index_entry_edited_by_hand_vouches_for_nothing(tmp_path, tiny_model,
     assert result.exit_code == 0, result.output
     assert claimed_rows(result.output) == 48, result.output
     assert f"{gone.name} was missing; the unit was redone" in result.output, result.output
-    assert "4 units: 0 read, 4 taken from the index" in result.output, result.output  # the redone one checked anew
+    assert "4 units: 0 read, 4 trusted from their commit records" in result.output, result.output  # the redone one
+    # checked anew
     assert_exactly_once(ids, out, out / "_rejects")
     assert CliRunner().invoke(cli.main, ["verify", str(job)]).exit_code == 0
 
@@ -252,9 +253,9 @@ def test_the_end_check_says_which_units_it_did_not_read(tmp_path, tiny_model, mo
 
     again = cli_run(monkeypatch, job)
     assert again.exit_code == 0, again.output
-    assert re.search(r"\(4 units: 0 read, 4 trusted from their commit records, not re-read \(read by the check of "
-                     r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d UTC, their files unchanged since\); `batchjson verify` reads "
-                     r"them\)", again.output), again.output
+    assert re.search(r"\(4 units: 0 read, 4 trusted from their commit records, not re-read \(the check of "
+                     r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d UTC read them, and their files' sizes and times are "
+                     r"unchanged\); `batchjson verify` reads them\)", again.output), again.output
     proof = CliRunner().invoke(cli.main, ["verify", str(job)])
     assert proof.exit_code == 3 and repr(lost) in proof.output, proof.output
 
@@ -267,13 +268,14 @@ def test_the_end_check_says_how_many_units_it_took_from_the_index(tmp_path, tiny
     job = write_job(tmp_path, tiny_model, tmp_path / "in.parquet", batch_size=12)
     out = tmp_path / "out"
     first = cli_run(monkeypatch, job)
-    assert first.exit_code == 0 and "each input row once (4 units: 0 read, 4 checked as they committed)" \
-        in first.output, first.output
+    assert first.exit_code == 0 and "each input row once (4 units: 0 read, 4 trusted from their commit records, not " \
+        "re-read (this run's check as they committed read them" in first.output, first.output
     again = cli_run(monkeypatch, job)
     assert again.exit_code == 0, again.output
     assert claimed_rows(again.output) == 48
-    assert re.search(r"each input row once \(4 units: 0 read, 4 taken from the index written by the check of "
-                     r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d UTC\)", again.output), again.output
+    assert re.search(r"each input row once \(4 units: 0 read, 4 trusted from their commit records, not re-read "
+                     r"\(the check of \d{4}-\d\d-\d\d \d\d:\d\d:\d\d UTC read them, and their files' sizes and "
+                     r"times are unchanged\); `batchjson verify` reads them\)", again.output), again.output
     verified = json.loads((out / "_report.json").read_text())["verified"]
     assert (verified["read"], verified["trusted"]) == (0, 4), verified
     proof = CliRunner().invoke(cli.main, ["verify", str(job)])
@@ -351,9 +353,12 @@ def test_the_index_is_read_a_batch_at_a_time_as_the_records_bytes(tmp_path):
 
 def test_a_killed_run_leaves_its_records_folded_for_its_resume(tmp_path, tiny_model, monkeypatch):
     """A run folds the records it has read or written into parts of the index as it goes (every job.FOLD_MIN):
-    killed midway (SIGKILL), it leaves them, and its resume reads only the records written after the last part, not
-    each record (two requests each on object storage); the resume's passing check replaces the parts with one
-    index, and the folder holds each row once."""
+    killed midway (SIGKILL), it leaves them, and its resume reads only the records written after the last part
+    before its end check, not each record (two requests each on object storage); the end check reads each record
+    file once, to compare the index's copies with; the resume's passing check replaces the parts with one index, and
+    the folder holds each row once."""
+    from batchjson.storage import Commits
+
     write_rows(tmp_path / "in.parquet", 40)
     job = write_job(tmp_path, tiny_model, tmp_path / "in.parquet", batch_size=2)  # 20 units
     out, state = tmp_path / "out", tmp_path / "out" / "_batchjson"
@@ -363,10 +368,12 @@ def test_a_killed_run_leaves_its_records_folded_for_its_resume(tmp_path, tiny_mo
     records = list((state / "units").glob("p[12]-*.json"))
     parts = sorted(state.glob("index-part-*.arrows"))
     assert len(records) == 15 and len(parts) == 3, (records, parts)
-    read = record_reads(monkeypatch)
+    read, before_check, trusted = record_reads(monkeypatch), [], Commits.trusted
+    monkeypatch.setattr(Commits, "trusted", lambda commits: before_check.extend(read) or trusted(commits))
     report = run_job(load_spec(job), str(out), engine_factory=FakeEngines(valid=0.6), progress=False)
     assert report.resumed and report.verified["complete"], report.verified
-    assert len(read) <= 3, read  # the records written after the last part (12 of 15 folded)
+    assert len(before_check) <= 3, before_check  # the records written after the last part (12 of 15 folded)
+    assert sorted(read) == sorted(set(read)) == sorted(r.name for r in records), read  # each once
     assert (state / "index.arrows").exists() and not list(state.glob("index-part-*"))
     assert_exactly_once([f"r{i:05d}" for i in range(40)], out, out / "_rejects")
 
@@ -450,9 +457,11 @@ def test_a_run_whose_state_outgrows_memory_resumes_and_checks_as_one_that_fits(t
     gone.unlink()
     again = cli_run(monkeypatch, job)
     assert again.exit_code == 0 and f"{gone.name} was missing; the unit was redone" in again.output, again.output
-    assert "12 units: 0 read, 12 taken from the index" in again.output, again.output  # the redone one checked anew
+    assert "12 units: 0 read, 12 trusted from their commit records" in again.output, again.output  # the redone one
+    # checked anew
     last = cli_run(monkeypatch, job)
-    assert last.exit_code == 0 and "12 units: 0 read, 12 taken from the index" in last.output, last.output
+    assert last.exit_code == 0 and "12 units: 0 read, 12 trusted from their commit records, not re-read (the " \
+        "check of" in last.output, last.output
     assert_exactly_once(ids, out, out / "_rejects")
     assert CliRunner().invoke(cli.main, ["verify", str(job)]).exit_code == 0
 
