@@ -131,7 +131,7 @@ def read_index(state: Path, name: str = "index.arrows") -> dict:
 def write_index(state: Path, index: dict, name: str = "index.arrows") -> None:
     """`read_index`'s dict written back as the index, each record as records are written (json_bytes) with the
     digest the dict gives, whatever the record now holds: an index edited by hand."""
-    from batchjson.storage.index import Index
+    from batchjson.storage.index_file import Index
     from batchjson.storage.location import Location, json_bytes
 
     Index.write(Location.of(state / name), [(n, tuple(e["stamp"]), e["sha256"], json_bytes(e["record"]))
@@ -185,7 +185,7 @@ def test_an_index_rewritten_whole_with_its_digests_vouches_for_no_record(tmp_pat
     output file and its digests recomputed, so that it is consistent; the output file is deleted. The unit's own
     record file still names that file: the end check compares the index's copy with it, so it never claims the lost
     rows ("ok" over 48 - n). The run fails its check (exit 3, naming the file), and the next one redoes the unit."""
-    from batchjson.storage.index import digest
+    from batchjson.storage.index_file import digest
     from batchjson.storage.location import json_bytes
 
     ids = [f"r{i:05d}" for i in range(48)]
@@ -318,7 +318,7 @@ def test_the_index_is_read_a_batch_at_a_time_as_the_records_bytes(tmp_path):
     the index and its parts, the later file's entry over the earlier's; a copy edited vouches for nothing, a stamp
     not the indexed one neither, a part file that does not read as one is left out, and an earlier version's files
     (JSON) are not read but named to be replaced, as the parts are."""
-    from batchjson.storage.index import Index, digest
+    from batchjson.storage.index_file import Index, digest
     from batchjson.storage.location import Location, json_bytes
 
     records = {f"p1-u{k}.json": json_bytes({"stage": "p1", "key": f"u{k}", "files": {"output": f"p1-u{k}.parquet"},
@@ -410,7 +410,7 @@ def test_units_committed_by_replicas_are_checked_as_they_commit(tmp_path, tiny_m
 
 def test_a_resume_looks_each_record_up_once_to_plan(tmp_path, tiny_model, monkeypatch):
     """Before the first prompt a resume parses each commit record the index does not answer for once (the damage
-    check, what pass 2 has left and its rows, the progress file's tally: Commits.survey), and none that it answers
+    check, what pass 2 has left and its rows, the progress file's tally: storage/survey.py), and none that it answers
     for; it looked a unit waiting for pass 2 up four times once, which at 100 million rows (195,320 records on the
     shelves) kept its first prompt at 21 s. Killed before any part of the index was written, every record is
     parsed, once."""
@@ -422,7 +422,7 @@ def test_a_resume_looks_each_record_up_once_to_plan(tmp_path, tiny_model, monkey
     killed = subprocess.run([sys.executable, str(HERE / "fake_runner.py"), str(job), str(out), "p2:begin", "1"],
                             env=ENV | {"FAKE_VALID": "0.3"}, capture_output=True, text=True, timeout=300)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
-    looks, at_start, load = [], [], Commits._load
+    looks, at_start, load = [], [], Commits.load
 
     def counted(self, name):
         looks.append(name)
@@ -433,7 +433,7 @@ def test_a_resume_looks_each_record_up_once_to_plan(tmp_path, tiny_model, monkey
             at_start.append(list(looks)) if not at_start else None
             return super().start(*args)
 
-    monkeypatch.setattr(Commits, "_load", counted)
+    monkeypatch.setattr(Commits, "load", counted)
     report = run_job(load_spec(job), str(out), engine_factory=Marked(valid=0.6), progress=False)
     assert report.resumed and report.verified["complete"] and at_start, report.verified
     counts = Counter(at_start[0])

@@ -325,7 +325,8 @@ def test_a_resume_on_s3_hands_out_work_without_waiting_for_the_index(tmp_path, t
     cut short. `left`: units waiting for pass 2, whose files are looked at one by one (1) or found in a listing of
     each part folder (2: more looks than the listings' pages)."""
     from batchjson.storage import Storage
-    from batchjson.storage.index import Index
+    from batchjson.storage.index_file import Index
+    from batchjson.storage.survey import survey_units
 
     put_rows(f"{s3}/in/a.parquet", tmp_path / "a.parquet", 48)
     job = write_job(tmp_path, tiny_model, f"{s3}/in", batch_size=4)
@@ -361,7 +362,7 @@ def test_a_resume_on_s3_hands_out_work_without_waiting_for_the_index(tmp_path, t
         commits.read_index()
         commits.recover()
         proxy.paths.clear()
-        found = commits.survey(sorted(r["key"] for r in records), "id", defer=True)
+        found = survey_units(commits, sorted(r["key"] for r in records), "id", defer=True)
         assert not read_all.is_set()  # handed out before the index was read
         got = sorted(path.rsplit("/", 1)[1] for op, path in proxy.paths if op == "GET" and "/units/" in path)
         assert got == sorted(f"p1-{unit['key']}.json" for unit in waiting), got
