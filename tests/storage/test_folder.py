@@ -152,43 +152,13 @@ def claimed_rows(output: str) -> int:
     return int(found[1]) + int(found[2])
 
 
-def test_an_index_entry_edited_by_hand_vouches_for_nothing(tmp_path, tiny_model, monkeypatch):
-    """Tried as a hostile user would: the index's copy of a unit's commit record is edited to list no output file
-    (its stamp kept, so that it still looks current), and the output file is deleted. The copy no longer matches the
-    bytes the index took its digest of, so the index does not stand in for that record: the unit is read, found
-    without its file, and redone, and the run claims the 48 rows it holds."""
-    ids = [f"r{i:05d}" for i in range(48)]
-    write_rows(tmp_path / "in.parquet", 48)
-    job = write_job(tmp_path, tiny_model, tmp_path / "in.parquet", batch_size=12)  # 4 units
-    out = tmp_path / "out"
-    assert cli_run(monkeypatch, job).exit_code == 0
-    index = read_index(out / "_batchjson")
-    record = next(entry["record"] for name, entry in sorted(index["records"].items())
-                  if name.startswith("p1-") and entry["record"]["rows"].get("output", 0) >= 2)
-    gone = out / record["files"].pop("output")
-    del record["rows"]["output"], record["sizes"]["output"]
-    write_index(out / "_batchjson", index)
-    gone.unlink()
-
-    result = cli_run(monkeypatch, job)
-    assert result.exit_code == 0, result.output
-    assert claimed_rows(result.output) == 48, result.output
-    assert f"{gone.name} was missing; the unit was redone" in result.output, result.output
-    assert "4 units: 0 read, 4 trusted from their commit records" in result.output, result.output  # the redone one
-    # checked anew
-    assert_exactly_once(ids, out, out / "_rejects")
-    assert CliRunner().invoke(cli.main, ["verify", str(job)]).exit_code == 0
-
-
-def test_an_index_rewritten_whole_with_its_digests_vouches_for_no_record(tmp_path, tiny_model, monkeypatch):
-    """Tried as a hostile user would: the index is rewritten whole, its copy of a unit's commit record listing no
-    output file and its digests recomputed, so that it is consistent; the output file is deleted. The unit's own
-    record file still names that file: the end check compares the index's copy with it, so it never claims the lost
-    rows ("ok" over 48 - n). The run fails its check (exit 3, naming the file), and the next one redoes the unit."""
+def forged(tmp_path: Path, tiny_model, monkeypatch, digests: bool) -> tuple[Path, Path, Path]:
+    """A finished run of 48 rows in 4 units (its job and output folder) whose index's copy of a unit's commit record
+    is edited to list no output file, its stamp kept (so that it still looks current), and `digests`: its digest
+    recomputed, so that the index is consistent; the output file is deleted (returned)."""
     from batchjson.storage.index_file import digest
     from batchjson.storage.location import json_bytes
 
-    ids = [f"r{i:05d}" for i in range(48)]
     write_rows(tmp_path / "in.parquet", 48)
     job = write_job(tmp_path, tiny_model, tmp_path / "in.parquet", batch_size=12)  # 4 units
     out = tmp_path / "out"
@@ -199,10 +169,34 @@ def test_an_index_rewritten_whole_with_its_digests_vouches_for_no_record(tmp_pat
     record = entry["record"]
     gone = out / record["files"].pop("output")
     del record["rows"]["output"], record["sizes"]["output"]
-    entry["sha256"] = digest(json_bytes(record))  # consistent: the copy has its digest, its columns their fingerprint
+    if digests:  # the copy has its digest, its columns their fingerprint
+        entry["sha256"] = digest(json_bytes(record))
     write_index(out / "_batchjson", index)
     gone.unlink()
+    return job, out, gone
 
+
+def test_an_index_entry_edited_by_hand_vouches_for_nothing(tmp_path, tiny_model, monkeypatch):
+    """Tried as a hostile user would (`forged`, the digest left as it was): the copy no longer matches the bytes the
+    index took its digest of, so the index does not stand in for that record: the unit is read, found without its
+    file, and redone, and the run claims the 48 rows it holds."""
+    job, out, gone = forged(tmp_path, tiny_model, monkeypatch, digests=False)
+    result = cli_run(monkeypatch, job)
+    assert result.exit_code == 0, result.output
+    assert claimed_rows(result.output) == 48, result.output
+    assert f"{gone.name} was missing; the unit was redone" in result.output, result.output
+    assert "4 units: 0 read, 4 trusted from their commit records" in result.output, result.output  # the redone one
+    # checked anew
+    assert_exactly_once([f"r{i:05d}" for i in range(48)], out, out / "_rejects")
+    assert CliRunner().invoke(cli.main, ["verify", str(job)]).exit_code == 0
+
+
+def test_an_index_rewritten_whole_with_its_digests_vouches_for_no_record(tmp_path, tiny_model, monkeypatch):
+    """Tried as a hostile user would (`forged`, the digests recomputed: the index is consistent, and the resume plans
+    from it). The unit's own record file still names the deleted file: the end check compares the index's copy
+    with it, so it never claims the lost rows ("ok" over 48 - n). The run fails its check (exit 3, naming the
+    file), and the next one redoes the unit."""
+    job, out, gone = forged(tmp_path, tiny_model, monkeypatch, digests=True)
     result = cli_run(monkeypatch, job)
     assert result.exit_code == 3, result.output
     assert "exactly-once check ok" not in result.output, result.output
@@ -211,7 +205,7 @@ def test_an_index_rewritten_whole_with_its_digests_vouches_for_no_record(tmp_pat
     assert again.exit_code == 0, again.output
     assert f"{gone.name} was missing; the unit was redone" in again.output, again.output
     assert claimed_rows(again.output) == 48, again.output
-    assert_exactly_once(ids, out, out / "_rejects")
+    assert_exactly_once([f"r{i:05d}" for i in range(48)], out, out / "_rejects")
     assert CliRunner().invoke(cli.main, ["verify", str(job)]).exit_code == 0
 
 
