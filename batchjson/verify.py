@@ -86,7 +86,8 @@ def verify(commits: Commits, source: ParquetSource, refs: list[UnitRef], id_colu
     are counted, not every id of the job.
 
     The units in `trusted` are counted from their commit records, not read: a run's own end check passes those
-    whose files an earlier passing check read, unchanged since (`Commits.trusted`, `RunIndex.trusted`), and that hold no repeated id.
+    whose files an earlier passing check read, unchanged since (`RunIndex.trusted`), and that hold no repeated
+    id.
     No other unit can hold their rows, as each unit read is checked against its own input rows. `batchjson
     verify` trusts none."""
     v = Verdict(units=len(refs), index_written=commits.index.written if trusted else "")

@@ -159,8 +159,9 @@ class Commits:
         return self.index.trusted(listed, self._read.get)
 
     def _read_now(self, names: list[str]) -> None:
-        """Read these record files into the cache, a thousand in flight at most (one gone or damaged is left out:
-        verify names its unit). A record the index holds other bytes of, or none, is news for the index."""
+        """Read these record files into the cache, a thousand at a time (on object storage 16 at once); one gone or
+        damaged is left out (verify names its unit). A record the index holds other bytes of, or none, is news for
+        the index."""
         def read(name: str) -> bytes | None:
             try:
                 data = (self.units / name).read_bytes()
@@ -189,8 +190,8 @@ class Commits:
 
     def stamps(self, key: str) -> list[tuple[str, tuple[int, int]]] | None:
         """The stamps of a committed unit's records and files, (file name, stamp), before a check reads them
-        (`RunIndex.vouch`); None if one of them is not there (a publish under way: the end check reads the unit). Asks for
-        the records, not the listing: a replica's commits are not in this process's."""
+        (`RunIndex.vouch`); None if one of them is not there (a publish under way: the end check reads the unit).
+        Asks for the records, not the listing: a replica's commits are not in this process's."""
         first = self.record(Stage.FIRST, key)
         if first is None:
             return None
@@ -237,7 +238,7 @@ class Commits:
 
     def record(self, stage: Stage, key: str) -> dict | None:
         try:
-            return self.load(f"{stage}-{key}.json")
+            return self.load(UnitName(stage, key).file_name())
         except FileNotFoundError:
             return None
 
@@ -362,7 +363,8 @@ class Commits:
         """Publish a committed unit's file that a killed run left staged (`recover`'s move, for one file the survey
         did not find under its final name): under its hidden name, or under a version's before STAGED. Whether one
         was there."""
-        return any(self._place(hidden, path) for hidden in (self._hidden(path), path.with_name(legacy_staged(path.name))))
+        return any(self._place(hidden, path)
+                   for hidden in (self._hidden(path), path.with_name(legacy_staged(path.name))))
 
     def drop(self, key: str) -> None:
         """Uncommit a unit in both passes (records first, then files), so that it is redone from scratch."""

@@ -177,6 +177,11 @@ def stages_of(records: pa.Array | pa.ChunkedArray) -> pa.Array | pa.ChunkedArray
     return pc.utf8_slice_codeunits(records, 0, 2)
 
 
+def of_stage(records: pa.Array | pa.ChunkedArray, stage: Stage) -> pa.Array | pa.ChunkedArray:
+    """Which of these records' file names (or unit ids) are of this pass, as a mask."""
+    return pc.starts_with(records, f"{stage}-")
+
+
 def keys_of(records: pa.Array | pa.ChunkedArray) -> pa.Array | pa.ChunkedArray:
     """The unit (`UnitName.key`) of each record's file name."""
     return pc.utf8_slice_codeunits(records, 3, -len(JSON))

@@ -30,8 +30,8 @@ from batchjson.storage import listings
 from batchjson.storage.commits import Commits, DamagedRecord
 from batchjson.storage.index_file import BITS, PLANNED, SCHEMA, planning_columns
 from batchjson.storage.location import Location, Unreadable
-from batchjson.storage.names import (KINDS, STAGED, Kind, Stage, UnitName, keys_of, part_names_of, records_of,
-                                     requeued_keys_of, stages_of, staged, staged_of, unit_ids_of)
+from batchjson.storage.names import (KINDS, STAGED, Kind, Stage, UnitName, keys_of, of_stage, part_names_of,
+                                     records_of, requeued_keys_of, stages_of, staged, staged_of, unit_ids_of)
 from batchjson.storage.progress import add_reasons, empty_tally
 
 PLANNED_SCHEMA = SCHEMA.empty_table().select(PLANNED).schema  # the index's planning columns
@@ -76,7 +76,7 @@ def survey_units(commits: Commits, keys: list[str], id_column: str, defer: bool 
     found, flaws, parsed = Survey(), {}, {}  # flaws: key -> (where, what); parsed: name -> record read now
     if defer:  # pass 2's units now, from their records; the rest beside the run
         held = requeued_keys_of(commits.listings.take(commits.folders["requeue"], stat=False)["name"])
-        first, second = (keys_of(mine.filter(pc.starts_with(mine, f"{stage}-"))) for stage in Stage)
+        first, second = (keys_of(mine.filter(of_stage(mine, stage))) for stage in Stage)
         held = held.filter(pc.and_(pc.is_in(held, value_set=first), pc.invert(pc.is_in(held, value_set=second))))
         records = _read_records(commits, UnitName.unit_ids(Stage.FIRST, held.to_pylist()), parsed, flaws)
         # a look per file, unless on object storage the looks would be more requests than a listing's pages
@@ -100,9 +100,9 @@ def survey_units(commits: Commits, keys: list[str], id_column: str, defer: bool 
         index.answer()
     found.damaged = _worst(flaws)
     records = _without(records, found.damaged)
-    waiting = records.filter(pc.and_(pc.equal(records["stage"], "p1"), pc.not_equal(pc.bit_wise_and(
+    waiting = records.filter(pc.and_(pc.equal(records["stage"], Stage.FIRST.value), pc.not_equal(pc.bit_wise_and(
         records["kinds"], BITS["requeue"]), 0)))
-    second = names.filter(pc.starts_with(names, "p2-"))  # the units whose pass 2 is committed
+    second = names.filter(of_stage(names, Stage.SECOND))  # the units whose pass 2 is committed
     waiting = waiting.filter(pc.invert(pc.is_in(waiting["key"], value_set=keys_of(second))))
     found.passes = _tally(records)
     found.second = dict(zip(waiting["key"].to_pylist(), waiting["rows_requeue"].to_pylist()))
@@ -172,7 +172,7 @@ def used(commits: Commits, files: set[str]) -> Counter:
     """The committed units of pass 1 of each of these input files (their tags), from the index's columns where they
     answer (`survey_units`), else from the records."""
     records = commits.listed_records
-    names = records.filter(pc.starts_with(records["name"], "p1-"))["name"]
+    names = records.filter(of_stage(records["name"], Stage.FIRST))["name"]
     answers = commits.index.files.answers()
     answers = answers.filter(pc.is_in(answers["name"], value_set=names))
     used = Counter({tag: n for tag, n in zip(*(c.to_pylist() for c in pc.value_counts(answers["file"]).flatten()))

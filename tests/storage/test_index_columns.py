@@ -1,4 +1,4 @@
-"""A resume plans from the index's columns (storage/index_file.py, storage/survey.py): the records it answers for are not
+"""A resume plans from the index's columns (storage/index_file.py, survey.py): the records it answers for are not
 read, and what it cannot vouch for is read as without it: a record written after its last part, a record or a part
 file changed since, a part file deleted, a column edited by hand."""
 
