@@ -37,7 +37,7 @@ columns only where its batch has its fingerprint, and its bytes only where they 
 or a copy edited by hand is ignored and its record read. `Index.write` gives a record planning columns only where
 its bytes have the digest it is handed. At its end check a run trusts the units whose files are all listed with the
 stamps a check saw (the last passing check of the folder, or a run's check of the unit as it finished it: then its
-record too), and says how many it took from the index (verify.py). Anything else (a record or a file rewritten
+record too), and says how many it trusted, not reading them (verify.py). Anything else (a record or a file rewritten
 since, a damaged file of the index) is read as without the index.
 
 Planned from columns, a resume parses no record the index answers for, and looks none up on a shelf: at 100
