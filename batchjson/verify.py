@@ -61,10 +61,11 @@ class Verdict:
             return "exactly-once check FAILED:\n  " + "\n  ".join(self.problems)
         rows = f"{self.output_rows} output + {self.reject_rows} rejected rows, each input row once"
         # What it read is proven; what it trusted is named with what vouches for it, and what reads it.
-        check = f"the check of {self.index_written}" if self.index_written else "this run's check as they committed"
+        check = (f"the check of {self.index_written} read them" if self.index_written else
+                 "this run's check read them as they committed")
         basis = (f": {self.committed - self.trusted} read, {self.trusted} trusted from their commit records, not "
-                 f"re-read ({check} read them, and their files' sizes and times are unchanged); `batchjson verify` "
-                 "reads them") if self.trusted else ", all read"
+                 f"re-read ({check}, and their files' sizes and times are unchanged); `batchjson verify` reads them"
+                 ) if self.trusted else ", all read"
         if self.pending:
             return (f"exactly-once check ok so far: {rows}; {self.pending} of {self.units} units still to do "
                     f"({self.committed} committed{basis})")

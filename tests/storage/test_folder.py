@@ -263,7 +263,7 @@ def test_the_end_check_says_how_many_units_it_took_from_the_index(tmp_path, tiny
     out = tmp_path / "out"
     first = cli_run(monkeypatch, job)
     assert first.exit_code == 0 and "each input row once (4 units: 0 read, 4 trusted from their commit records, not " \
-        "re-read (this run's check as they committed read them" in first.output, first.output
+        "re-read (this run's check read them as they committed" in first.output, first.output
     again = cli_run(monkeypatch, job)
     assert again.exit_code == 0, again.output
     assert claimed_rows(again.output) == 48
