@@ -24,6 +24,7 @@ from batchjson.ends import run_ends
 from batchjson.source import ParquetSource
 from batchjson.spec import JobSpec
 from batchjson.storage import location
+from batchjson.storage.survey import survey_units
 from batchjson.verify import UnitChecks, verify
 from batchjson.watch import RunWatch, resolve_deadline
 from batchjson.passes import plan_passes
@@ -55,7 +56,7 @@ class JobRun:
         self.stop = threading.Event()
         self.watch = RunWatch(self.storage, self.stop, resolve_deadline(deadline, spec.output.deadline))
         self.owners: dict[str, tuple[str, int]] = {}
-        self.second: dict[str, int] = {}  # unit -> its rows waiting for pass 2 at the start (Commits.survey)
+        self.second: dict[str, int] = {}  # unit -> its rows waiting for pass 2 at the start (survey_units)
         self.checks: UnitChecks | None = None  # each unit checked as it is finished (verify.py)
         self.passes = plan_passes(spec)
 
@@ -89,11 +90,11 @@ class JobRun:
             if scan.kept:
                 storage.keep_scan(scan.kept)
             if self.shard[1] == 1:  # the records fold into the index as the run goes (storage/index.py)
-                commits.fold_every = max(FOLD_MIN, len(self.refs) // FOLD_PARTS)
+                commits.index.fold_every = max(FOLD_MIN, len(self.refs) // FOLD_PARTS)
             with signals(self.stop), self._early(layout, report.resumed, scan.repeated) as early:
                 # The units no pass hands out are surveyed beside the run (`survey.later`, `_redo`); what a killed run
                 # left staged is published as the survey finds it (pass 2's units before they are handed out).
-                survey = commits.survey(list(self.refs), self.spec.input.id_column, defer=True)
+                survey = survey_units(commits, list(self.refs), self.spec.input.id_column, defer=True)
                 for key, why in survey.damaged.items():
                     commits.drop(key)
                     report.note("unit-redone", f"unit {key}: {why}; the unit was redone")
@@ -126,19 +127,19 @@ class JobRun:
                     raise
                 self.checks.close(wait=not self.stop.is_set())
                 report.timeline["passes"] = mark()
-                report.tally(commits.records())
                 # Units a check read (an earlier passing check, or as they were finished), unchanged since, are
-                # counted from their records (verify.py).
-                verdict = verify(commits, self.source, everything, self.spec.input.id_column, scan.repeated,
-                                 commits.trusted() - repeats)
+                # counted from their records (verify.py), each read from its file first: the tally counts those too.
+                trusted = commits.trusted() - repeats
+                report.tally(commits.records())
+                verdict = verify(commits, self.source, everything, self.spec.input.id_column, scan.repeated, trusted)
                 report.timeline["verified"] = mark()
                 if not (self.stop.is_set() or self.watch.expired) and self.shard[1] == 1 and verdict.pending \
                         and verdict.ok:
                     verdict.problems.append(f"[internal] {verdict.pending} units left undone by an uninterrupted run")
                 if verdict.ok and self.shard[1] == 1:
-                    commits.write_index()
+                    commits.index.write()
                 else:
-                    commits.fold(now=True)
+                    commits.index.fold(now=True)
                 report.verified = verdict.to_dict()
                 report.verified_summary = verdict.summary()
                 self.watch.end(report)
@@ -159,7 +160,7 @@ class JobRun:
         LIST per unit before the first prompt (3,118 requests for a first run of 1,000 units, BENCHMARKS.md)."""
         commits = self.storage.commits
         todo = {Stage.FIRST: commits.left(Stage.FIRST, self.refs)}
-        if len(self.passes) > 1:  # the start's survey found them (Commits.survey): no record is looked up again
+        if len(self.passes) > 1:  # the start's survey found them (survey_units): no record is looked up again
             todo[Stage.SECOND] = [k for k in self.refs if k in self.second]
         return todo
 
@@ -245,7 +246,7 @@ class JobRun:
             self.watch.committed(stage, key)
             if stage == Stage.SECOND or not requeued or Stage.SECOND not in stats:  # the unit is finished
                 self.checks.add(key)
-            self.storage.commits.fold()
+            self.storage.commits.index.fold()
             bar(stage).update(rows)
             if requeued and stage == Stage.FIRST and Stage.SECOND in stats:
                 bar(Stage.SECOND).total += requeued

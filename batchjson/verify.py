@@ -60,9 +60,12 @@ class Verdict:
         if not self.ok:
             return "exactly-once check FAILED:\n  " + "\n  ".join(self.problems)
         rows = f"{self.output_rows} output + {self.reject_rows} rejected rows, each input row once"
-        source = (f"taken from the index written by the check of {self.index_written}" if self.index_written else
-                  "checked as they committed")
-        basis = f": {self.committed - self.trusted} read, {self.trusted} {source}" if self.trusted else ", all read"
+        # What it read is proven; what it trusted is named with what vouches for it, and what reads it.
+        check = (f"the check of {self.index_written} read them" if self.index_written else
+                 "this run's check read them as they committed")
+        basis = (f": {self.committed - self.trusted} read, {self.trusted} trusted from their commit records, not "
+                 f"re-read ({check}, and their files' sizes and times are unchanged); `batchjson verify` reads them"
+                 ) if self.trusted else ", all read"
         if self.pending:
             return (f"exactly-once check ok so far: {rows}; {self.pending} of {self.units} units still to do "
                     f"({self.committed} committed{basis})")
@@ -84,10 +87,11 @@ def verify(commits: Commits, source: ParquetSource, refs: list[UnitRef], id_colu
     are counted, not every id of the job.
 
     The units in `trusted` are counted from their commit records, not read: a run's own end check passes those
-    whose files an earlier passing check read, unchanged since (`Commits.trusted`), and that hold no repeated id.
+    whose files an earlier passing check read, unchanged since (`RunIndex.trusted`), and that hold no repeated
+    id.
     No other unit can hold their rows, as each unit read is checked against its own input rows. `batchjson
     verify` trusts none."""
-    v = Verdict(units=len(refs), index_written=commits.index_written if trusted else "")
+    v = Verdict(units=len(refs), index_written=commits.index.written if trusted else "")
     out_ids: Counter = Counter()  # repeated id -> rows in the output
     outcomes: Counter = Counter()  # repeated id -> rows in output or rejects for another reason than duplicate_id
 
@@ -193,7 +197,7 @@ def _check_unit(ref: UnitRef, expected: Counter, p1: dict, second: Callable[[], 
 
 class UnitChecks:
     """Each unit checked as a run finishes it (its last pass committed), in a thread beside the run, as the end check
-    reads a unit: what passes is vouched for by its records' and files' stamps (`Commits.vouch`), so the end check,
+    reads a unit: what passes is vouched for by its records' and files' stamps (`RunIndex.vouch`), so the end check,
     this run's or, through the index, a resume's after a kill, counts it from its records instead of reading it
     again. At 100 million rows the end check of a resume read every unit the killed run had committed: 294 of its
     334 s (BENCHMARKS.md). A unit holding a repeated id is left to the end check, which counts such ids across
@@ -246,7 +250,7 @@ class UnitChecks:
         problems, pending = _check_unit(ref, Counter(self.source.ids(ref).to_pylist()), p1,
                                         lambda: commits.record(Stage.SECOND, key), read)
         if not (problems or pending):
-            commits.vouch(stamps)
+            commits.index.vouch(stamps)
 
 
 def verify_job(spec, output: str | None = None) -> Verdict:

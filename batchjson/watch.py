@@ -63,7 +63,7 @@ class RunWatch:
     def running(self, refs: dict[str, UnitRef], passes: dict) -> Iterator[None]:
         """From the claim's end to the run's: the progress file says "running", then how the run ended; an
         exception ends it as "failed" with its message. `passes`: the committed records of `refs` tallied by pass
-        (Commits.survey)."""
+        (storage/survey.py)."""
         self._start(refs, passes)
         try:
             yield

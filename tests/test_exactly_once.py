@@ -246,13 +246,13 @@ def test_a_deleted_output_part_is_found_and_redone(tmp_path, tiny_model):
 @pytest.mark.parametrize("replicas", [None, 2])
 def test_a_unit_damaged_between_runs_is_found_beside_the_resume_and_redone(tmp_path, tiny_model, monkeypatch,
                                                                            replicas):
-    """A resume with work left surveys the units it does not hand out beside its passes (Commits.survey's `defer`),
+    """A resume with work left surveys the units it does not hand out beside its passes (survey_units' `defer`),
     not before its first prompt: a finished unit whose output file was cut short between runs is still found, once
     every unit handed out is done (the survey answers late here), uncommitted and redone; the end check passes with
     each row once, and the progress file counts the unit once. With two local replicas, started before the survey
     (job.py's `_early`), too. The units finished meanwhile are checked (UnitChecks) once the survey has answered,
     not beside it: their reads and its listings would stack into the driver's peak."""
-    from batchjson.storage.commits import Commits
+    from batchjson.storage import survey
     from batchjson.storage.progress import add_record
     from batchjson.verify import UnitChecks
 
@@ -265,11 +265,11 @@ def test_a_unit_damaged_between_runs_is_found_beside_the_resume_and_redone(tmp_p
     (out / left["files"]["output"]).unlink()
     victim = out / damaged["files"]["output"]
     victim.write_bytes(victim.read_bytes()[:-10])
-    found, check, unit_check, checked = [], Commits._survey_later, UnitChecks._check, []
+    found, check, unit_check, checked = [], survey._later, UnitChecks._check, []
 
-    def late(self, *args):  # the survey answers after the unit handed out is done
+    def late(*args):  # the survey answers after the unit handed out is done
         time.sleep(1.0)
-        damaged, passes = check(self, *args)
+        damaged, passes = check(*args)
         found.append((damaged, time.monotonic()))
         return damaged, passes
 
@@ -277,7 +277,7 @@ def test_a_unit_damaged_between_runs_is_found_beside_the_resume_and_redone(tmp_p
         checked.append((key, time.monotonic()))
         return unit_check(self, key)
 
-    monkeypatch.setattr(Commits, "_survey_later", late)
+    monkeypatch.setattr(survey, "_later", late)
     monkeypatch.setattr(UnitChecks, "_check", check_unit)
     report = run(job, engine_factory=FakeEngines(valid=1.0), replicas=replicas)
     assert len(found) == 1 and list(found[0][0]) == [damaged["key"]] and victim.name in found[0][0][damaged["key"]]

@@ -1,8 +1,10 @@
 """Where a run's files live, how they are committed and how the folder is locked.
 
-names.py (part and record names) · folder.py (layout, claim, swap, fingerprints) · commits.py (the unit commits:
-begin, stage, write_record, publish; recover, survey, drop) · locks.py (flock, leases) · location.py (local path or
-object-storage URI) · progress.py (the progress file `status` reads, the cancel marker).
+names.py (every name, scalar and Arrow forms) · folder.py (layout, claim, swap, fingerprints) · commits.py (the unit
+commits: begin, stage, write_record, publish; recover, drop; the records) · survey.py (the resume's survey) ·
+index.py (the index as a run keeps it) · index_file.py (its files) · listings.py (folders listed as Arrow tables) ·
+locks.py (flock, leases) · location.py (local path or object-storage URI) · progress.py (the progress file `status`
+reads, the cancel marker) · shelf.py (values by name, off the heap).
 """
 
 from batchjson.storage.commits import Commits, DamagedRecord

@@ -30,6 +30,7 @@ import json
 from pathlib import Path
 
 from batchjson.errors import InputError, OutputError, ResumeConflict, StorageFull, is_full
+from batchjson.storage import survey
 from batchjson.storage.commits import Commits
 from batchjson.storage.location import Location, glob_match, writing
 from batchjson.storage.locks import HELD, Lease, lock_folder, release
@@ -248,7 +249,7 @@ class Storage:
         known = {p.name[:-5]: p.read_json() for p in self.inputs.glob("*.json")}
         gone = {tag for tag, old in known.items() if (new := fingerprints.get(tag)) is None or _changed(old, new)}
         # the committed units of each file that changed or went: the records are read only when one did
-        used = self.commits.used(gone) if gone else {}
+        used = survey.used(self.commits, gone) if gone else {}
         for tag, old in known.items():
             new = fingerprints.get(tag)
             if not used.get(tag):

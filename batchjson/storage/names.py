@@ -1,7 +1,9 @@
 """The names of a run's files: a unit's part files and commit records, formatted and parsed in one place.
 
 After dlt's `ParsedLoadJobFileName` (dlt/common/storages/load_package.py): a frozen value with `file_name()` and
-`parse(name)`, so a name is built and read back by the same code. The names are the on-disk format of every output
+`parse(name)`, so a name is built and read back by the same code. The survey and the index handle names by the
+hundred thousand as Arrow arrays: their vector forms (`unit_ids_of`, `keys_of`, `part_names_of`, ...) are here too,
+beside the scalar ones they must agree with. The names are the on-disk format of every output
 folder written so far; a folder written before resumes only while they stay as they are:
 
     p1-<unit>.parquet, p2-<unit>.parquet                  valid rows of a pass (the output folder)
@@ -16,17 +18,26 @@ folder written so far; a folder written before resumes only while they stay as t
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from fnmatch import fnmatchcase
 from typing import Literal
+
+import pyarrow as pa
+import pyarrow.compute as pc
 
 from batchjson.records import Stage
 
 Kind = Literal["output", "rejects", "requeue"]
+KINDS: tuple[Kind, ...] = ("output", "rejects", "requeue")  # the kinds of part files, in the order a survey names flaws
+STAGE_KINDS: dict[Stage, tuple[Kind, ...]] = {Stage.FIRST: KINDS, Stage.SECOND: ("output", "rejects")}  # only pass 1
+# requeues
 STAGES: tuple[Stage, ...] = tuple(Stage)
 STAGED = ".tmp"  # a staged file's suffix (after a leading dot)
 PARQUET, JSON = ".parquet", ".json"
 REJECTS = "rejects-"
+RECORDS = "p[12]-*.json"  # the commit records' names, as a glob (`is_record`)
 SPEC = "spec.json"  # the run state's copy of the job spec: what marks a folder as a batchjson run's
 SCAN = "scan.json"  # the run state's input scan, kept for the next run (Storage.keep_scan)
 
@@ -57,6 +68,11 @@ class UnitName:
         of a 100M-row resume's way to its first prompt; the pass formatted once, not for each: 0.03 s, 0.01)."""
         prefix = f"{stage}-"
         return (prefix + key for key in keys)
+
+    @staticmethod
+    def is_record(name: str) -> bool:
+        """Whether `name` is a commit record's file name (`records_of` for a listing)."""
+        return fnmatchcase(name, RECORDS)
 
     @classmethod
     def parse(cls, name: str) -> UnitName:
@@ -118,8 +134,77 @@ def staged(name: str) -> str:
     return f".{name}{STAGED}"
 
 
+def is_staged(name: str) -> bool:
+    """Whether `name` is a part file's staged name (`staged`)."""
+    return name.startswith(".") and name.endswith(f"{PARQUET}{STAGED}")
+
+
+def legacy_staged(name: str) -> str:
+    """".<name>": a part file staged by a version before STAGED (DuckDB's '*.parquet' reads it)."""
+    return f".{name}"
+
+
+def is_legacy_staged(name: str) -> bool:
+    """Whether `name` is a part file's name as a version before STAGED staged it (`legacy_staged`)."""
+    return name.startswith(".") and name.endswith(PARQUET)
+
+
+def legacy_unstaged(name: str) -> str:
+    """The final name of a part file a version before STAGED staged (`legacy_staged`)."""
+    return name[1:]
+
+
 def unstaged(name: str) -> str:
     """The final name of a staged one (a final name unchanged)."""
     if name.startswith(".") and name.endswith(STAGED):
         return name[1:-len(STAGED)]
     return name
+
+
+# ----- the vector forms: the same names as Arrow arrays, for listings of a folder's hundreds of thousands ---------
+def records_of(listed: pa.Table) -> pa.Table:
+    """The rows of a folder's listing (`name`, ...) that are commit records (`UnitName.is_record`)."""
+    return listed.filter(pc.match_substring_regex(listed["name"], r"^p[12]-.*\.json$"))
+
+
+def unit_ids_of(records: pa.Array | pa.ChunkedArray) -> pa.Array | pa.ChunkedArray:
+    """`UnitName.unit_id` of each record's file name ("p1-<unit>.json" -> "p1-<unit>")."""
+    return pc.utf8_slice_codeunits(records, 0, -len(JSON))
+
+
+def stages_of(records: pa.Array | pa.ChunkedArray) -> pa.Array | pa.ChunkedArray:
+    """The pass ("p1", "p2") of each record's file name."""
+    return pc.utf8_slice_codeunits(records, 0, 2)
+
+
+def of_stage(records: pa.Array | pa.ChunkedArray, stage: Stage) -> pa.Array | pa.ChunkedArray:
+    """Which of these records' file names (or unit ids) are of this pass, as a mask."""
+    return pc.starts_with(records, f"{stage}-")
+
+
+def keys_of(records: pa.Array | pa.ChunkedArray) -> pa.Array | pa.ChunkedArray:
+    """The unit (`UnitName.key`) of each record's file name."""
+    return pc.utf8_slice_codeunits(records, 3, -len(JSON))
+
+
+def part_names_of(kind: Kind, stages: pa.ChunkedArray, keys: pa.ChunkedArray) -> pa.ChunkedArray:
+    """`PartName.file_name` of each unit (its pass and key) for files of this kind."""
+    unit = pc.binary_join_element_wise(stages, keys, "-")
+    return (pc.binary_join_element_wise(unit, PARQUET, "") if kind == "output" else
+            pc.binary_join_element_wise(REJECTS, unit, PARQUET, "") if kind == "rejects" else
+            pc.binary_join_element_wise(keys, PARQUET, ""))
+
+
+def staged_of(names: pa.Array | pa.ChunkedArray) -> pa.Array | pa.ChunkedArray:
+    """`staged` of each name."""
+    return pc.binary_join_element_wise(".", names, STAGED, "")
+
+
+def requeued_keys_of(names: pa.ChunkedArray) -> pa.Array | pa.ChunkedArray:
+    """The units whose requeue file is among the requeue folder's `names`, under its final name or staged (by this
+    version, ".<name>.tmp", or by one before STAGED, ".<name>"): each once."""
+    hidden = pc.starts_with(names, ".")
+    if pc.any(hidden).as_py():
+        unstaged_names = pc.replace_substring_regex(names.filter(hidden), rf"^\.(.*?)({re.escape(STAGED)})?$", r"\1")
+        names = pc.unique(pa.chunked_array([*names.filter(pc.invert(hidden)).chunks, *unstaged_names.chunks]))
+    return pc.utf8_slice_codeunits(names.filter(pc.ends_with(names, PARQUET)), 0, -len(PARQUET))

@@ -131,7 +131,7 @@ def read_index(state: Path, name: str = "index.arrows") -> dict:
 def write_index(state: Path, index: dict, name: str = "index.arrows") -> None:
     """`read_index`'s dict written back as the index, each record as records are written (json_bytes) with the
     digest the dict gives, whatever the record now holds: an index edited by hand."""
-    from batchjson.storage.index import Index
+    from batchjson.storage.index_file import Index
     from batchjson.storage.location import Location, json_bytes
 
     Index.write(Location.of(state / name), [(n, tuple(e["stamp"]), e["sha256"], json_bytes(e["record"]))
@@ -152,31 +152,106 @@ def claimed_rows(output: str) -> int:
     return int(found[1]) + int(found[2])
 
 
-def test_an_index_entry_edited_by_hand_vouches_for_nothing(tmp_path, tiny_model, monkeypatch):
-    """Tried as a hostile user would: the index's copy of a unit's commit record is edited to list no output file
-    (its stamp kept, so that it still looks current), and the output file is deleted. The copy no longer matches the
-    bytes the index took its digest of, so the index does not stand in for that record: the unit is read, found
-    without its file, and redone, and the run claims the 48 rows it holds."""
-    ids = [f"r{i:05d}" for i in range(48)]
+def forged(tmp_path: Path, tiny_model, monkeypatch, digests: bool) -> tuple[Path, Path, Path]:
+    """A finished run of 48 rows in 4 units (its job and output folder) whose index's copy of a unit's commit record
+    is edited to list no output file, its stamp kept (so that it still looks current), and `digests`: its digest
+    recomputed, so that the index is consistent; the output file is deleted (returned)."""
+    from batchjson.storage.index_file import digest
+    from batchjson.storage.location import json_bytes
+
     write_rows(tmp_path / "in.parquet", 48)
     job = write_job(tmp_path, tiny_model, tmp_path / "in.parquet", batch_size=12)  # 4 units
     out = tmp_path / "out"
     assert cli_run(monkeypatch, job).exit_code == 0
     index = read_index(out / "_batchjson")
-    record = next(entry["record"] for name, entry in sorted(index["records"].items())
-                  if name.startswith("p1-") and entry["record"]["rows"].get("output", 0) >= 2)
+    entry = next(entry for name, entry in sorted(index["records"].items())
+                 if name.startswith("p1-") and entry["record"]["rows"].get("output", 0) >= 2)
+    record = entry["record"]
     gone = out / record["files"].pop("output")
     del record["rows"]["output"], record["sizes"]["output"]
+    if digests:  # the copy has its digest, its columns their fingerprint
+        entry["sha256"] = digest(json_bytes(record))
     write_index(out / "_batchjson", index)
     gone.unlink()
+    return job, out, gone
 
+
+def test_an_index_entry_edited_by_hand_vouches_for_nothing(tmp_path, tiny_model, monkeypatch):
+    """Tried as a hostile user would (`forged`, the digest left as it was): the copy no longer matches the bytes the
+    index took its digest of, so the index does not stand in for that record: the unit is read, found without its
+    file, and redone, and the run claims the 48 rows it holds."""
+    job, out, gone = forged(tmp_path, tiny_model, monkeypatch, digests=False)
     result = cli_run(monkeypatch, job)
     assert result.exit_code == 0, result.output
     assert claimed_rows(result.output) == 48, result.output
     assert f"{gone.name} was missing; the unit was redone" in result.output, result.output
-    assert "4 units: 0 read, 4 taken from the index" in result.output, result.output  # the redone one checked anew
-    assert_exactly_once(ids, out, out / "_rejects")
+    assert "4 units: 0 read, 4 trusted from their commit records" in result.output, result.output  # the redone one
+    # checked anew
+    assert_exactly_once([f"r{i:05d}" for i in range(48)], out, out / "_rejects")
     assert CliRunner().invoke(cli.main, ["verify", str(job)]).exit_code == 0
+
+
+def test_an_index_rewritten_whole_with_its_digests_vouches_for_no_record(tmp_path, tiny_model, monkeypatch):
+    """Tried as a hostile user would (`forged`, the digests recomputed: the index is consistent, and the resume plans
+    from it). The unit's own record file still names the deleted file: the end check compares the index's copy
+    with it, so it never claims the lost rows ("ok" over 48 - n). The run fails its check (exit 3, naming the
+    file), and the next one redoes the unit."""
+    job, out, gone = forged(tmp_path, tiny_model, monkeypatch, digests=True)
+    result = cli_run(monkeypatch, job)
+    assert result.exit_code == 3, result.output
+    assert "exactly-once check ok" not in result.output, result.output
+    assert f"{gone.name} is listed in its commit record but missing" in result.output, result.output
+    again = cli_run(monkeypatch, job)
+    assert again.exit_code == 0, again.output
+    assert f"{gone.name} was missing; the unit was redone" in again.output, again.output
+    assert claimed_rows(again.output) == 48, again.output
+    assert_exactly_once([f"r{i:05d}" for i in range(48)], out, out / "_rejects")
+    assert CliRunner().invoke(cli.main, ["verify", str(job)]).exit_code == 0
+
+
+def rewrite_in_place(part: Path, table: pa.Table) -> None:
+    """Write `table` over the Parquet file `part` at its size and modification time (its footer's metadata padded
+    to the size), as a rewrite that a listing cannot tell from the file."""
+    import os
+    import pyarrow.parquet as pq
+
+    size, mtime = part.stat().st_size, part.stat().st_mtime_ns
+    def write(pad: int) -> int:
+        with pq.ParquetWriter(part, table.schema, store_schema=False) as writer:  # no Arrow schema: a smaller file
+            writer.write_table(table)
+            writer.add_key_value_metadata({"pad": "x" * pad})  # the footer grows byte for byte with it
+        return part.stat().st_size
+
+    pad = size - write(0)
+    while (over := write(pad) - size) > 0:  # the length's own bytes (a varint) grow with it
+        pad -= over
+    assert over == 0
+    os.utime(part, ns=(mtime, mtime))
+
+
+def test_the_end_check_says_which_units_it_did_not_read(tmp_path, tiny_model, monkeypatch):
+    """Tried as a hostile user would: an output file is rewritten without one of its rows, at its size and time. A
+    rerun's end check trusts the unit from its commit record and the file's unchanged stamp, without reading it, and
+    says so: its summary names the units it did not read and the command that reads them, which finds the lost row
+    (exit 3)."""
+    import pyarrow.parquet as pq
+
+    write_rows(tmp_path / "in.parquet", 48)
+    job = write_job(tmp_path, tiny_model, tmp_path / "in.parquet", batch_size=12)  # 4 units
+    out = tmp_path / "out"
+    assert cli_run(monkeypatch, job).exit_code == 0
+    part = next(p for p in sorted(out.glob("p1-*.parquet")) if pq.read_metadata(p).num_rows >= 2)
+    table = pq.read_table(part)
+    lost = table.column("id")[0].as_py()
+    rewrite_in_place(part, table.slice(1))
+
+    again = cli_run(monkeypatch, job)
+    assert again.exit_code == 0, again.output
+    assert re.search(r"\(4 units: 0 read, 4 trusted from their commit records, not re-read \(the check of "
+                     r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d UTC read them, and their files' sizes and times are "
+                     r"unchanged\); `batchjson verify` reads them\)", again.output), again.output
+    proof = CliRunner().invoke(cli.main, ["verify", str(job)])
+    assert proof.exit_code == 3 and repr(lost) in proof.output, proof.output
 
 
 def test_the_end_check_says_how_many_units_it_took_from_the_index(tmp_path, tiny_model, monkeypatch):
@@ -187,13 +262,14 @@ def test_the_end_check_says_how_many_units_it_took_from_the_index(tmp_path, tiny
     job = write_job(tmp_path, tiny_model, tmp_path / "in.parquet", batch_size=12)
     out = tmp_path / "out"
     first = cli_run(monkeypatch, job)
-    assert first.exit_code == 0 and "each input row once (4 units: 0 read, 4 checked as they committed)" \
-        in first.output, first.output
+    assert first.exit_code == 0 and "each input row once (4 units: 0 read, 4 trusted from their commit records, not " \
+        "re-read (this run's check read them as they committed" in first.output, first.output
     again = cli_run(monkeypatch, job)
     assert again.exit_code == 0, again.output
     assert claimed_rows(again.output) == 48
-    assert re.search(r"each input row once \(4 units: 0 read, 4 taken from the index written by the check of "
-                     r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d UTC\)", again.output), again.output
+    assert re.search(r"each input row once \(4 units: 0 read, 4 trusted from their commit records, not re-read "
+                     r"\(the check of \d{4}-\d\d-\d\d \d\d:\d\d:\d\d UTC read them, and their files' sizes and "
+                     r"times are unchanged\); `batchjson verify` reads them\)", again.output), again.output
     verified = json.loads((out / "_report.json").read_text())["verified"]
     assert (verified["read"], verified["trusted"]) == (0, 4), verified
     proof = CliRunner().invoke(cli.main, ["verify", str(job)])
@@ -236,7 +312,7 @@ def test_the_index_is_read_a_batch_at_a_time_as_the_records_bytes(tmp_path):
     the index and its parts, the later file's entry over the earlier's; a copy edited vouches for nothing, a stamp
     not the indexed one neither, a part file that does not read as one is left out, and an earlier version's files
     (JSON) are not read but named to be replaced, as the parts are."""
-    from batchjson.storage.index import Index, digest
+    from batchjson.storage.index_file import Index, digest
     from batchjson.storage.location import Location, json_bytes
 
     records = {f"p1-u{k}.json": json_bytes({"stage": "p1", "key": f"u{k}", "files": {"output": f"p1-u{k}.parquet"},
@@ -271,9 +347,12 @@ def test_the_index_is_read_a_batch_at_a_time_as_the_records_bytes(tmp_path):
 
 def test_a_killed_run_leaves_its_records_folded_for_its_resume(tmp_path, tiny_model, monkeypatch):
     """A run folds the records it has read or written into parts of the index as it goes (every job.FOLD_MIN):
-    killed midway (SIGKILL), it leaves them, and its resume reads only the records written after the last part, not
-    each record (two requests each on object storage); the resume's passing check replaces the parts with one
-    index, and the folder holds each row once."""
+    killed midway (SIGKILL), it leaves them, and its resume reads only the records written after the last part
+    before its end check, not each record (two requests each on object storage); the end check reads each record
+    file once, to compare the index's copies with; the resume's passing check replaces the parts with one index, and
+    the folder holds each row once."""
+    from batchjson.storage import Commits
+
     write_rows(tmp_path / "in.parquet", 40)
     job = write_job(tmp_path, tiny_model, tmp_path / "in.parquet", batch_size=2)  # 20 units
     out, state = tmp_path / "out", tmp_path / "out" / "_batchjson"
@@ -283,10 +362,12 @@ def test_a_killed_run_leaves_its_records_folded_for_its_resume(tmp_path, tiny_mo
     records = list((state / "units").glob("p[12]-*.json"))
     parts = sorted(state.glob("index-part-*.arrows"))
     assert len(records) == 15 and len(parts) == 3, (records, parts)
-    read = record_reads(monkeypatch)
+    read, before_check, trusted = record_reads(monkeypatch), [], Commits.trusted
+    monkeypatch.setattr(Commits, "trusted", lambda commits: before_check.extend(read) or trusted(commits))
     report = run_job(load_spec(job), str(out), engine_factory=FakeEngines(valid=0.6), progress=False)
     assert report.resumed and report.verified["complete"], report.verified
-    assert len(read) <= 3, read  # the records written after the last part (12 of 15 folded)
+    assert len(before_check) <= 3, before_check  # the records written after the last part (12 of 15 folded)
+    assert sorted(read) == sorted(set(read)) == sorted(r.name for r in records), read  # each once
     assert (state / "index.arrows").exists() and not list(state.glob("index-part-*"))
     assert_exactly_once([f"r{i:05d}" for i in range(40)], out, out / "_rejects")
 
@@ -323,7 +404,7 @@ def test_units_committed_by_replicas_are_checked_as_they_commit(tmp_path, tiny_m
 
 def test_a_resume_looks_each_record_up_once_to_plan(tmp_path, tiny_model, monkeypatch):
     """Before the first prompt a resume parses each commit record the index does not answer for once (the damage
-    check, what pass 2 has left and its rows, the progress file's tally: Commits.survey), and none that it answers
+    check, what pass 2 has left and its rows, the progress file's tally: storage/survey.py), and none that it answers
     for; it looked a unit waiting for pass 2 up four times once, which at 100 million rows (195,320 records on the
     shelves) kept its first prompt at 21 s. Killed before any part of the index was written, every record is
     parsed, once."""
@@ -335,7 +416,7 @@ def test_a_resume_looks_each_record_up_once_to_plan(tmp_path, tiny_model, monkey
     killed = subprocess.run([sys.executable, str(HERE / "fake_runner.py"), str(job), str(out), "p2:begin", "1"],
                             env=ENV | {"FAKE_VALID": "0.3"}, capture_output=True, text=True, timeout=300)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
-    looks, at_start, load = [], [], Commits._load
+    looks, at_start, load = [], [], Commits.load
 
     def counted(self, name):
         looks.append(name)
@@ -346,7 +427,7 @@ def test_a_resume_looks_each_record_up_once_to_plan(tmp_path, tiny_model, monkey
             at_start.append(list(looks)) if not at_start else None
             return super().start(*args)
 
-    monkeypatch.setattr(Commits, "_load", counted)
+    monkeypatch.setattr(Commits, "load", counted)
     report = run_job(load_spec(job), str(out), engine_factory=Marked(valid=0.6), progress=False)
     assert report.resumed and report.verified["complete"] and at_start, report.verified
     counts = Counter(at_start[0])
@@ -370,9 +451,11 @@ def test_a_run_whose_state_outgrows_memory_resumes_and_checks_as_one_that_fits(t
     gone.unlink()
     again = cli_run(monkeypatch, job)
     assert again.exit_code == 0 and f"{gone.name} was missing; the unit was redone" in again.output, again.output
-    assert "12 units: 0 read, 12 taken from the index" in again.output, again.output  # the redone one checked anew
+    assert "12 units: 0 read, 12 trusted from their commit records" in again.output, again.output  # the redone one
+    # checked anew
     last = cli_run(monkeypatch, job)
-    assert last.exit_code == 0 and "12 units: 0 read, 12 taken from the index" in last.output, last.output
+    assert last.exit_code == 0 and "12 units: 0 read, 12 trusted from their commit records, not re-read (the " \
+        "check of" in last.output, last.output
     assert_exactly_once(ids, out, out / "_rejects")
     assert CliRunner().invoke(cli.main, ["verify", str(job)]).exit_code == 0
 

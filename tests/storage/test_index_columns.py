@@ -1,4 +1,4 @@
-"""A resume plans from the index's columns (storage/index.py, Commits.survey): the records it answers for are not
+"""A resume plans from the index's columns (storage/index_file.py, survey.py): the records it answers for are not
 read, and what it cannot vouch for is read as without it: a record written after its last part, a record or a part
 file changed since, a part file deleted, a column edited by hand."""
 
@@ -15,9 +15,10 @@ from batchjson.engine.fake import FakeEngines
 from batchjson.job import run_job
 from batchjson.spec import load_spec
 from batchjson.storage import Storage
-from batchjson.storage.index import INDEX, PLANNED, SCHEMA, Index, digest, fingerprint, planned
+from batchjson.storage.index_file import INDEX, PLANNED, SCHEMA, Index, digest, fingerprint, planned
 from batchjson.storage.location import Location, json_bytes
 from batchjson.storage.progress import add_record
+from batchjson.storage.survey import survey_units
 from helpers import assert_exactly_once, record_reads, write_job, write_rows
 
 
@@ -33,14 +34,14 @@ def finished(tmp_path, tiny_model) -> tuple[Path, Path]:
 
 
 def survey(out: Path, monkeypatch) -> tuple:
-    """Commits.survey of the folder as a resume runs it (the index read, then the survey): the survey and the
+    """survey_units of the folder as a resume runs it (the index read, then the survey): the survey and the
     names of the record files it read."""
     read_bytes = Location.read_bytes
     read = record_reads(monkeypatch)
     storage = Storage(out)
     storage.commits.read_index()
     keys = sorted({json.loads(p.read_text())["key"] for p in (out / "_batchjson" / "units").glob("p1-*.json")})
-    found = storage.commits.survey(keys, "id")
+    found = survey_units(storage.commits, keys, "id")
     monkeypatch.setattr(Location, "read_bytes", read_bytes)
     return found, read
 
@@ -166,17 +167,17 @@ def test_an_index_of_the_version_before_is_not_read_but_replaced(finished, monke
 
 def test_a_fresh_run_lists_nothing_beside_the_index(finished, monkeypatch):
     """A --fresh run clears the folder: the listings a resume takes on a thread beside the index's read
-    (`Commits._prefetch`) would be thrown away, so it takes none there; a resume does."""
-    from batchjson.storage import commits
+    (`Commits.read_index`) would be thrown away, so it takes none there; a resume does."""
+    from batchjson.storage import listings
 
     job, out = finished
-    threads, listed = [], commits._list
+    threads, listed = [], listings.list_folder
 
     def counted(folder, *args):
         threads.append(threading.current_thread().name)
         return listed(folder, *args)
 
-    monkeypatch.setattr(commits, "_list", counted)
+    monkeypatch.setattr(listings, "list_folder", counted)
     report = run_job(load_spec(job), str(out), fresh=True, engine_factory=FakeEngines(valid=0.5, seed=3),
                      progress=False)
     assert not report.resumed and report.verified["complete"], report.verified
@@ -190,7 +191,7 @@ def test_a_record_in_two_files_of_the_index_is_planned_from_the_later(tmp_path):
     """A record in two parts of the index (rewritten after the first was written): the later part's row is planned
     from, and each other record's row stays its own (the rows were once taken by the wrong positions: the earlier
     row was kept)."""
-    from batchjson.storage.index import part_name
+    from batchjson.storage.index_file import part_name
 
     def written(key: str, size: int) -> tuple:
         record = {"stage": "p1", "key": key, "files": {"output": f"p1-{key}.parquet"}, "rows": {"output": 4},
@@ -214,11 +215,11 @@ def test_a_deferred_survey_reads_now_only_the_records_of_pass_2s_units(finished,
     tallied. A finished unit whose output file was cut short is left to `later` (beside the run), which names it
     and tallies the other records from the index, read by none; the index's files are read only then, not before
     anything is handed out. `checked`: the files looked at 2 records at a time (`CHECKED`), the same answers."""
-    from batchjson.storage import commits
-    from batchjson.storage.index import Index
+    from batchjson.storage import listings, survey
+    from batchjson.storage.index_file import Index
 
     if checked:
-        monkeypatch.setattr(commits, "CHECKED", checked)
+        monkeypatch.setattr(survey, "CHECKED", checked)
 
     _, out = finished
     units = out / "_batchjson" / "units"
@@ -235,13 +236,13 @@ def test_a_deferred_survey_reads_now_only_the_records_of_pass_2s_units(finished,
     output = out / done["files"]["output"]
     output.write_bytes(output.read_bytes()[:-10])
 
-    stated, listed = [], commits._list
+    stated, listed = [], listings.list_folder
 
     def counted(folder, stat=True):
         stated.append((Path(folder.path).name, stat))
         return listed(folder, stat)
 
-    monkeypatch.setattr(commits, "_list", counted)
+    monkeypatch.setattr(listings, "list_folder", counted)
     indexed, index_read = [], Index._read
 
     def counted_index(index, files):
@@ -253,7 +254,7 @@ def test_a_deferred_survey_reads_now_only_the_records_of_pass_2s_units(finished,
     storage.commits.read_index()
     keys = sorted(r["key"] for r in records.values())
     read = record_reads(monkeypatch)
-    found = storage.commits.survey(keys, "id", defer=True)
+    found = survey_units(storage.commits, keys, "id", defer=True)
     assert [f for f in stated if f[1]] == [], stated  # nothing listed with a stat
     assert sorted({name for name, _ in stated}) == ["requeue", "units"], stated  # the part folders beside the run
     assert indexed == []  # the index's files are read beside the run

@@ -286,8 +286,9 @@ def test_replicas_on_s3_share_one_queue_and_one_ledger(tmp_path, tiny_model, s3)
 
 
 def test_a_resume_reads_no_commit_record_and_no_part_file(tmp_path, tiny_model, s3, s3_server, monkeypatch):
-    """A finished run resumed on S3 takes its commit records from the index and trusts its files by a listing (no
-    GET or HEAD of either); a folder without the index (written before it) reads each record once and gets one."""
+    """A finished run resumed on S3 plans from the index and trusts its part files by a listing (no GET or HEAD of
+    one); its end check reads each commit record once, to compare with the index's copy. A folder without the index
+    (written before it) reads each record once too, and its end check every part file, and gets one."""
     put_rows(f"{s3}/in/a.parquet", tmp_path / "a.parquet", 40)
     job = write_job(tmp_path, tiny_model, f"{s3}/in", batch_size=4)
     out = f"{s3}/out"
@@ -304,14 +305,14 @@ def test_a_resume_reads_no_commit_record_and_no_part_file(tmp_path, tiny_model, 
                           if op in ("GET", "HEAD") and ("/units/" in path or path.endswith(".parquet") and "/out/" in path))
 
         run_job(load_spec(job), out, engine_factory=FakeEngines(valid=0.6, seed=1), progress=False)
-        assert resume() == []
         filesystem, state = fs.FileSystem.from_uri(f"{out}/_batchjson")
+        records = sorted(2 * [f"/{i.path}" for i in filesystem.get_file_info(fs.FileSelector(f"{state}/units"))])
+        assert resume() == records  # a HEAD and a GET of each record, none of a part file
         filesystem.delete_file(f"{state}/index.arrows")
-        records = [i for i in filesystem.get_file_info(fs.FileSelector(f"{state}/units"))]
         read = resume()
-        assert [p for p in read if "/units/" in p] == sorted(2 * [f"/{i.path}" for i in records])  # HEAD and GET
-        assert len(records) > 10 and len(read) > len(records) * 2  # and its end check reads every file
-        assert resume() == []
+        assert [p for p in read if "/units/" in p] == records
+        assert len(records) > 20 and len(read) > len(records)  # and its end check reads every file
+        assert resume() == records
         assert cli("verify", job, "--output", out).exit_code == 0
 
 
@@ -324,7 +325,8 @@ def test_a_resume_on_s3_hands_out_work_without_waiting_for_the_index(tmp_path, t
     cut short. `left`: units waiting for pass 2, whose files are looked at one by one (1) or found in a listing of
     each part folder (2: more looks than the listings' pages)."""
     from batchjson.storage import Storage
-    from batchjson.storage.index import Index
+    from batchjson.storage.index_file import Index
+    from batchjson.storage.survey import survey_units
 
     put_rows(f"{s3}/in/a.parquet", tmp_path / "a.parquet", 48)
     job = write_job(tmp_path, tiny_model, f"{s3}/in", batch_size=4)
@@ -360,7 +362,7 @@ def test_a_resume_on_s3_hands_out_work_without_waiting_for_the_index(tmp_path, t
         commits.read_index()
         commits.recover()
         proxy.paths.clear()
-        found = commits.survey(sorted(r["key"] for r in records), "id", defer=True)
+        found = survey_units(commits, sorted(r["key"] for r in records), "id", defer=True)
         assert not read_all.is_set()  # handed out before the index was read
         got = sorted(path.rsplit("/", 1)[1] for op, path in proxy.paths if op == "GET" and "/units/" in path)
         assert got == sorted(f"p1-{unit['key']}.json" for unit in waiting), got
