@@ -275,8 +275,7 @@ class Worker:
         if self.slot is not None:
             meta["replica"] = self.slot
         self.source.check_unchanged(ref)  # the last moment before the commit: nothing mixed is committed
-        self.storage.commits.commit(p.stage, key, tables, meta)
-        self.channel.send("done", stage, key, len(outcomes), len(retry))
+        self.channel.send("done", self.storage.commits.commit(p.stage, key, tables, meta))
 
     # -- engines ----------------------------------------------------------------------------------------------
 

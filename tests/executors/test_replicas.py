@@ -128,7 +128,7 @@ def cut_short(marker: str, placement: Placement, slot: int, count: int, inbox, o
         if pair is WAIT:
             time.sleep(0.01)
         else:
-            channel.send("done", *pair, 1, 0)
+            channel.send("done", {"stage": pair[0], "key": pair[1], "files": {}, "rows": {"output": 1}})
     channel.send("stats", {})
 
 
@@ -141,7 +141,7 @@ def test_a_replica_killed_in_the_middle_of_a_message_holds_up_no_other(tmp_path)
 
     def drive():
         try:
-            pool.drive(work, threading.Event(), lambda stage, key, rows, requeued: done.append(key),
+            pool.drive(work, threading.Event(), lambda record: done.append(record["key"]),
                        lambda counts: None, lambda stage, code, text: notes.append(code))
         except BaseException as e:  # noqa: BLE001 - told by the assertion below
             errors.append(e)
