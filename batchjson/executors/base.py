@@ -272,8 +272,8 @@ class Pool:
               on_note: Callable[[str, str, str], None]) -> None:
         """Serve the workers until every pair is committed and every worker has reported: hand out work, take back
         a dead worker's pairs (a new worker takes its place). Each accepted commit goes to `on_done(record)`, its
-        commit record as the worker wrote it (the driver reads none back: a GET each on object storage). Deaths are noted on the stage of the work they cost
-        (`on_note(stage, code, text)`, code a report.NoteCode)."""
+        commit record as the worker wrote it (the driver reads none back: a GET each on object storage). Deaths are
+        noted on the stage of the work they cost (`on_note(stage, code, text)`, code a report.NoteCode)."""
         reported: set[int] = set()
 
         def take(message: tuple) -> None:
