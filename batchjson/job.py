@@ -78,14 +78,18 @@ class JobRun:
             raise StorageFault(f"{e}{self.storage.close()}") from None
         finally:
             self.storage.close()
+        return self._report(report, retried)
+
+    def _mark(self) -> float:
+        return round(time.monotonic() - self.started, 2)
+
+    def _report(self, report: RunReport, retried: Counter) -> RunReport:
+        """The report's last lines, written beside the output (`<output>/_report.json`) once the folder is let go."""
         report.interrupted = self.stop.is_set()
         report.storage_retries = dict((location.RETRIED - retried).most_common())
         report.seconds = round(time.monotonic() - self.started, 2)
         self.storage.write_report(report.to_dict())
         return report
-
-    def _mark(self) -> float:
-        return round(time.monotonic() - self.started, 2)
 
     def _verify(self, report: RunReport, start: Start) -> Verdict:
         """The exactly-once check of the whole folder. Units a check read (an earlier passing check, or as they

@@ -5,7 +5,7 @@ finished, and the pool the passes run on, started early beside the survey where 
 The pieces of the start that run beside the run each get their thread here, and meet here: the survey beside the
 run (`_Later`), once it has answered, lets the unit checks begin (`UnitChecks.go`), and holds the passes' queue open
 until then (`OpenQueue`); the units it finds damaged join pass 1 through the queue's `add`. The driver (job.py) reads
-the start as three steps (`check` and `claim`, `plan`, `pool`) and ends it with `settle`.
+the start as its steps (`check`, `claim`, `plan`, `pool`); the unit checks run beside the passes (`checking`).
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 from batchjson.engine.base import EngineFactory
 from batchjson.executors import Layout, Pool, Queue, local_layout, make_pool
 from batchjson.records import Stage
-from batchjson.report import RunReport
 from batchjson.passes import plan_passes
+from batchjson.report import RunReport
 from batchjson.source import InputScan, ParquetSource, UnitRef
 from batchjson.spec import JobSpec
 from batchjson.storage import Storage
@@ -35,8 +35,9 @@ Later = tuple[dict[str, str], dict]  # the survey beside the run's answer: the d
 
 @dataclass
 class Start:
-    """The start of one run on one output folder (one shard of it), and what it found: the units (`refs`), the
-    owners of repeated ids, the rows waiting for pass 2, the queue and the pool of the passes."""
+    """The start of one run on one output folder (one shard of it), in its order: `check` (the input, before
+    anything is claimed), `claim`, `plan` (the units, and the survey of what is committed of them), `pool` (the
+    passes' pool and queue); and what it found on the way."""
 
     spec: JobSpec
     source: ParquetSource
@@ -49,29 +50,39 @@ class Start:
     replicas: int | None
     ray: str | None
     started: float  # time.monotonic() at the run's start: the workers' first_request_s counts from it
-    refs: dict[str, UnitRef] = field(default_factory=dict)
-    everything: list[UnitRef] = field(default_factory=list)
-    """The units of every shard: the end check reads the whole folder."""
-    owners: dict[str, tuple[str, int]] = field(default_factory=dict)
-    second: dict[str, int] = field(default_factory=dict)
-    """Unit -> its rows waiting for pass 2 at the start (Commits.survey)."""
-    tally: dict = field(default_factory=dict)
-    """The committed records of `refs` tallied by pass at the start (the progress file's counts)."""
-    repeats: set[str] = field(default_factory=set)
-    """The units holding a repeated id: the end check reads them, as their ids' other occurrences are elsewhere."""
-    checks: UnitChecks | None = None
-    queue: OpenQueue | None = None
-    scan: InputScan | None = None
-    layout: Layout | None = None
-    resumed: bool = False
-    early: list[Pool] = field(default_factory=list)
-    later: _Later | None = None
-    todo: dict[Stage, list[str]] = field(default_factory=dict)
+    # What the start finds, step by step:
+    scan: InputScan | None = field(default=None, init=False)
+    """The input's fingerprints and repeated ids (`check`)."""
+    layout: Layout | None = field(default=None, init=False)
+    """The local replicas' layout (`check`); None for Ray's, laid out once connected."""
+    resumed: bool = field(default=False, init=False)
+    """Whether the run resumes an earlier one (`claim`)."""
+    everything: list[UnitRef] = field(default_factory=list, init=False)
+    """The units of every shard (`plan`): the end check reads the whole folder."""
+    refs: dict[str, UnitRef] = field(default_factory=dict, init=False)
+    """This shard's units (`plan`)."""
+    owners: dict[str, tuple[str, int]] = field(default_factory=dict, init=False)
+    """Repeated id -> the unit and row that process it (`plan`)."""
+    second: dict[str, int] = field(default_factory=dict, init=False)
+    """Unit -> its rows waiting for pass 2 (`plan`, Commits.survey)."""
+    tally: dict = field(default_factory=dict, init=False)
+    """The committed records of `refs` tallied by pass (`plan`): the progress file's counts at the start."""
+    repeats: set[str] = field(default_factory=set, init=False)
+    """The units holding a repeated id (`plan`): the end check reads them, their ids' other occurrences being in
+    other units."""
+    checks: UnitChecks | None = field(default=None, init=False)
+    """Each unit checked as it is finished, beside the passes (`plan`, `checking`)."""
+    later: _Later | None = field(default=None, init=False)
+    """The survey of the units no pass hands out, beside the passes (`plan`)."""
+    early: list[Pool] = field(default_factory=list, init=False)
+    """[the pool started before the survey] or [] (`plan`, `_early`): `pool` takes it."""
+    todo: dict[Stage, list[str]] = field(default_factory=dict, init=False)
     """The units each pass had left when the passes began (`pool`)."""
+    queue: OpenQueue | None = field(default=None, init=False)
+    """The passes' queue (`pool`)."""
 
-    @property
-    def two_passes(self) -> bool:
-        return len(plan_passes(self.spec)) > 1
+    def __post_init__(self):
+        self.follows = {Stage.FIRST: Stage.SECOND} if len(plan_passes(self.spec)) > 1 else {}
 
     # -- claim ------------------------------------------------------------------------------------------------
 
@@ -158,7 +169,7 @@ class Start:
             yield None
             self._settle(report)
             return
-        self.queue = OpenQueue(todo, {Stage.FIRST: Stage.SECOND} if self.two_passes else {},
+        self.queue = OpenQueue(todo, self.follows,
                                lambda: self.watch.expired, self.later, lambda answer: self._redo(answer, report, {}))
         with self.early.pop() if self.early else self._pool(todo) as pool:
             yield pool
@@ -205,7 +216,7 @@ class Start:
         LIST per unit before the first prompt (3,118 requests for a first run of 1,000 units, BENCHMARKS.md)."""
         commits = self.storage.commits
         todo = {Stage.FIRST: commits.left(Stage.FIRST, self.refs)}
-        if self.two_passes:  # the start's survey found them (Commits.survey): no record is looked up again
+        if self.follows:  # the start's survey found them (Commits.survey): no record is looked up again
             todo[Stage.SECOND] = [k for k in self.refs if k in self.second]
         return todo
 
