@@ -208,7 +208,7 @@ class UnitChecks:
         self.commits, self.source, self.refs, self.id_column, self.skip = commits, source, refs, id_column, skip
         self.queue: queue.SimpleQueue[str | None] = queue.SimpleQueue()
         self.stop = False
-        # Set once the run's survey beside it has answered (job.py's `_Later`): the units finished before wait. Their
+        # Set once the run's survey beside it has answered (start.py's `_Later`): the units finished before wait. Their
         # reads (a whole input row group of ids each) and the survey's listings would otherwise stack into the
         # driver's peak (at 100 million rows the resume's first seconds, BENCHMARKS.md).
         self.go = threading.Event()

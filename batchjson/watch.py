@@ -105,10 +105,10 @@ class RunWatch:
                 self.stop.set()
                 return
 
-    def committed(self, stage: Stage, key: str) -> None:
-        """A unit's commit was accepted: count it (its record, which the committing worker or this process read)."""
+    def committed(self, record: dict) -> None:
+        """A unit's commit was accepted: count its record, as the committing worker handed it over."""
         progress = self.progress
-        progress.add(self.storage.commits.record(stage, key))
+        progress.add(record)
         if time.monotonic() - self.logged >= LOG_EVERY:
             self.logged = time.monotonic()
             done, p1 = finished(progress.passes), progress.passes.get(Stage.FIRST, {}).get("units", 0)

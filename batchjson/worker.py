@@ -30,7 +30,7 @@ from batchjson.adapt.audit import Audit
 from batchjson.adapt.auto import Auto
 from batchjson.adapt.base import Answer, Policy, Resample, Switch
 from batchjson.adapt.recipe import Recipe
-from batchjson.engine.base import Engine, EngineFactory
+from batchjson.engine.base import Engine, EngineFactory, EngineFacts
 from batchjson.errors import BatchjsonError, EngineDied, EngineError
 from batchjson.executors.base import Channel, Work, queue_channel
 from batchjson.executors.placement import Placement
@@ -275,8 +275,7 @@ class Worker:
         if self.slot is not None:
             meta["replica"] = self.slot
         self.source.check_unchanged(ref)  # the last moment before the commit: nothing mixed is committed
-        self.storage.commits.commit(p.stage, key, tables, meta)
-        self.channel.send("done", stage, key, len(outcomes), len(retry))
+        self.channel.send("done", self.storage.commits.commit(p.stage, key, tables, meta))
 
     # -- engines ----------------------------------------------------------------------------------------------
 
@@ -291,26 +290,9 @@ class Worker:
                 "auto-no-speculation", "auto: no speculation: this vLLM cannot decode pass 2 without a draft on a "
                 "speculative engine, so pass 2 shares pass 1's engine without one")
             return None
-        rows = self.left // self.share
-        from batchjson.engine import resolve_model, weight_bytes
-
-        weights = weight_bytes(resolve_model(self.spec.model.path))
-        # Requests that decode at once: max_in_flight, or the engine's batch where [model.engine] sets it smaller.
-        in_flight, batch = self.spec.model.max_in_flight, self.spec.model.engine.get("max_num_seqs")
-        if type(batch) is int and batch > 0:
-            in_flight = min(in_flight or batch, batch)
-        auto = Auto(first.speculative, in_flight, self.platform, rows,
-                    weights / 1e9 if weights else None,
-                    schema_drafts=self.spec.schema_doc is not None and self.engines.schema_drafts)
+        auto = Auto.for_job(self.spec, first.speculative, self.engines, self.left // self.share)
         self.speculative = auto.current()
         return auto
-
-    @functools.cached_property
-    def platform(self) -> str:
-        """"gpu" or "cpu", asked once (nvidia-smi) when speculation's auto policy first needs it."""
-        from batchjson.engine.devices import visible_gpus
-
-        return "gpu" if visible_gpus() else "cpu"
 
     def _engine_for(self, stage: Stage) -> Engine | None:
         """The engine for a unit of `stage`: the current one when it decodes the stage, else a new one, started in
@@ -331,17 +313,16 @@ class Worker:
                     engine.use(self.sampling[q.stage], q.stage, draft=q is self.passes[0])
             stats.engine_starts += 1
             stats.engine_start_s += seconds
-            if engine.kv_kept:
-                stats.event("kv-size-kept", f"the engine's KV cache took the {engine.kv_kept / 2**30:.2f} GiB vLLM "
+            if kept := engine.facts().kv_kept:
+                stats.event("kv-size-kept", f"the engine's KV cache took the {kept / 2**30:.2f} GiB vLLM "
                             "measured at an earlier start of these settings on this kind of GPU: it started without "
                             "measuring the GPU's memory, beside any other replica on its GPU")
             for policy in self.policies:
                 policy.engine_started(engine, stage, seconds)
-        if not stats.grammar and self.engine.choice:
-            fills = self.engine.fills
-            stats.grammar = self.engine.choice.summary + (f"; masks: {fills}" if fills else "")
-        if self.engine.notice and not stats.notice:
-            stats.notice = stats.event(self.engine.notice_code or "engine-notice", self.engine.notice)
+        facts = self.engine.facts()
+        stats.grammar = stats.grammar or facts.grammar
+        if facts.notice and not stats.notice:
+            stats.notice = stats.event(facts.notice_code or "engine-notice", facts.notice)
         return self.engine
 
     def _start(self, decoding, speculative) -> tuple[Engine, float] | None:
@@ -394,7 +375,7 @@ class Worker:
             # itertools.chain, not a generator: a dead engine's stream must not close `feed` as it goes. What it has
             # not taken of `retry` when it ends stays in `again`.
             again = iter(retry)
-            steps, step_s = engine.steps, engine.step_s
+            before = engine.facts()
             try:
                 for gen in engine.stream(chain(again, feed), _Either(self.stop, ends)):
                     outcome = units.finish(gen)
@@ -404,7 +385,7 @@ class Worker:
                     if ending:
                         ends.set()
             except EngineDied as died:
-                self._count_steps(stage, engine, steps, step_s)
+                self._count_steps(stage, engine, before)
                 self._close_engine()
                 units.commit_ready()  # units the feed finished before the death
                 if self.stop.is_set():
@@ -413,7 +394,7 @@ class Worker:
                 units.commit_ready()
                 deaths = self._died(stage, died, deaths + 1)
                 continue
-            self._count_steps(stage, engine, steps, step_s)
+            self._count_steps(stage, engine, before)
             if self.speculative:
                 self.stats[stage].speculative = engine.stats()
             for policy in self.policies:
@@ -431,10 +412,11 @@ class Worker:
                 self.speculative = ending.speculative
                 self._close_engine()
 
-    def _count_steps(self, stage: Stage, engine: Engine, steps: int, step_s: float) -> None:
-        """The engine steps a stream of `stage` took (since `steps` and `step_s`), for the report's ms per step."""
-        self.stats[stage].engine_steps += engine.steps - steps
-        self.stats[stage].engine_step_s += engine.step_s - step_s
+    def _count_steps(self, stage: Stage, engine: Engine, before: EngineFacts) -> None:
+        """The engine steps a stream of `stage` took (since `before`), for the report's ms per step."""
+        now = engine.facts()
+        self.stats[stage].engine_steps += now.steps - before.steps
+        self.stats[stage].engine_step_s += now.step_s - before.step_s
 
     def _apply(self, engine: Engine, answer: Answer, ending: Answer | None) -> Answer | None:
         """Apply a policy's answer now where it can be (pass 1's new settings, for the requests from now on); the

@@ -4,7 +4,7 @@
 STEP "p2:<step>" counts that step in pass 2 only.
 FAKE_LEASE_EXPIRY (seconds) shortens the leases on object storage; FAKE_VALID sets the share of valid answers (0.6);
 FAKE_RAY runs the replicas as Ray actors (--ray: "auto", or a cluster's address); FAKE_FOLD_MIN folds the records
-into a part of the index every that many (job.FOLD_MIN).
+into a part of the index every that many (start.FOLD_MIN).
 Steps: begin, staged output|rejects|requeue, committed, published output|rejects|requeue (see storage/commits.py).
 """
 
@@ -12,7 +12,7 @@ import os
 import signal
 import sys
 
-from batchjson import job as job_module, storage
+from batchjson import start as start_module, storage
 from batchjson.engine.fake import FakeEngines
 from batchjson.job import run_job
 from batchjson.spec import load_spec, parse_shard
@@ -25,7 +25,7 @@ def main():
     replicas = int(sys.argv[6]) if len(sys.argv) > 6 else None
     at_commit_step(step, n, lambda: os.kill(os.getpid(), signal.SIGKILL))
     if os.environ.get("FAKE_FOLD_MIN"):
-        job_module.FOLD_MIN = int(os.environ["FAKE_FOLD_MIN"])
+        start_module.FOLD_MIN = int(os.environ["FAKE_FOLD_MIN"])
     if os.environ.get("FAKE_LEASE_EXPIRY"):  # object storage: a killed run blocks the next one this long
         storage.Lease.EXPIRY = float(os.environ["FAKE_LEASE_EXPIRY"])
         storage.Lease.RENEW_EVERY = storage.Lease.EXPIRY / 4

@@ -40,9 +40,9 @@ import time
 from dataclasses import dataclass, field
 
 from batchjson.adapt.base import KEEP, Answer, Policy, Switch
-from batchjson.engine.base import Engine
+from batchjson.engine.base import Engine, EngineFactory
 from batchjson.records import Generation, Outcome, Stage
-from batchjson.spec import SpeculativeSpec
+from batchjson.spec import JobSpec, SpeculativeSpec
 
 # Output tokens/s of each speculative method over no speculation, by requests in flight (the nearer of two sizes
 # counts): measured on an H200 (bench/spec_profile.py, bench/whole_runs.py); where each figure comes from is in
@@ -147,6 +147,23 @@ class Auto(Policy):
         self.sample = max(2 * size, 64)  # rows measured per choice
         self.trials.append(Trial(method if self.prior >= BETTER_BY else "none"))
 
+    @classmethod
+    def for_job(cls, spec: JobSpec, speculative: SpeculativeSpec, engines: EngineFactory, rows: int) -> Auto:
+        """The auto policy for pass 1's `speculative` (method "auto") on an engine of `engines`, judging `rows` rows
+        (an engine's share of pass 1's): it weighs the target's weight bytes, the platform (a GPU visible here, by
+        nvidia-smi), the requests decoding at once (model.max_in_flight, or [model.engine] max_num_seqs where that
+        is smaller) and, where the job has a JSON Schema and the engines can make them, the schema drafts."""
+        from batchjson.engine import resolve_model, weight_bytes
+        from batchjson.engine.devices import visible_gpus
+
+        weights = weight_bytes(resolve_model(spec.model.path))
+        in_flight, batch = spec.model.max_in_flight, spec.model.engine.get("max_num_seqs")
+        if type(batch) is int and batch > 0:  # a bool is no batch size
+            in_flight = min(in_flight or batch, batch)
+        drafts = spec.schema_doc is not None and engines.schema_drafts
+        return cls(speculative, in_flight, "gpu" if visible_gpus() else "cpu", rows,
+                   weights / 1e9 if weights else None, schema_drafts=drafts)
+
     def config(self, method: str) -> SpeculativeSpec | None:
         return None if method == "none" else self.candidate
 
@@ -161,7 +178,7 @@ class Auto(Policy):
         if self.engine is not None:
             self.ran = True
             self.started(seconds)
-            self.since = (time.monotonic(), engine.steps)
+            self.since = (time.monotonic(), engine.facts().steps)
 
     def observe(self, engine: Engine, gen: Generation, outcome: Outcome) -> Answer:
         if engine is not self.engine or not self.add(gen.output_tokens):
@@ -177,7 +194,7 @@ class Auto(Policy):
             self._measure(engine)
 
     def _measure(self, engine: Engine) -> None:
-        self.measure(time.monotonic() - self.since[0], engine.steps - self.since[1], engine.stats())
+        self.measure(time.monotonic() - self.since[0], engine.facts().steps - self.since[1], engine.stats())
 
     def refused(self, reason: str) -> Answer:
         self.could_not_start(reason)

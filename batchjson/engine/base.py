@@ -1,48 +1,58 @@
-"""The Engine contract: what a pass needs from an engine (the ABC), the factory that starts a run's engines, and a
-wrapper that watches or breaks one."""
+"""The Engine contract: what a pass needs from an engine (the ABC), what it tells the run about itself (one
+EngineFacts value), the factory that starts a run's engines, and a wrapper that watches or breaks one."""
 
 from __future__ import annotations
 
 import threading
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 from batchjson.records import Generation, Prompt, Stage
-from batchjson.schema.grammar import Choice
 from batchjson.spec import DecodingSpec, JobSpec, SpeculativeSpec
+
+
+@dataclass(frozen=True, slots=True)
+class EngineFacts:
+    """What an engine tells the run about itself, as of now (`Engine.facts`): the report's lines on the engine, and
+    the counters the worker and the adaptive policies (adapt/) measure it by. The defaults suit an engine without
+    such facts."""
+
+    steps: int = 0
+    """Engine steps taken so far (auto's ms per step, and the report's)."""
+    step_s: float = 0.0
+    """The seconds spent in them."""
+    grammar: str = ""
+    """The grammar backend it decodes with, why, and how it fills the grammar's masks (the report's grammar line);
+    "" without a grammar."""
+    notice: str = ""
+    """What the run's report should say about the engine itself (VllmEngine: its vLLM is one batchjson's patches
+    were not read on, see internals.notice); "" for nothing."""
+    notice_code: str = ""
+    """The notice's code (a report.NoteCode); "" for the generic "engine-notice"."""
+    kv_kept: int | None = None
+    """The bytes of KV cache it was given from an earlier start's measurement (kv_sizes.py); None where it
+    measured, or has no such cache."""
+    audited: int = 0
+    """The speculation audit's rows so far ([speculative] audit_rows) ..."""
+    differ: int = 0
+    """... and how many of them decoded otherwise without drafts."""
 
 
 class Engine(ABC):
     """What a pass needs from an engine: bounded in flight, results yielded as they finish.
 
     VllmEngine is the real one; batchjson.engine.fake.FakeEngine answers without a model, for tests and benchmarks.
-    A subclass that misses a method cannot be constructed. Besides the methods, worker.py reads these attributes,
-    which each engine keeps up to date (the defaults here suit an engine without them):
-    `steps`, the engine steps taken so far (auto's measure of ms per step), and `step_s`, the seconds spent in them
-    (the report's ms per step); `unfinished`, the prompts that were in
-    flight when the last stream stopped (another engine takes them over); and `choice`, the grammar backend the
-    engine decodes with (the report's grammar line; None when there is none); and `notice`, what the run's report
-    should say about the engine itself ("" for nothing; VllmEngine: its vLLM is one batchjson's patches were not read
-    on, see internals.notice), with its code in `notice_code` (a report.NoteCode; "" for the generic
-    "engine-notice"); `fills`, how it fills the grammar's masks (the report's grammar line; "" for no word on it);
-    and `tokenizer`, the model's tokenizer where the engine loaded one (the worker renders
-    prompts with it instead of loading it again; None: the worker loads it from the model's files); and `audit`, the
-    speculation audit's rows so far and how many of them differed without drafts (VllmEngine: [speculative]
-    audit_rows); `kv_kept`, the bytes of KV cache it was given from an earlier start's measurement (kv_sizes.py;
-    None where it measured, or has no such cache).
+    A subclass that misses a method cannot be constructed. What the run reports of an engine it asks in one value,
+    `facts()`. Besides the methods, worker.py reads two attributes, which each engine keeps up to date (the defaults
+    here suit an engine without them): `unfinished`, the prompts that were in flight when the last stream stopped
+    (another engine takes them over), and `tokenizer`, the model's tokenizer where the engine loaded one (the worker
+    renders prompts with it instead of loading it again; None: the worker loads it from the model's files).
     """
 
-    steps: int = 0
-    step_s: float = 0.0
     unfinished: Sequence[Prompt] = ()
-    choice: Choice | None = None
-    notice: str = ""
-    notice_code: str = ""
-    fills: str = ""
     tokenizer: object | None = None
-    kv_kept: int | None = None
-    audit: dict = {"rows": 0, "differ": 0}  # noqa: RUF012 - read only here; an engine that audits keeps its own
 
     @abstractmethod
     def accepts(self, decoding: DecodingSpec, speculative: SpeculativeSpec | None) -> bool:
@@ -59,6 +69,10 @@ class Engine(ABC):
         """Yield a Generation per prompt as each finishes (WAIT in `prompts`: none is ready yet). A stop ends the
         stream at the next step; the prompts still in flight are then in `unfinished`. EngineDied carries the
         prompts in flight when the engine died."""
+
+    @abstractmethod
+    def facts(self) -> EngineFacts:
+        """What the engine tells the run about itself now: its steps so far, its grammar line, its notice."""
 
     @abstractmethod
     def stats(self) -> dict[str, float]:
@@ -107,14 +121,7 @@ class EngineWrapper(Engine):
     def __init__(self, inner: Engine):
         self.inner = inner
 
-    steps = property(lambda self: self.inner.steps)
-    step_s = property(lambda self: self.inner.step_s)
     unfinished = property(lambda self: self.inner.unfinished)
-    choice = property(lambda self: self.inner.choice)
-    notice = property(lambda self: self.inner.notice)
-    notice_code = property(lambda self: self.inner.notice_code)
-    fills = property(lambda self: self.inner.fills)
-    kv_kept = property(lambda self: self.inner.kv_kept)
     tokenizer = property(lambda self: self.inner.tokenizer)
 
     def accepts(self, decoding: DecodingSpec, speculative: SpeculativeSpec | None) -> bool:
@@ -125,6 +132,9 @@ class EngineWrapper(Engine):
 
     def stream(self, prompts: Iterable[Prompt], stop: threading.Event | None = None) -> Iterator[Generation]:
         return self.inner.stream(prompts, stop)
+
+    def facts(self) -> EngineFacts:
+        return self.inner.facts()
 
     def stats(self) -> dict[str, float]:
         return self.inner.stats()

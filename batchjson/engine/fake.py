@@ -10,6 +10,7 @@ with sampling), or in a fixed cycle over every 100 prompts (`cycle=True`: the sa
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import threading
@@ -18,7 +19,7 @@ from collections import Counter, deque
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
-from batchjson.engine.base import Engine, EngineFactory
+from batchjson.engine.base import Engine, EngineFactory, EngineFacts
 from batchjson.errors import EngineDied
 from batchjson.records import WAIT, Generation, Prompt, Stage
 from batchjson.spec import DecodingSpec, SpeculativeSpec
@@ -67,6 +68,7 @@ class FakeEngine(Engine):
         self.stages: Counter = Counter()  # stage -> prompts answered
         self.answered = 0
         self.steps, self.step_s = 0, 0.0
+        self.told = EngineFacts()  # the rest of its facts (`facts`): tests set a notice or an audit's rows here
         self.closed = False
 
     def accepts(self, decoding: DecodingSpec, speculative: SpeculativeSpec | None) -> bool:
@@ -128,6 +130,10 @@ class FakeEngine(Engine):
                                      len(self.failures) - 1)] if failed else None
         a = pick or self.answers[n % len(self.answers)]
         return Generation(prompt, a.text, a.finish_reason, self.prompt_tokens, a.output_tokens)
+
+    def facts(self) -> EngineFacts:
+        """Its steps, and what a test has it tell (`told`: a notice, an audit's rows)."""
+        return dataclasses.replace(self.told, steps=self.steps, step_s=self.step_s)
 
     def stats(self) -> dict[str, float]:
         return {}

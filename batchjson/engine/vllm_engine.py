@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from batchjson.engine import devices, internals, kv_sizes, plugin, schema_drafter
-from batchjson.engine.base import Engine, EngineFactory
+from batchjson.engine.base import Engine, EngineFactory, EngineFacts
 from batchjson.engine.models import resolve_model
 from batchjson.errors import EngineDied, EngineError
 from batchjson.schema.grammar import choose
@@ -418,6 +418,11 @@ class VllmEngine(Engine):
         if gen.finish_reason in ("abort", "error"):
             gen.error, gen.detail = "engine_error", f"the engine ended the request ({gen.finish_reason})"
         return gen
+
+    def facts(self) -> EngineFacts:
+        grammar = self.choice.summary + (f"; masks: {self.fills}" if self.fills else "")
+        return EngineFacts(self.steps, self.step_s, grammar, self.notice, self.notice_code, self.kv_kept,
+                           self.audit["rows"], self.audit["differ"])
 
     def stats(self) -> dict[str, float]:
         """Speculative decoding counters from the engine's metrics (zero without speculation)."""

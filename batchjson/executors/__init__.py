@@ -1,7 +1,7 @@
 """Where a job's workers run: in this process (inline.py), as local processes (local.py) or as Ray actors (ray.py).
 Every executor runs the same worker body (worker.py) against the same queue and dispatch (base.py), with replicas
-laid out by placement.py. The driver (job.py) imports this face only, and runs its passes on the pool `make_pool`
-hands it."""
+laid out by placement.py. The driver (start.py, job.py) imports this face only, and runs its passes on the pool
+`make_pool` hands it."""
 
 from __future__ import annotations
 

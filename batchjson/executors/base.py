@@ -6,7 +6,7 @@ lands with rows to redo, its pass-2 pair joins the queue at once: the passes run
 between them. A pass-2 pair is handed out only after its pass-1 commit is accepted, and a pass-1 pair is never
 handed out again after that, so pass 2 always reads the requeue file of the unit's final pass-1 commit.
 
-Messages, worker -> driver: ("want", slot, stages), ("done", slot, stage, key, rows, requeued),
+Messages, worker -> driver: ("want", slot, stages), ("done", slot, record) with the unit's commit record,
 ("stats", slot, {stage: PassStats dict}), ("error", slot, message), and around each engine start or close,
 ("turn", slot, gpus, alone) then ("turned", slot). Driver -> worker: the queue's replies, ("unit", stage, key) |
 ("idle", others) | ("end",), and ("go",) when it is the worker's turn.
@@ -75,6 +75,15 @@ class Queue:
                 return ("end",)
             return ("idle", any(keys for stage, keys in self.pending.items() if stage not in stages))
 
+    def add(self, stage: str, keys: list[str]) -> None:
+        """More units for `stage`, handed out after those pending (units found damaged beside the run, start.py)."""
+        with self.lock:
+            self._add(stage, keys)
+
+    def _add(self, stage: str, keys: list[str]) -> None:
+        self.pending.setdefault(stage, deque()).extend(keys)
+        self.left.update((stage, key) for key in keys)
+
     def done(self, slot: int, stage: str, key: str, requeued: int) -> bool:
         """A worker committed (stage, key); False if that was already accepted (the pair was redone)."""
         with self.lock:
@@ -85,8 +94,7 @@ class Queue:
             self.last_done[stage] = time.monotonic()
             after = self.follows.get(stage)
             if requeued and after:
-                self.pending.setdefault(after, deque()).append(key)
-                self.left.add((after, key))
+                self._add(after, [key])
             return True
 
     def lost(self, slot: int) -> list[Work]:
@@ -263,8 +271,9 @@ class Pool:
     def drive(self, work: Queue, stop: threading.Event, on_done: Callable, on_stats: Callable,
               on_note: Callable[[str, str, str], None]) -> None:
         """Serve the workers until every pair is committed and every worker has reported: hand out work, take back
-        a dead worker's pairs (a new worker takes its place). Deaths are noted on the stage of the work they cost
-        (`on_note(stage, code, text)`, code a report.NoteCode)."""
+        a dead worker's pairs (a new worker takes its place). Each accepted commit goes to `on_done(record)`, its
+        commit record as the worker wrote it (the driver reads none back: a GET each on object storage). Deaths are
+        noted on the stage of the work they cost (`on_note(stage, code, text)`, code a report.NoteCode)."""
         reported: set[int] = set()
 
         def take(message: tuple) -> None:
@@ -312,10 +321,10 @@ class Pool:
         """One message of a live worker (see the module's docstring): the one dispatch of every pool."""
         if kind == "want":
             self.put(slot, work.want(slot, payload[0]))
-        elif kind == "done":
-            stage, key, rows, requeued = payload
-            if work.done(slot, stage, key, requeued):
-                on_done(stage, key, rows, requeued)
+        elif kind == "done":  # the commit record: the driver reads nothing back
+            record = payload[0]
+            if work.done(slot, record["stage"], record["key"], record["rows"].get("requeue", 0)):
+                on_done(record)
         elif kind == "stats":
             on_stats(payload[0])
         elif kind == "turn":

@@ -268,8 +268,9 @@ class Commits:
         raise FileNotFoundError(path)
 
     # ----- the steps of a commit -------------------------------------------------------------------------------
-    def commit(self, stage: Stage, key: str, tables: dict[Kind, pa.Table], meta: dict) -> None:
-        """Commit one unit of one pass: begin, stage its files, write its record, publish the files."""
+    def commit(self, stage: Stage, key: str, tables: dict[Kind, pa.Table], meta: dict) -> dict:
+        """Commit one unit of one pass: begin, stage its files, write its record, publish the files. Returns the
+        record, which the worker hands the driver (`received` there)."""
         self.begin(stage, key)
         files, rows, sizes = {}, {}, {}
         for kind, table in tables.items():
@@ -279,6 +280,7 @@ class Commits:
         record = {"stage": stage, "key": key, "files": files, "rows": rows, "sizes": sizes} | meta
         self.write_record(record)
         self.publish(record)
+        return record
 
     def begin(self, stage: Stage, key: str) -> None:
         """Start (or restart) a unit: every file an earlier attempt may have left, of every kind, goes."""
@@ -307,6 +309,18 @@ class Commits:
         if self._committed is not None:  # a replica's commits list nothing (the driver's listing decides)
             self._committed.add(UnitName(stage, key).unit_id())
         self.after("committed", stage)
+
+    def received(self, record: dict) -> None:
+        """A record another process (a replica) wrote, as it handed it over: kept as if read here (a GET less per
+        unit on object storage), for the fold, the tally and the unit checks. Its bytes are those written."""
+        name, data = self.record_path(record["stage"], record["key"]).name, json_bytes(record)
+        if self._read.get(name) == data:  # written by this process (a worker inline)
+            return
+        self._read[name] = data
+        self._news = True
+        if self.fold_every:
+            with self._folding:
+                self._fresh.append(name)
 
     def publish(self, record: dict) -> None:
         """Rename the unit's staged files into place (again, after a kill: what is in place already is skipped)."""

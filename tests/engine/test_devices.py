@@ -255,7 +255,7 @@ def test_the_report_says_how_many_per_gpu_and_why():
 def test_a_resumed_run_lays_out_its_replicas_by_the_rows_it_has_left(tmp_path, tiny_model, monkeypatch):
     """auto's replicas per GPU count the rows a run has left to decode: a resumed run of 16 rows with 8 done lays out
     its replicas for 8 (the job's 16 only check that the layout is possible, before the output folder is claimed)."""
-    import batchjson.job
+    import batchjson.start
 
     class Stop(Exception):
         pass
@@ -265,8 +265,8 @@ def test_a_resumed_run_lays_out_its_replicas_by_the_rows_it_has_left(tmp_path, t
 
     write_rows(tmp_path / "in.parquet", 16)
     spec = load_spec(write_job(tmp_path, tiny_model, tmp_path / "in.parquet", batch_size=4))
-    real, asked = batchjson.job.local_layout, []
-    monkeypatch.setattr(batchjson.job, "local_layout",
+    real, asked = batchjson.start.local_layout, []
+    monkeypatch.setattr(batchjson.start, "local_layout",
                         lambda requested, model, rows=None: asked.append(rows) or real(requested, model, rows))
     at_commit_step("committed", 2, stop, monkeypatch.setattr)  # the first run dies after its second unit
     with pytest.raises(Stop):  # every row valid: both commits are pass 1's

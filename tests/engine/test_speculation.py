@@ -7,6 +7,7 @@ import pytest
 from batchjson.adapt.audit import Audit
 from batchjson.adapt.base import KEEP
 from batchjson.adapt import auto as speculation
+from batchjson.engine.base import EngineFacts
 from batchjson.engine.fake import FakeEngines
 from batchjson.job import run_job
 from batchjson.spec import SpeculativeSpec, load_spec
@@ -225,7 +226,7 @@ def test_an_audited_row_that_differs_without_drafts_turns_speculation_off_and_lo
         def start(self, spec, decoding, speculative):
             engine = super().start(spec, decoding, speculative)
             if speculative is not None:
-                engine.audit = {"rows": 3, "differ": 1}
+                engine.told = EngineFacts(audited=3, differ=1)
             return engine
 
     write_rows(tmp_path / "in.parquet", 48)

@@ -14,6 +14,7 @@ import time
 import pytest
 
 from batchjson.engine import internals
+from batchjson.engine.base import EngineFacts
 from batchjson.engine.fake import FakeEngines
 from batchjson.engine.profiler import read_profile
 from batchjson.job import run_job
@@ -370,7 +371,7 @@ def test_a_run_on_an_unread_vllm_says_so_once_in_its_summary(tmp_path, tiny_mode
     class Unread(FakeEngines):
         def start(self, *args):
             engine = super().start(*args)
-            engine.notice, engine.notice_code = line, "unread-vllm"
+            engine.told = EngineFacts(notice=line, notice_code="unread-vllm")
             return engine
 
     write_rows(tmp_path / "in.parquet", 24)

@@ -73,6 +73,27 @@ def test_two_replicas_share_the_units(tmp_path, tiny_model):
     assert report.passes["pass2"].rows == report.passes["pass1"].rows - report.passes["pass1"].valid
 
 
+def test_the_driver_reads_back_no_record_its_replicas_committed(tmp_path, tiny_model, monkeypatch):
+    """A replica hands the driver its commit record with "done": the driver counts the progress, folds the index,
+    checks each unit and tallies the report from it, reading no record back (on object storage a GET per unit)."""
+    from batchjson.storage.location import Location
+
+    write_rows(tmp_path / "in.parquet", 80)
+    job = write_job(tmp_path, tiny_model, tmp_path / "in.parquet", batch_size=4)
+    read, read_bytes = [], Location.read_bytes
+
+    def counted(self):
+        if self.name.startswith(("p1-", "p2-")) and self.name.endswith(".json"):
+            read.append(self.name)
+        return read_bytes(self)
+
+    monkeypatch.setattr(Location, "read_bytes", counted)  # the driver's process only: the replicas are spawned
+    report = run_job(load_spec(job), replicas=2, progress=False, engine_factory=FakeEngines(valid=0.5, seed=1))
+    assert report.replicas == 2 and report.verified["ok"] and report.verified["complete"], report.verified
+    assert report.passes["pass2"].rows > 0 and read == [], read
+    assert_exactly_once([f"r{i:05d}" for i in range(80)], tmp_path / "out", tmp_path / "out" / "_rejects")
+
+
 def test_a_slow_replica_does_not_hold_the_others_up(tmp_path, tiny_model):
     """Pull, not a static split: while one replica holds its units (its engine answers nothing until the other 47 of
     the 50 are committed), the other replica takes every other unit, however loaded the machine. A replica holds at
@@ -128,7 +149,7 @@ def cut_short(marker: str, placement: Placement, slot: int, count: int, inbox, o
         if pair is WAIT:
             time.sleep(0.01)
         else:
-            channel.send("done", *pair, 1, 0)
+            channel.send("done", {"stage": pair[0], "key": pair[1], "files": {}, "rows": {"output": 1}})
     channel.send("stats", {})
 
 
@@ -141,7 +162,7 @@ def test_a_replica_killed_in_the_middle_of_a_message_holds_up_no_other(tmp_path)
 
     def drive():
         try:
-            pool.drive(work, threading.Event(), lambda stage, key, rows, requeued: done.append(key),
+            pool.drive(work, threading.Event(), lambda record: done.append(record["key"]),
                        lambda counts: None, lambda stage, code, text: notes.append(code))
         except BaseException as e:  # noqa: BLE001 - told by the assertion below
             errors.append(e)
