@@ -316,11 +316,7 @@ class Commits:
         name, data = self.record_path(record["stage"], record["key"]).name, json_bytes(record)
         if self._read.get(name) == data:  # written by this process (a worker inline)
             return
-        self._read[name] = data
-        self._news = True
-        if self.fold_every:
-            with self._folding:
-                self._fresh.append(name)
+        self._keep(name, data)
 
     def publish(self, record: dict) -> None:
         """Rename the unit's staged files into place (again, after a kill: what is in place already is skipped)."""
