@@ -11,9 +11,11 @@ import json
 import os
 import sys
 import tempfile
+import time
 import uuid
 from pathlib import Path
 
+import psutil
 import pyarrow as pa
 import pyarrow.dataset as ds
 import pyarrow.parquet as pq
@@ -201,3 +203,19 @@ def record_reads(monkeypatch) -> list[str]:
 
     monkeypatch.setattr(Location, "read_bytes", counted)
     return read
+
+
+def gone_within(processes: list[psutil.Process], seconds: float) -> list[psutil.Process]:
+    """The processes still alive (not zombies) after `seconds`."""
+    deadline = time.monotonic() + seconds
+    while True:
+        alive = []
+        for p in processes:
+            try:
+                if p.status() != psutil.STATUS_ZOMBIE:
+                    alive.append(p)
+            except psutil.NoSuchProcess:
+                pass
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.2)

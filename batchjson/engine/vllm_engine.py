@@ -22,7 +22,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-from batchjson.engine import devices, internals, kv_sizes, plugin, schema_drafter
+from batchjson.engine import devices, internals, kv_sizes, plugin, reaper, schema_drafter
 from batchjson.engine.base import Engine, EngineFactory
 from batchjson.engine.models import resolve_model
 from batchjson.errors import EngineDied, EngineError
@@ -211,9 +211,9 @@ class VllmEngine(Engine):
         self.no_draft = self.speculative is not None and internals.no_draft_ready()
         self.notice, self.notice_code = internals.notice(), internals.notice_code()
         self.use(decoding)
-        # Engine processes started from here die with this process, however it dies (see plugin.py), and fill the
-        # grammar's masks as the spec says (its plugin reads this before the engine's first step).
-        os.environ["BATCHJSON_RUNNER_PID"] = str(os.getpid())
+        # Engine processes started from here die with this process, however and whenever it dies (reaper.py), and
+        # fill the grammar's masks as the spec says (its plugin reads this before the engine's first step).
+        reaper.guard()
         os.environ[internals.GRAMMAR_FILLS_ENV] = model.grammar_fills
         self.fills = internals.grammar_fills(model.grammar_fills)
         # The KV cache's size vLLM measured for these settings before, if it did (kv_sizes.py): given, vLLM skips the

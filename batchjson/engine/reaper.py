@@ -1,0 +1,136 @@
+"""The reaper: a small process beside each process that starts engines (a run, `serve`, a local replica, a Ray
+actor), which kills the engine processes it started once it dies, however it dies.
+
+plugin.py ties an engine process to its runner with a parent-death signal, but only once vLLM has loaded the plugin
+there, after its start-up handshake: an engine core whose runner was SIGKILLed while it imported vLLM waited on the
+handshake for ever, holding its memory (the card's, on a GPU). So `guard()`, called before a process's first engine,
+starts this reaper, and marks the process's environment (BATCHJSON_RUNNER_PID), which every process it spawns
+inherits (vLLM's engine core on CPU, a replica, multiprocessing's helpers), from their first instant. The reaper
+waits on the runner's death (a pidfd: at once); then every process of this user whose environment names the runner,
+and their children, is killed (SIGKILL), twice over a second (a child between its fork and exec at the death).
+A process forked rather than spawned (vLLM's engine core on CUDA) starts as a copy of the runner and shows the
+runner's environment at its own start, without the mark: it gets the parent-death signal in the first Python code it
+runs (the at-fork hook `guard()` registers).
+
+Linux only (elsewhere `guard()` only marks the environment).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+
+ENV = "BATCHJSON_RUNNER_PID"  # the pid of the process whose death ends the processes that carry it
+PR_SET_PDEATHSIG = 1
+SWEEPS = 3  # scans for what the runner left, 0.5 s apart
+_guarded: int | None = None  # the pid of this process once its reaper runs (a forked child is not guarded)
+_forker: int | None = None  # the process that forks, seen from its child
+
+
+def guard() -> None:
+    """Make every process this one starts from now on die with it, however it dies: mark the environment and start
+    the reaper (once per process; a few milliseconds)."""
+    global _guarded
+    pid = os.getpid()
+    os.environ[ENV] = str(pid)
+    if _guarded == pid or not sys.platform.startswith("linux"):
+        return
+    if _guarded is None:
+        os.register_at_fork(before=_before_fork, after_in_child=_after_fork_in_child)
+    _guarded = pid
+    env = {k: v for k, v in os.environ.items() if k != ENV}
+    # Its own session: the terminal's Ctrl-C and a kill of the runner's process group leave it to do its work.
+    # Run as a script, in isolated mode: it imports nothing but the standard library.
+    subprocess.Popen([sys.executable, "-I", os.path.abspath(__file__), str(pid)], env=env, stdin=subprocess.DEVNULL,
+                     stdout=subprocess.DEVNULL, start_new_session=True)
+
+
+def _before_fork() -> None:
+    global _forker
+    _forker = os.getpid()
+
+
+def _after_fork_in_child() -> None:
+    """In a child forked from a guarded process: die with the process that forked it, even if it is dead already."""
+    if _forker is None or os.environ.get(ENV) != str(_forker):
+        return
+    tie_to_parent()
+    if os.getppid() != _forker:
+        os._exit(1)
+
+
+def tie_to_parent() -> None:
+    """SIGKILL this process when its parent (the thread that started it) dies."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):  # not Linux
+        pass
+
+
+def wait_for(pid: int) -> None:
+    """Return once `pid`, this process's parent, has died."""
+    try:
+        fd = os.pidfd_open(pid)
+    except (AttributeError, OSError):  # no pidfd (Linux < 5.3), or it is gone already
+        fd = None
+    while os.getppid() == pid:  # the parent's pid, checked after the pidfd: it is that process
+        if fd is None:
+            time.sleep(0.2)
+        else:
+            select.select([fd], [], [], 5.0)
+
+
+def left_by(pid: int) -> set[int]:
+    """The processes of this user whose environment names `pid` as their runner, and their descendants."""
+    mark = f"{ENV}={pid}".encode()
+    found, parents = set(), {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                parents[int(entry)] = int(f.read().rsplit(b")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                if mark in f.read().split(b"\0"):
+                    found.add(int(entry))
+        except (OSError, ValueError, IndexError):  # gone, or another user's
+            continue
+    grown = True
+    while grown:
+        more = {child for child, parent in parents.items() if parent in found} - found
+        found |= more
+        grown = bool(more)
+    return found
+
+
+def reap(pid: int) -> list[int]:
+    """Kill what `pid` left; the pids killed."""
+    killed = []
+    for sweep in range(SWEEPS):
+        for left in sorted(left_by(pid)):
+            try:
+                os.kill(left, signal.SIGKILL)
+                killed.append(left)
+            except OSError:
+                pass
+        if sweep + 1 < SWEEPS:
+            time.sleep(0.5)
+    return killed
+
+
+def main(pid: int) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    wait_for(pid)
+    killed = reap(pid)
+    if killed:
+        print(f"batchjson: process {pid} died; killed the {len(killed)} process(es) it left: "
+              f"{' '.join(map(str, sorted(set(killed))))}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]))
