@@ -17,25 +17,29 @@ Linux only (elsewhere `guard()` only marks the environment).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import select
 import signal
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Iterator
 
 ENV = "BATCHJSON_RUNNER_PID"  # the pid of the process whose death ends the processes that carry it
 PR_SET_PDEATHSIG = 1
 SWEEPS = 3  # scans for what the runner left, 0.5 s apart
 _guarded: int | None = None  # the pid of this process once its reaper runs (a forked child is not guarded)
+_reaper: int | None = None  # ... and the reaper's
 _forker: int | None = None  # the process that forks, seen from its child
 
 
 def guard() -> None:
     """Make every process this one starts from now on die with it, however it dies: mark the environment and start
     the reaper (once per process; a few milliseconds)."""
-    global _guarded
+    global _guarded, _reaper
     pid = os.getpid()
     os.environ[ENV] = str(pid)
     if _guarded == pid or not sys.platform.startswith("linux"):
@@ -46,8 +50,8 @@ def guard() -> None:
     env = {k: v for k, v in os.environ.items() if k != ENV}
     # Its own session: the terminal's Ctrl-C and a kill of the runner's process group leave it to do its work.
     # Run as a script, in isolated mode: it imports nothing but the standard library.
-    subprocess.Popen([sys.executable, "-I", os.path.abspath(__file__), str(pid)], env=env, stdin=subprocess.DEVNULL,
-                     stdout=subprocess.DEVNULL, start_new_session=True)
+    _reaper = subprocess.Popen([sys.executable, "-I", os.path.abspath(__file__), str(pid)], env=env,
+                               stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, start_new_session=True).pid
 
 
 def _before_fork() -> None:
@@ -62,6 +66,54 @@ def _after_fork_in_child() -> None:
     tie_to_parent()
     if os.getppid() != _forker:
         os._exit(1)
+
+
+@contextlib.contextmanager
+def stopping_on(stop: threading.Event, every: float = 0.5) -> Iterator[None]:
+    """Around an engine's start in this process: once `stop` is set, kill the processes the start began (and
+    theirs), so that the start fails at once rather than runs its minute to an engine nobody will use."""
+    before = _family({os.getpid()})
+    done = threading.Event()
+
+    def watch():
+        while not done.is_set():
+            if stop.wait(every) and not done.is_set():
+                # This process's helpers, which the start may have begun, are not the start's.
+                from multiprocessing import resource_tracker
+
+                spare = before | {_reaper, getattr(resource_tracker._resource_tracker, "_pid", None)}
+                for pid in _family({os.getpid()}) - spare:
+                    with contextlib.suppress(OSError):
+                        os.kill(pid, signal.SIGKILL)
+                done.wait(every)
+
+    thread = threading.Thread(target=watch, name="batchjson-start-stop", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+
+
+def _family(roots: set[int]) -> set[int]:
+    """The descendants of `roots`."""
+    parents = _parents()
+    found, more = set(), roots
+    while more:
+        more = {child for child, parent in parents.items() if parent in more} - found
+        found |= more
+    return found
+
+
+def _parents() -> dict[int, int]:
+    """Every process's parent."""
+    parents = {}
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else ():
+        if entry.isdigit():
+            with contextlib.suppress(OSError, ValueError, IndexError):  # gone meanwhile
+                with open(f"/proc/{entry}/stat", "rb") as f:
+                    parents[int(entry)] = int(f.read().rsplit(b")", 1)[1].split()[1])
+    return parents
 
 
 def tie_to_parent() -> None:
@@ -87,25 +139,14 @@ def wait_for(pid: int) -> None:
 
 def left_by(pid: int) -> set[int]:
     """The processes of this user whose environment names `pid` as their runner, and their descendants."""
-    mark = f"{ENV}={pid}".encode()
-    found, parents = set(), {}
+    mark, found = f"{ENV}={pid}".encode(), set()
     for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == os.getpid():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                parents[int(entry)] = int(f.read().rsplit(b")", 1)[1].split()[1])
-            with open(f"/proc/{entry}/environ", "rb") as f:
-                if mark in f.read().split(b"\0"):
-                    found.add(int(entry))
-        except (OSError, ValueError, IndexError):  # gone, or another user's
-            continue
-    grown = True
-    while grown:
-        more = {child for child, parent in parents.items() if parent in found} - found
-        found |= more
-        grown = bool(more)
-    return found
+        if entry.isdigit() and int(entry) != os.getpid():
+            with contextlib.suppress(OSError):  # gone, or another user's
+                with open(f"/proc/{entry}/environ", "rb") as f:
+                    if mark in f.read().split(b"\0"):
+                        found.add(int(entry))
+    return found | _family(found)
 
 
 def reap(pid: int) -> list[int]:
