@@ -22,7 +22,8 @@ from batchjson.errors import EngineError, InputError, OutputError, ResumeConflic
 from batchjson.job import run_job
 from batchjson.storage import Storage, location
 from batchjson.spec import load_spec
-from helpers import assert_exactly_once, codes, gone_within, ids_of, write_job, write_rows
+from helpers import (assert_exactly_once, codes, gone_within, ids_of, wait_for_engine_process, write_job,
+                     write_rows)
 
 HERE = Path(__file__).parent
 pytestmark = pytest.mark.engine
@@ -202,10 +203,7 @@ def test_engine_processes_die_with_a_runner_killed_during_the_engine_start(tmp_p
     job = write_job(tmp_path, tiny_model, tmp_path / "in.parquet", speculative="none")
     proc = subprocess.Popen([sys.executable, "-m", "batchjson", "run", str(job)], stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
-    runner, deadline = psutil.Process(proc.pid), time.monotonic() + 300
-    while not any("spawn_main" in " ".join(p.cmdline()) for p in runner.children()):
-        assert proc.poll() is None and time.monotonic() < deadline, "the run started no engine process"
-        time.sleep(0.05)
+    runner = wait_for_engine_process(proc)
     time.sleep(after)
     children = runner.children(recursive=True)
     proc.kill()  # the runner alone, as the OOM killer would

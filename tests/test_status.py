@@ -11,7 +11,6 @@ import sys
 import threading
 import time
 
-import psutil
 import pytest
 from click.testing import CliRunner
 
@@ -24,7 +23,7 @@ from batchjson.status import status_job
 from batchjson.storage import STATE, Location
 from batchjson.storage.progress import ProgressFile, write_cancel
 from batchjson.verify import UnitChecks, verify_job
-from helpers import ENV, HERE, assert_exactly_once, at_commit_step, write_job, write_rows
+from helpers import ENV, HERE, assert_exactly_once, at_commit_step, wait_for_engine_process, write_job, write_rows
 
 IDS = [f"r{i:05d}" for i in range(64)]
 
@@ -138,10 +137,7 @@ def test_cancel_during_the_engine_start_stops_the_run_within_seconds(tmp_path, t
     job = write_job(tmp_path, tiny_model, tmp_path / "in.parquet", speculative="none")
     runner = subprocess.Popen([sys.executable, "-m", "batchjson", "run", str(job)], env=ENV, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True)
-    process, give_up = psutil.Process(runner.pid), time.monotonic() + 300
-    while not any("spawn_main" in " ".join(p.cmdline()) for p in process.children()):
-        assert runner.poll() is None and time.monotonic() < give_up, "the run started no engine process"
-        time.sleep(0.05)
+    wait_for_engine_process(runner)
     asked = time.monotonic()
     cancel = CliRunner().invoke(main, ["cancel", str(job)])
     assert cancel.exit_code == 0 and "cancel requested" in cancel.output, cancel.output
