@@ -3,14 +3,15 @@ actor), which kills the engine processes it started once it dies, however it die
 
 plugin.py ties an engine process to its runner with a parent-death signal, but only once vLLM has loaded the plugin
 there, after its start-up handshake: an engine core whose runner was SIGKILLed while it imported vLLM waited on the
-handshake for ever, holding its memory (the card's, on a GPU). So `guard()`, called before a process's first engine,
-starts this reaper, and marks the process's environment (BATCHJSON_RUNNER_PID), which every process it spawns
+handshake for ever, holding its memory (the card's, on a GPU). So `guard()`, around an engine's start, starts this
+reaper (once per process), and marks the process's environment (BATCHJSON_RUNNER_PID), which every process it spawns
 inherits (vLLM's engine core on CPU, a replica, multiprocessing's helpers), from their first instant. The reaper
 waits on the runner's death (a pidfd: at once); then every process of this user whose environment names the runner,
-and their children, is killed (SIGKILL), twice over a second (a child between its fork and exec at the death).
+and their children, is killed (SIGKILL), three times over a second (a child between its fork and exec at the
+death).
 A process forked rather than spawned (vLLM's engine core on CUDA) starts as a copy of the runner and shows the
-runner's environment at its own start, without the mark: it gets the parent-death signal in the first Python code it
-runs (the at-fork hook `guard()` registers).
+runner's environment at its own start, without the mark: forked inside `guard()`, it gets the parent-death signal
+in the first Python code it runs (an at-fork hook).
 
 Linux only (elsewhere `guard()` only marks the environment).
 """
@@ -32,13 +33,26 @@ ENV = "BATCHJSON_RUNNER_PID"  # the pid of the process whose death ends the proc
 PR_SET_PDEATHSIG = 1
 SWEEPS = 3  # scans for what the runner left, 0.5 s apart
 _guarded: int | None = None  # the pid of this process once its reaper runs (a forked child is not guarded)
-_reaper: int | None = None  # ... and the reaper's
+_reaper: subprocess.Popen | None = None  # ... and its reaper
 _forker: int | None = None  # the process that forks, seen from its child
+_tying = 0  # inside how many `guard()` blocks this process is: a child forked then dies with it
 
 
-def guard() -> None:
-    """Make every process this one starts from now on die with it, however it dies: mark the environment and start
-    the reaper (once per process; a few milliseconds)."""
+@contextlib.contextmanager
+def guard() -> Iterator[None]:
+    """Around the start of engine processes (or replicas): every process this one spawns from now on dies with it,
+    however it dies (the environment's mark, the reaper), and every process it forks inside the block too (the
+    parent-death signal). The reaper is started once per process (a few milliseconds)."""
+    global _tying
+    _start_reaper()
+    _tying += 1
+    try:
+        yield
+    finally:
+        _tying -= 1
+
+
+def _start_reaper() -> None:
     global _guarded, _reaper
     pid = os.getpid()
     os.environ[ENV] = str(pid)
@@ -49,9 +63,11 @@ def guard() -> None:
     _guarded = pid
     env = {k: v for k, v in os.environ.items() if k != ENV}
     # Its own session: the terminal's Ctrl-C and a kill of the runner's process group leave it to do its work.
-    # Run as a script, in isolated mode: it imports nothing but the standard library.
-    _reaper = subprocess.Popen([sys.executable, "-I", os.path.abspath(__file__), str(pid)], env=env,
-                               stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, start_new_session=True).pid
+    # Run as a script, in isolated mode: it imports nothing but the standard library. Without it (no interpreter
+    # to start: a frozen binary), the plugin's parent-death signal is what is left.
+    with contextlib.suppress(OSError):
+        _reaper = subprocess.Popen([sys.executable, "-I", os.path.abspath(__file__), str(pid)], env=env,
+                                   stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, start_new_session=True)
 
 
 def _before_fork() -> None:
@@ -60,8 +76,8 @@ def _before_fork() -> None:
 
 
 def _after_fork_in_child() -> None:
-    """In a child forked from a guarded process: die with the process that forked it, even if it is dead already."""
-    if _forker is None or os.environ.get(ENV) != str(_forker):
+    """In a child forked inside `guard()`: die with the process that forked it, even if it is dead already."""
+    if not _tying or _forker is None:
         return
     tie_to_parent()
     if os.getppid() != _forker:
@@ -81,7 +97,7 @@ def stopping_on(stop: threading.Event, every: float = 0.5) -> Iterator[None]:
                 # This process's helpers, which the start may have begun, are not the start's.
                 from multiprocessing import resource_tracker
 
-                spare = before | {_reaper, getattr(resource_tracker._resource_tracker, "_pid", None)}
+                spare = before | {_reaper and _reaper.pid, getattr(resource_tracker._resource_tracker, "_pid", None)}
                 for pid in _family({os.getpid()}) - spare:
                     with contextlib.suppress(OSError):
                         os.kill(pid, signal.SIGKILL)

@@ -23,11 +23,11 @@ def make_pool(layout: Layout | None, inline: Callable[[Channel], None], target: 
     runs `target(*args, placement, slot, count, inbox, outbox)`."""
     if not ray and len(layout.placements) == 1:
         return InlinePool(inline, layout)
-    reaper.guard()  # replicas die with this process, however and whenever it dies
-    if ray:
-        from batchjson.executors.ray import ray_pool
+    with reaper.guard():  # replicas die with this process, however and whenever it dies
+        if ray:
+            from batchjson.executors.ray import ray_pool
 
-        return ray_pool(target, args, ray, replicas, model)
-    from batchjson.executors.local import LocalPool
+            return ray_pool(target, args, ray, replicas, model)
+        from batchjson.executors.local import LocalPool
 
-    return LocalPool(target, args, layout)
+        return LocalPool(target, args, layout)

@@ -24,12 +24,12 @@ RUNNER = textwrap.dedent("""
         time.sleep(120)
 
     if __name__ == "__main__":
-        reaper.guard()
-        child = multiprocessing.get_context("spawn").Process(target=spawned)
-        child.start()
-        if os.fork() == 0:
-            time.sleep(120)
-            os._exit(0)
+        with reaper.guard():
+            child = multiprocessing.get_context("spawn").Process(target=spawned)
+            child.start()
+            if os.fork() == 0:
+                time.sleep(120)
+                os._exit(0)
         print("started", flush=True)
         time.sleep(120)
 """)
