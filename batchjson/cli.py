@@ -198,7 +198,7 @@ def export_openai(folder, output, errors):
               help="Folder of the server's files and batches (made if missing); a restarted server resumes from it.")
 @click.option("--host", default="127.0.0.1", show_default=True,
               help="Address to listen on. The server is for a trusted network: 0.0.0.0 opens it to every host "
-              "that reaches this one.")
+              "that reaches this one, and needs --api-key (or --insecure).")
 @click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535))
 @click.option("--model", default="default", show_default=True,
               help="The model every batch runs on (the requests' own model is not used).")
@@ -206,7 +206,9 @@ def export_openai(folder, output, errors):
               help="Refuse requests without `Authorization: Bearer KEY` (401) [env BATCHJSON_API_KEY].")
 @click.option("--max-requests", type=click.IntRange(min=1), default=50_000, show_default=True,
               help="Requests per batch; a larger file is refused when the batch is created (400).")
-def serve(state, host, port, model, api_key, max_requests):
+@click.option("--insecure", is_flag=True,
+              help="Serve an address other hosts reach without --api-key (refused otherwise), on a trusted network.")
+def serve(state, host, port, model, api_key, max_requests, insecure):
     """Serve OpenAI's Batch API (/v1/files, /v1/batches) on this host's GPUs: each batch runs as batchjson jobs,
     one batch at a time, each request once in its output or error file.
 
@@ -216,7 +218,7 @@ def serve(state, host, port, model, api_key, max_requests):
 
     try:
         run_server(state, host, port, model if model == "default" else str(Path(model).resolve()), api_key,
-                   max_requests)
+                   max_requests, insecure=insecure)
     except BatchjsonError as e:
         raise _user_error(e) from None
 

@@ -28,7 +28,7 @@ def parse_deadline(text: str, now: float | None = None) -> float:
         h, m, s = (int(g or 0) for g in duration.groups())
         if not h + m + s:
             raise ValueError(f"deadline {text!r} is no time at all: give a duration longer than 0")
-        return now + h * 3600 + m * 60 + s
+        return _shown(text, now + h * 3600 + m * 60 + s)
     clock = CLOCK.fullmatch(text)
     if clock:
         today = datetime.fromtimestamp(now).replace(hour=int(clock[1]), minute=int(clock[2]), second=0, microsecond=0)
@@ -42,6 +42,15 @@ def parse_deadline(text: str, now: float | None = None) -> float:
         shown = datetime.fromtimestamp(now).isoformat(timespec="seconds")
         raise ValueError(f"deadline {text!r} is in the past (it is {shown} now): give a later one, or a duration")
     return at
+
+
+def _shown(text: str, at: int | float) -> float:
+    """`at`, a moment that a clock can show (status shows it): else a ValueError."""
+    try:
+        datetime.fromtimestamp(at)
+    except (OverflowError, ValueError, OSError):
+        raise ValueError(f"deadline {text!r} is too far off (past the year 9999): write {FORMS}") from None
+    return float(at)
 
 
 def check_deadline(text: str) -> None:

@@ -116,7 +116,10 @@ def _ago(seconds: float) -> str:
 
 
 def _clock(at: float) -> str:
-    return datetime.fromtimestamp(at).strftime("%H:%M")
+    try:
+        return datetime.fromtimestamp(at).strftime("%H:%M")
+    except (OverflowError, ValueError, OSError, TypeError):  # a moment no clock shows (an older run's deadline)
+        return f"{at!r} (not a time)"
 
 
 def folder_of(job: JobSpec | None, output: str | None) -> tuple[Storage, dict[str, fs.FileInfo]]:

@@ -34,9 +34,9 @@ log = logging.getLogger("batchjson")
 
 def resolve_deadline(given: str | None, spec_deadline: str) -> float | None:
     """The run's deadline (time.time()) from --deadline, else output.deadline; None without one. A SpecError
-    naming the option or key when it is not a time, or already past."""
-    text, where = (given, "--deadline") if given else (spec_deadline, "output.deadline")
-    if not text:
+    naming the option or key when it is not a time (an empty --deadline is none), or already past."""
+    text, where = (given, "--deadline") if given is not None else (spec_deadline, "output.deadline")
+    if given is None and not text:
         return None
     try:
         return parse_deadline(text)

@@ -30,6 +30,7 @@ from batchjson.adapt.audit import Audit
 from batchjson.adapt.auto import Auto
 from batchjson.adapt.base import Answer, Policy, Resample, Switch
 from batchjson.adapt.recipe import Recipe
+from batchjson.engine import reaper
 from batchjson.engine.base import Engine, EngineFactory, EngineFacts
 from batchjson.errors import BatchjsonError, EngineDied, EngineError
 from batchjson.executors.base import Channel, Work, queue_channel
@@ -337,8 +338,11 @@ class Worker:
                     return None
                 t0 = time.monotonic()
                 try:
-                    return self.engines.start(self.spec, decoding, speculative), time.monotonic() - t0
+                    with reaper.stopping_on(self.stop):  # a stop fails the start at once (cancel within seconds)
+                        return self.engines.start(self.spec, decoding, speculative), time.monotonic() - t0
                 except EngineError:
+                    if self.stop.is_set():
+                        return None
                     if alone or not self.engines.measures(self.spec, decoding, speculative):
                         raise
             alone = True

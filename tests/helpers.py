@@ -9,11 +9,14 @@ import importlib
 import hashlib
 import json
 import os
+import subprocess
 import sys
 import tempfile
+import time
 import uuid
 from pathlib import Path
 
+import psutil
 import pyarrow as pa
 import pyarrow.dataset as ds
 import pyarrow.parquet as pq
@@ -201,3 +204,36 @@ def record_reads(monkeypatch) -> list[str]:
 
     monkeypatch.setattr(Location, "read_bytes", counted)
     return read
+
+
+def gone_within(processes: list[psutil.Process], seconds: float) -> list[psutil.Process]:
+    """The processes still alive (not zombies) after `seconds`."""
+    deadline = time.monotonic() + seconds
+    while True:
+        alive = []
+        for p in processes:
+            try:
+                if p.status() != psutil.STATUS_ZOMBIE:
+                    alive.append(p)
+            except psutil.NoSuchProcess:
+                pass
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.2)
+
+
+def wait_for_engine_process(proc: subprocess.Popen, timeout: float = 300) -> psutil.Process:
+    """Until the run in `proc` has spawned its engine process (vLLM's engine core, on CPU); the run's process."""
+    runner, give_up = psutil.Process(proc.pid), time.monotonic() + timeout
+
+    def spawned(p: psutil.Process) -> bool:
+        try:
+            return "spawn_main" in " ".join(p.cmdline())
+        except psutil.Error:  # gone, or a zombie
+            return False
+
+    while not any(spawned(p) for p in runner.children()):
+        assert proc.poll() is None and time.monotonic() < give_up, "the run started no engine process"
+        time.sleep(0.05)
+    return runner
+

@@ -22,7 +22,8 @@ from batchjson.errors import EngineError, InputError, OutputError, ResumeConflic
 from batchjson.job import run_job
 from batchjson.storage import Storage, location
 from batchjson.spec import load_spec
-from helpers import assert_exactly_once, codes, ids_of, write_job, write_rows
+from helpers import (assert_exactly_once, codes, gone_within, ids_of, wait_for_engine_process, write_job,
+                     write_rows)
 
 HERE = Path(__file__).parent
 pytestmark = pytest.mark.engine
@@ -192,6 +193,22 @@ def test_engine_processes_die_with_a_killed_runner(tmp_path, tiny_model):
     proc.wait()
     gone, alive = psutil.wait_procs(children, timeout=30)
     assert not alive, f"engine processes outlived the runner: {alive}"
+
+
+@pytest.mark.parametrize("after", [0.0, 3.0])
+def test_engine_processes_die_with_a_runner_killed_during_the_engine_start(tmp_path, tiny_model, after):
+    """Killed as its engine process has just been spawned, or while that process imports vLLM (before vLLM's
+    handshake, where the plugin ties it to the runner): nothing is left, the resource tracker included."""
+    write_rows(tmp_path / "in.parquet", 4)
+    job = write_job(tmp_path, tiny_model, tmp_path / "in.parquet", speculative="none")
+    proc = subprocess.Popen([sys.executable, "-m", "batchjson", "run", str(job)], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    runner = wait_for_engine_process(proc)
+    time.sleep(after)
+    children = runner.children(recursive=True)
+    proc.kill()  # the runner alone, as the OOM killer would
+    proc.wait()
+    assert not gone_within(children, 10), "processes outlived the runner"
 
 
 class StopEngineProcess(VllmEngines):

@@ -8,6 +8,7 @@ import contextlib
 import io
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -337,6 +338,22 @@ def test_user_mistakes_exit_2_with_a_message(tmp_path):
     assert result.exit_code == 2 and "--port" in result.output
 
 
+def test_an_address_others_reach_needs_an_api_key_or_insecure_said_first(tmp_path):
+    result = CliRunner().invoke(main, ["serve", "--state", str(tmp_path / "s"), "--host", "0.0.0.0", "--port", "0"])
+    assert result.exit_code == 2 and "--host 0.0.0.0: other hosts reach this address" in result.output, result.output
+    assert "--api-key" in result.output and "--insecure" in result.output
+    proc = subprocess.Popen([sys.executable, "-m", "batchjson", "serve", "--state", str(tmp_path / "s"), "--host",
+                             "0.0.0.0", "--port", "0", "--insecure"], env=ENV, stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True)
+    try:
+        first, second = proc.stdout.readline(), proc.stdout.readline()
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    assert first.startswith("batchjson serve: --insecure: no API key on 0.0.0.0"), first
+    assert re.match(r"batchjson serve: listening on http://0\.0\.0\.0:\d+/v1 ", second), second
+
+
 class NoEngines(FakeEngines):
     """A factory whose engine cannot start, as a model folder that is not one."""
 
@@ -362,6 +379,36 @@ def test_an_engine_that_cannot_start_fails_the_batch_and_a_bug_is_a_500_without_
             c.files.list()
         assert broken.value.body == {"message": "The server had an error while processing your request (see its log).",
                                      "type": "server_error", "param": None, "code": None}
+
+
+def test_a_damaged_state_folder_is_set_aside_and_the_rest_is_served_and_run(tmp_path, tiny_model, caplog):
+    """Records that do not parse (cut short, a stray file, `[]`) are moved to quarantine/, named in the log and as
+    the error of their batch or file; a file without its bytes is a 404; the runner outlives a record damaged while
+    it runs."""
+    state = tmp_path / "state"
+    with server(state, FakeEngines(valid=1.0), tiny_model) as base_url:
+        c = client(base_url)
+        cut = wait(c, run_batch(c, [request("a")]).id)
+        kept = c.files.create(file=("b.jsonl", jsonl([request("b")])), purpose="batch")
+    record = state / "batches" / f"{cut.id}.json"
+    record.write_bytes(record.read_bytes()[:40])
+    (state / "batches" / "notes.json").write_text("not json")
+    (state / "files" / "README.json").write_text("[]")
+    (state / "files" / kept.id).unlink()  # its bytes, not its record
+    with server(state, FakeEngines(valid=1.0), tiny_model) as base_url:
+        c = client(base_url)
+        damaged = c.batches.retrieve(cut.id)
+        assert damaged.status == "failed" and damaged.errors.data[0].code == "damaged_record"
+        assert "did not parse" in damaged.errors.data[0].message and "quarantine" in damaged.errors.data[0].message
+        assert [b.id for b in c.batches.list()] == [cut.id]
+        assert kept.id in [f.id for f in c.files.list()]
+        with pytest.raises(openai.NotFoundError):
+            c.files.content(kept.id)
+        (state / "batches" / "zz.json").write_text("{")  # while it runs
+        batch = run_batch(c, [request("c")])
+        assert wait(c, batch.id, timeout=30).status == "completed"
+    assert len(list((state / "quarantine").iterdir())) == 4
+    assert sum("did not parse" in r.getMessage() for r in caplog.records) == 4
 
 
 def test_a_stopped_server_keeps_its_batch_running_and_the_next_one_ends_it_when_its_window_passed(tmp_path,

@@ -23,7 +23,7 @@ from batchjson.status import status_job
 from batchjson.storage import STATE, Location
 from batchjson.storage.progress import ProgressFile, write_cancel
 from batchjson.verify import UnitChecks, verify_job
-from helpers import ENV, HERE, assert_exactly_once, at_commit_step, write_job, write_rows
+from helpers import ENV, HERE, assert_exactly_once, at_commit_step, wait_for_engine_process, write_job, write_rows
 
 IDS = [f"r{i:05d}" for i in range(64)]
 
@@ -129,6 +129,24 @@ def test_cancel_from_a_second_process_stops_the_run_cleanly_and_a_rerun_finishes
     assert_exactly_once([f"r{i:05d}" for i in range(400)], out, out / "_rejects")
 
 
+@pytest.mark.engine
+def test_cancel_during_the_engine_start_stops_the_run_within_seconds(tmp_path, tiny_model):
+    """The engine's start (a minute on a busy CPU) is cut short: the run does not wait for an engine it will not
+    use."""
+    write_rows(tmp_path / "in.parquet", 8)
+    job = write_job(tmp_path, tiny_model, tmp_path / "in.parquet", speculative="none")
+    runner = subprocess.Popen([sys.executable, "-m", "batchjson", "run", str(job)], env=ENV, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
+    wait_for_engine_process(runner)
+    asked = time.monotonic()
+    cancel = CliRunner().invoke(main, ["cancel", str(job)])
+    assert cancel.exit_code == 0 and "cancel requested" in cancel.output, cancel.output
+    _, err = runner.communicate(timeout=120)
+    assert time.monotonic() - asked < 10
+    assert runner.returncode == 130 and "cancelled: finished units are committed" in err, err[-2000:]
+    assert status_job(load_spec(job)).outcome == "cancelled"
+
+
 @pytest.mark.parametrize("names", ["this run", "an earlier run"])
 def test_a_cancel_marker_stops_only_the_run_it_names(tmp_path, monkeypatch, names):
     """A marker left for a run that is gone (its canceller or its run died first) must not stop the next run;
@@ -189,7 +207,8 @@ def test_the_command_line_stops_at_its_deadline_with_exit_4_and_status_says_what
 
 
 @pytest.mark.parametrize("deadline, where", [("--deadline=2020-01-01T06:00", "--deadline"),
-                                             ("--deadline=soon", "--deadline"), ("", "output.deadline")])
+                                             ("--deadline=soon", "--deadline"), ("", "output.deadline"),
+                                             ("--deadline=100000000h", "--deadline"), ("--deadline=", "--deadline")])
 def test_a_deadline_in_the_past_or_not_a_time_is_exit_2_naming_it(tmp_path, deadline, where):
     write_rows(tmp_path / "in.parquet", 8)
     job = write_job(tmp_path, "default", tmp_path / "in.parquet",

@@ -1,8 +1,9 @@
 """The vLLM general plugin (entry point `vllm.general_plugins`): what batchjson runs in each process vLLM starts.
 
-The engine processes of a batchjson run die with the runner, whatever kills it.
+The engine processes of a batchjson run die with the runner, whatever kills it: here, a parent-death signal, once
+vLLM has loaded the plugin (after its start-up handshake); before that, the runner's reaper (reaper.py) kills them.
 
-Without it, a runner killed by SIGKILL or the OOM killer leaves vLLM's engine process alive, holding gigabytes
+Without both, a runner killed by SIGKILL or the OOM killer leaves vLLM's engine process alive, holding gigabytes
 of memory (GPU memory on a GPU) until someone finds it. It also installs, in those processes, the scheduler patches
 (internals.py: no drafts for pass 2, a fast loop guard) and, when the run asks for it by environment (BATCHJSON_PROFILE_STEPS), the step profiler
 (profiler.py). Does nothing outside a batchjson run, nor in the runner process itself, but one thing: in every
@@ -17,14 +18,10 @@ until the child has installed the patches, and vLLM loads the plugin there as it
 
 from __future__ import annotations
 
-import ctypes
 import os
-import signal
 
 # Imported here, not in the at-fork hook, which runs in a child just forked (internals imports no vLLM when loaded).
-from batchjson.engine import internals, schema_drafter
-
-PR_SET_PDEATHSIG = 1
+from batchjson.engine import internals, reaper, schema_drafter
 
 
 _FORK_HOOK = False
@@ -56,10 +53,7 @@ def register(replica: bool = False) -> None:
     if _DONE:
         return
     _DONE = True
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    except (OSError, AttributeError):  # not Linux: the engine processes cannot be tied to the runner
-        pass
+    reaper.tie_to_parent()
     try:
         os.kill(int(runner), 0)  # the runner may have died before the line above: then go now
     except ProcessLookupError:

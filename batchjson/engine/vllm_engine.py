@@ -22,7 +22,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-from batchjson.engine import devices, internals, kv_sizes, plugin, schema_drafter
+from batchjson.engine import devices, internals, kv_sizes, plugin, reaper, schema_drafter
 from batchjson.engine.base import Engine, EngineFactory, EngineFacts
 from batchjson.engine.models import resolve_model
 from batchjson.errors import EngineDied, EngineError
@@ -211,9 +211,7 @@ class VllmEngine(Engine):
         self.no_draft = self.speculative is not None and internals.no_draft_ready()
         self.notice, self.notice_code = internals.notice(), internals.notice_code()
         self.use(decoding)
-        # Engine processes started from here die with this process, however it dies (see plugin.py), and fill the
-        # grammar's masks as the spec says (its plugin reads this before the engine's first step).
-        os.environ["BATCHJSON_RUNNER_PID"] = str(os.getpid())
+        # The engine processes fill the grammar's masks as the spec says (its plugin reads this before the first step).
         os.environ[internals.GRAMMAR_FILLS_ENV] = model.grammar_fills
         self.fills = internals.grammar_fills(model.grammar_fills)
         # The KV cache's size vLLM measured for these settings before, if it did (kv_sizes.py): given, vLLM skips the
@@ -225,7 +223,8 @@ class VllmEngine(Engine):
         if report:
             os.environ[internals.KV_SIZE_ENV] = str(report)
         try:
-            self.llm = vllm.LLM(**kwargs)
+            with reaper.guard():  # its processes die with this one, however and whenever it dies
+                self.llm = vllm.LLM(**kwargs)
         except (ValueError, TypeError, OSError, ImportError, RuntimeError) as e:
             # RuntimeError: the engine process failed to start (its own error is logged above), or CUDA memory.
             kv_sizes.forget(config if self.kv_kept else None)  # the next start measures again

@@ -5,9 +5,9 @@ laid out by placement.py. The driver (start.py, job.py) imports this face only, 
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 
+from batchjson.engine import reaper
 from batchjson.executors.base import Channel, Pool, Queue
 from batchjson.executors.inline import InlinePool
 from batchjson.executors.placement import Layout, local_layout
@@ -23,11 +23,11 @@ def make_pool(layout: Layout | None, inline: Callable[[Channel], None], target: 
     runs `target(*args, placement, slot, count, inbox, outbox)`."""
     if not ray and len(layout.placements) == 1:
         return InlinePool(inline, layout)
-    os.environ["BATCHJSON_RUNNER_PID"] = str(os.getpid())  # local replicas die with this process
-    if ray:
-        from batchjson.executors.ray import ray_pool
+    with reaper.guard():  # replicas die with this process, however and whenever it dies
+        if ray:
+            from batchjson.executors.ray import ray_pool
 
-        return ray_pool(target, args, ray, replicas, model)
-    from batchjson.executors.local import LocalPool
+            return ray_pool(target, args, ray, replicas, model)
+        from batchjson.executors.local import LocalPool
 
-    return LocalPool(target, args, layout)
+        return LocalPool(target, args, layout)

@@ -6,11 +6,12 @@ hosted API that should run on its own GPUs with nothing changed but `base_url`.
     runner.py   the queue: a batch imported at creation, run as jobs one batch at a time, exported at its end
 
 The server is for a trusted network: it binds 127.0.0.1 unless told otherwise, and its one credential is the
-optional --api-key.
+--api-key, which an address other than loopback needs (or --insecure, said in the server's first line).
 """
 
 from __future__ import annotations
 
+import ipaddress
 import socket
 from pathlib import Path
 
@@ -40,10 +41,23 @@ def listen(host: str, port: int) -> socket.socket:
     return sock
 
 
+def url(sock: socket.socket) -> str:
+    """The base URL a client gives for the server on `sock`."""
+    address, port = sock.getsockname()[:2]
+    return f"http://{f'[{address}]' if ':' in address else address}:{port}/v1"
+
+
+def open_to_others(sock: socket.socket) -> bool:
+    """Whether hosts other than this one may reach `sock` (it is bound to an address other than loopback)."""
+    return not ipaddress.ip_address(sock.getsockname()[0].split("%")[0]).is_loopback
+
+
 def serve(state: str, host: str = "127.0.0.1", port: int = 8000, model: str = "default", api_key: str | None = None,
-          max_requests: int | None = None, engine_factory=None, log_level: str = "info") -> None:
-    """Serve the Batch API from `state` until SIGTERM or Ctrl-C. Batches left running by an earlier server on the
-    same folder resume. A BatchjsonError when the folder or the address cannot be used."""
+          max_requests: int | None = None, engine_factory=None, log_level: str = "info",
+          insecure: bool = False) -> None:
+    """Serve the Batch API from `state` until SIGTERM or Ctrl-C, saying first where. Batches left running by an
+    earlier server on the same folder resume. A BatchjsonError when the folder or the address cannot be used, or
+    when an address others reach has no `api_key` and `insecure` is not given."""
     import uvicorn
 
     from batchjson.serve.app import make_app
@@ -56,6 +70,15 @@ def serve(state: str, host: str = "127.0.0.1", port: int = 8000, model: str = "d
     store = Store(state)
     try:
         sock = listen(host, port)
+        if open_to_others(sock) and api_key is None:
+            if not insecure:
+                sock.close()
+                raise ServeError(f"--host {host}: other hosts reach this address, and without --api-key anyone "
+                                 "among them may submit batches and read their results. Give --api-key KEY (or "
+                                 "BATCHJSON_API_KEY), or --insecure on a network you trust.")
+            print(f"batchjson serve: --insecure: no API key on {host}, which other hosts reach: anyone among them "
+                  "may submit batches and read their results.", flush=True)
+        print(f"batchjson serve: listening on {url(sock)} (state {store.root})", flush=True)
         runner = Runner(store, model, engine_factory, max_requests or MAX_REQUESTS)
         app = make_app(store, runner, api_key)
         server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5))

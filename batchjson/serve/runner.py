@@ -25,13 +25,12 @@ from pathlib import Path
 
 from batchjson.deadline import DURATION
 from batchjson.errors import BatchjsonError, InputError
-from batchjson.serve.store import NotFound, Store, new_id
+from batchjson.serve.store import ENDPOINT, TERMINAL, NotFound, Store, new_id
 
-ENDPOINT = "/v1/chat/completions"
-TERMINAL = frozenset({"completed", "failed", "expired", "cancelled"})
 MAX_REQUESTS = 50_000  # requests per batch: the Batch API's own limit
 # How each way of stopping early ends the batch, and the error its unanswered requests get.
 STOPPED = {"expired": "batch_expired", "cancelled": "batch_cancelled"}
+RETRY_S = 5.0  # seconds before the runner tries again after an error outside any batch
 CANCEL_POLL = 0.5  # seconds between tries to reach a run that is starting (its cancel marker needs a running run)
 log = logging.getLogger("batchjson.serve")
 
@@ -113,15 +112,8 @@ class Runner:
             raise BadRequest(f"file {file_id} holds {imported.requests} requests; a batch takes at most "
                              f"{self.max_requests} (serve --max-requests). Split it into several batches.",
                              "input_file_id", "too_many_requests")
-        now = int(time.time())
-        batch = {"id": batch_id, "object": "batch", "endpoint": ENDPOINT, "errors": None, "input_file_id": file_id,
-                 "completion_window": body["completion_window"], "status": "validating", "output_file_id": None,
-                 "error_file_id": None, "created_at": now, "in_progress_at": None, "expires_at": now + window,
-                 "finalizing_at": None, "completed_at": None, "failed_at": None, "expired_at": None,
-                 "cancelling_at": None, "cancelled_at": None,
-                 "request_counts": {"total": imported.requests, "completed": 0, "failed": 0},
-                 "metadata": metadata, "model": _model_name(self.model)}
-        self.store.save(batch)
+        batch = self.store.add_batch(batch_id, file_id, body["completion_window"], window, imported.requests,
+                                     metadata, _model_name(self.model))
         with self._cond:
             self._cond.notify()
         return batch
@@ -137,14 +129,8 @@ class Runner:
 
     def cancel(self, batch_id: str) -> dict:
         """Ask a batch to stop: a queued one ends now, a running one within seconds (its run's cancel)."""
-
-        def mark(batch):
-            if batch["status"] in TERMINAL or batch["status"] == "cancelling":
-                return False
-            batch["status"], batch["cancelling_at"] = "cancelling", int(time.time())
-
         with self._cond:  # the runner takes its next batch under this lock: it is running this one, or never will
-            batch = self.store.update(batch_id, mark)
+            batch = self.store.cancelling(batch_id)
             if batch["status"] in TERMINAL:
                 raise BadRequest(f"Batch {batch_id} is {batch['status']}: it cannot be cancelled.", "batch_id")
             current = self._current
@@ -184,32 +170,42 @@ class Runner:
         return batch["id"]
 
     def _loop(self) -> None:
+        """Run batches until the server stops. Nothing ends it early: an error in a batch fails that batch with its
+        message, and anything else (the state folder unreadable a while) is logged and tried again."""
         while not self._stopping.is_set():
-            with self._cond:
-                batch_id = self._next()
-                if batch_id is None:
-                    self._cond.wait(5.0)
-                    continue
             try:
-                self._process(batch_id)
-            except BatchjsonError as e:
-                self._fail(batch_id, "run_failed", str(e))
-            except Exception as e:  # a bug: its traceback goes to the log, the batch fails, the server serves on
-                log.exception("batch %s failed", batch_id)
-                self._fail(batch_id, "server_error", f"internal error: {type(e).__name__}: {e}. See the server's log.")
-            finally:
+                self._run_next()
+            except Exception:  # noqa: BLE001 -- the loop must outlive it: the server would take batches it never runs
+                log.exception("the batch runner had an error; it goes on in %.0f s", RETRY_S)
                 with self._cond:
                     self._current = None
+                    self._cond.wait(RETRY_S)
+
+    def _run_next(self) -> None:
+        with self._cond:
+            batch_id = self._next()
+            if batch_id is None:
+                self._cond.wait(5.0)
+                return
+        try:
+            self._process(batch_id)
+        except BatchjsonError as e:
+            self.store.fail(batch_id, "run_failed", str(e))
+        except OSError as e:  # the batch's files under --state
+            log.exception("batch %s failed", batch_id)
+            self.store.fail(batch_id, "server_error", f"the batch's files could not be read or written ({e}).")
+        except Exception as e:  # a bug: its traceback goes to the log, the batch fails, the server serves on
+            log.exception("batch %s failed", batch_id)
+            self.store.fail(batch_id, "server_error",
+                            f"internal error: {type(e).__name__}: {e}. See the server's log.")
+        finally:
+            with self._cond:
+                self._current = None
 
     def _process(self, batch_id: str) -> None:
         from batchjson.api import load_job, run_job
 
-        def begin(batch):
-            if batch["status"] != "validating":
-                return False
-            batch["status"], batch["in_progress_at"] = "in_progress", int(time.time())
-
-        self.store.update(batch_id, begin)
+        self.store.begin(batch_id)
         work = self.store.work(batch_id)
         stopped = None
         for name in _manifest(work)["jobs"]:
@@ -251,12 +247,7 @@ class Runner:
         answer), then end it."""
         from batchjson.openai_batch import export_results
 
-        def finalizing(batch):
-            if not stopped:
-                batch["status"] = "finalizing"
-            batch["finalizing_at"] = batch["finalizing_at"] or int(time.time())
-
-        self.store.update(batch_id, finalizing)
+        self.store.finalizing(batch_id, stopped is not None)
         work = self.store.work(batch_id)
         staged = {kind: work / f"{kind}.jsonl" for kind in ("output", "error")}
         exported = export_results(work, staged["output"], staged["error"], unfinished=STOPPED.get(stopped))
@@ -269,27 +260,8 @@ class Runner:
             else:
                 staged[kind].unlink(missing_ok=True)
         status = stopped or "completed"
-
-        def end(batch):
-            now = int(time.time())
-            batch["status"], batch[f"{status}_at"] = status, now
-            batch["output_file_id"], batch["error_file_id"] = ids.get("output"), ids.get("error")
-            batch["request_counts"] = {"total": exported.answers + exported.failed, "completed": exported.answers,
-                                       "failed": exported.failed}
-
-        self.store.update(batch_id, end)
+        self.store.end(batch_id, status, ids.get("output"), ids.get("error"), exported.answers, exported.failed)
         log.info("batch %s %s: %d answers, %d errors", batch_id, status, exported.answers, exported.failed)
-
-    def _fail(self, batch_id: str, code: str, message: str) -> None:
-        def fail(batch):
-            batch["status"], batch["failed_at"] = "failed", int(time.time())
-            batch["errors"] = {"object": "list", "data": [{"code": code, "message": message, "param": None,
-                                                           "line": None}]}
-
-        try:
-            self.store.update(batch_id, fail)
-        except NotFound:
-            pass
 
     def _cancel_run(self, batch_id: str, spec) -> None:
         """Stop the running job through its cancel marker: tried until the run holds its folder (it may be

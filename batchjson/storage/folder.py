@@ -27,12 +27,13 @@ OUT may be a local folder or an object-storage prefix (s3://bucket/out, gs://...
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 from batchjson.errors import InputError, OutputError, ResumeConflict, StorageFull, is_full
 from batchjson.storage import survey
 from batchjson.storage.commits import Commits
-from batchjson.storage.location import Location, glob_match, writing
+from batchjson.storage.location import Location, glob_match, temporary_pid, writing
 from batchjson.storage.locks import HELD, Lease, lock_folder, release
 from batchjson.storage.names import PARQUET, SCAN, SPEC, PartName, Stage, report_name, staged
 
@@ -55,6 +56,17 @@ def _changed(old: dict, new: dict) -> list[str]:
     for generated ids, which nothing but the file's place vouches for; with an id column, the ids' digest does."""
     keys = ("size", "rows", "footer", "ids") + (("stamp",) if new.get("ids") == "generated" else ())
     return [k for k in keys if old.get(k) != new.get(k)]
+
+
+def _alive(pid: int) -> bool:
+    """Whether process `pid` runs on this host (this process does)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's
+        pass
+    return True
 
 
 def hidden_below(inner: Location, outer: Location) -> bool | None:
@@ -155,6 +167,8 @@ class Storage:
                                      "Rerun with --fresh to discard it and start over, or choose another --output.")
         known = self._compare_inputs(inputs) if inputs is not None else {}
         # No refusal after this line: the run goes on, and only from here does it write or delete.
+        if self._locks:
+            self._remove_temporaries()
         if not existing or spec_file.read_json()["hash"] != spec_hash:
             # Until a unit commits, the folder belongs to no spec: a corrected rerun after a failed start is welcome.
             with writing(spec_file):
@@ -177,6 +191,19 @@ class Storage:
             self._lease = lease
             return
         self._locks = lock_folder(Path(self.state.path), self.shard, busy)
+
+    def _remove_temporaries(self) -> None:
+        """Remove the temporary files a killed run left in a local folder (location.write_json's
+        `.tmp-<pid>-<name>`: the run state's, its records', the report's). Only a run that holds the whole folder
+        does, as its locks say: no other run may write there then, though a `batchjson cancel` may, so a file of a process alive on this host
+        (or of this one) stays. A shard leaves them to the next run of the whole folder."""
+        if self.shard[1] != 1:
+            return
+        for folder in (self.state, self.units, self.inputs, self.output):
+            for name in folder.names():
+                pid = temporary_pid(name)
+                if pid is not None and not _alive(pid):
+                    (folder / name).unlink(missing_ok=True)
 
     def _check_claim(self) -> None:
         """Raise if this run lost the folder (on object storage, its lease): no unit may commit then."""

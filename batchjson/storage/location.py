@@ -58,6 +58,15 @@ HINT = ("Check the URI, that the bucket exists, and the credentials and endpoint
         "(AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_REGION, AWS_ENDPOINT_URL).")
 
 
+TEMPORARY = ".tmp-"  # write_json's temporary file: .tmp-<pid>-<name>, renamed over <name>
+
+
+def temporary_pid(name: str) -> int | None:
+    """The pid that writes `name`, a write_json temporary file's name; None for another name."""
+    pid, _, rest = name.removeprefix(TEMPORARY).partition("-")
+    return int(pid) if name.startswith(TEMPORARY) and pid.isdigit() and rest else None
+
+
 def is_uri(where: str | Path) -> bool:
     return "://" in str(where)
 
@@ -377,7 +386,7 @@ class Location:
         if not self.local:
             self.write_bytes(text)
             return
-        tmp = self.with_name(f".tmp-{os.getpid()}-{self.name}")
+        tmp = self.with_name(f"{TEMPORARY}{os.getpid()}-{self.name}")
         try:
             tmp.write_bytes(text)
             os.replace(tmp.path, self.path)

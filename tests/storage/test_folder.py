@@ -480,3 +480,26 @@ def test_a_shelf_keeps_values_by_name_off_the_heap(limit):
         one["missing"]
     one.clear()
     assert len(one) == 0 and not one.spilled
+
+
+def test_a_later_run_removes_the_temporary_files_of_a_killed_one(tmp_path, tiny_model, monkeypatch):
+    """Files a killed run was writing (`.tmp-<pid>-<name>`) go at the next run of the folder; a file of a process
+    alive here (a `batchjson cancel` writing its marker) stays."""
+    job = write_job(tmp_path, tiny_model, write_rows(tmp_path / "in.parquet", 16), batch_size=8)
+    out = tmp_path / "out"
+    assert cli_run(monkeypatch, job).exit_code == 0
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    alive = subprocess.Popen(["sleep", "60"])
+    try:
+        left = [out / "_batchjson" / f".tmp-{gone.pid}-index.arrows",
+                out / "_batchjson" / "units" / f".tmp-{gone.pid}-p2-a-00000.json",
+                out / f".tmp-{gone.pid}-_report.json"]
+        writing = out / "_batchjson" / f".tmp-{alive.pid}-cancel.json"
+        for path in [*left, writing]:
+            path.write_text("{")
+        assert cli_run(monkeypatch, job).exit_code == 0
+        assert [p.name for p in left if p.exists()] == [] and writing.exists()
+    finally:
+        alive.kill()
+
