@@ -1,4 +1,4 @@
-"""The grammars' work beside the forward's launch (engine/internals.py GrammarAhead) on vLLM 0.26's or 0.34's own
+"""The grammars' work beside the forward's launch (engine/vllm/ahead.py GrammarAhead) on vLLM 0.26's or 0.34's own
 scheduler, with no GPU: that vLLM's Python (its AsyncScheduler, StructuredOutputManager with the xgrammar backend, and
 EngineCore.step_with_batch_queue, which runs as it does in the engine process) over the installed CPU build drives a
 fake model runner on this CPU. The runner answers each request with its ground-truth JSON, token by token, and checks
@@ -89,11 +89,12 @@ def one(cfg: dict) -> dict:
     import torch
     import xgrammar as xgr
 
-    from batchjson.engine import internals  # imports no vLLM: its settings below come first
+    # imports no vLLM: its settings below come first
+    from batchjson.engine.vllm import ahead as wing_ahead, ahead_hooks, fills, scheduler
 
-    os.environ[internals.AHEAD_ENV] = "1" if cfg["name"] in ("ahead", "late") else "0"
-    os.environ[internals.AHEAD_FROM_ENV] = "update" if cfg["name"] == "late" else "launch"
-    os.environ[internals.GRAMMAR_FILLS_ENV] = "batch"
+    os.environ[wing_ahead.AHEAD_ENV] = "1" if cfg["name"] in ("ahead", "late") else "0"
+    os.environ[wing_ahead.AHEAD_FROM_ENV] = "update" if cfg["name"] == "late" else "launch"
+    os.environ[fills.GRAMMAR_FILLS_ENV] = "batch"
     import vllm
     from transformers import AutoTokenizer
     from vllm.config import (CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig, StructuredOutputsConfig,
@@ -117,13 +118,13 @@ def one(cfg: dict) -> dict:
         if indexed:
             fields["req_id_to_index"] = {r: i for i, r in enumerate(req_ids)}
         return ModelRunnerOutput(req_ids=req_ids, **fields)
-    installed = {"no_draft": internals.install_no_draft(), "guard": internals.install_fast_loop_guard(),
-                 "idle_drafter": internals.install_idle_drafter() if strided else "off",  # 0.26's: the V1 runner's
-                 "fills": internals.install_batch_fills() if cfg["name"] != "vllm" else "off",
-                 "ahead": internals.install_grammar_ahead() if cfg["name"] in ("ahead", "late") else "off"}
+    installed = {"no_draft": scheduler.install_no_draft(), "guard": scheduler.install_fast_loop_guard(),
+                 "idle_drafter": scheduler.install_idle_drafter() if strided else "off",  # 0.26's: the V1 runner's
+                 "fills": fills.install_batch_fills() if cfg["name"] != "vllm" else "off",
+                 "ahead": ahead_hooks.install_grammar_ahead() if cfg["name"] in ("ahead", "late") else "off"}
     jobs = {"work": 0, "served": 0, "moved": 0, "thread_s": 0.0, "wait_s": 0.0, "launch_s": 0.0, "fills": 0,
             "no_draft_drafted": 0}
-    ahead = internals.GrammarAhead
+    ahead = wing_ahead.GrammarAhead
     masks, advanced = ahead.masks, ahead.advanced
 
     def counted(method):  # the thread's work: its CPU time, and whether it served the step
@@ -150,14 +151,14 @@ def one(cfg: dict) -> dict:
         return got
 
     ahead.work, ahead.fill_beside = counted(ahead.work), counted(ahead.fill_beside)
-    bitmask = internals.BatchFills.bitmask
+    bitmask = fills.BatchFills.bitmask
 
     def fills_counted(self, *args):  # the steps whose masks BatchFills made (not vLLM's own)
         got = bitmask(self, *args)
         jobs["fills"] += got is not None
         return got
 
-    internals.BatchFills.bitmask = fills_counted
+    fills.BatchFills.bitmask = fills_counted
     if cfg["name"] == "late":  # the thread's work is the fill alone (advanced() advances on the engine core's thread)
         ahead.fill_next = counted(ahead.fill_next)
     ahead.masks, ahead.advanced = counted_masks, timed_advanced
@@ -324,7 +325,7 @@ def one(cfg: dict) -> dict:
     no_draft = {str(i) for i in range(rows) if every and i % every == 0}
     guard = RepetitionDetectionParams(max_pattern_size=16, min_count=8)  # the loop guard runs at every token
     for i in range(rows):
-        extra = {"extra_args": {internals.NO_DRAFT: True}} if str(i) in no_draft else {}
+        extra = {"extra_args": {scheduler.NO_DRAFT: True}} if str(i) in no_draft else {}
         if free:
             params = SamplingParams(temperature=0.0, max_tokens=len(answers[str(i)]), ignore_eos=True, **extra)
         else:

@@ -23,8 +23,8 @@ class Engine(ABC):
     (the report's ms per step); `unfinished`, the prompts that were in
     flight when the last stream stopped (another engine takes them over); and `choice`, the grammar backend the
     engine decodes with (the report's grammar line; None when there is none); and `notice`, what the run's report
-    should say about the engine itself ("" for nothing; VllmEngine: its vLLM is one batchjson's patches were not read
-    on, see internals.notice), with its code in `notice_code` (a report.NoteCode; "" for the generic
+    should say about the engine itself ("" for nothing; VllmEngine: batchjson's patches off on its vLLM, and
+    why, see engine/vllm/versions.py, notice), with its code in `notice_code` (a report.NoteCode; "" for the generic
     "engine-notice"); `fills`, how it fills the grammar's masks (the report's grammar line; "" for no word on it);
     and `tokenizer`, the model's tokenizer where the engine loaded one (the worker renders
     prompts with it instead of loading it again; None: the worker loads it from the model's files); and `audit`, the

@@ -2,16 +2,16 @@
 
 The engine processes of a batchjson run die with the runner, whatever kills it.
 
-Without it, a runner killed by SIGKILL or the OOM killer leaves vLLM's engine process alive, holding gigabytes
-of memory (GPU memory on a GPU) until someone finds it. It also installs, in those processes, the scheduler patches
-(internals.py: no drafts for pass 2, a fast loop guard) and, when the run asks for it by environment (BATCHJSON_PROFILE_STEPS), the step profiler
-(profiler.py). Does nothing outside a batchjson run, nor in the runner process itself, but one thing: in every
-process, where vLLM has a registry of speculative methods (0.34), it registers the schema drafter's
-(schema_drafter/), which any vLLM engine may then name, batchjson's or not.
+Without it, a runner killed by SIGKILL or the OOM killer leaves vLLM's engine process alive, holding gigabytes of memory
+(GPU memory on a GPU) until someone finds it. It also installs, in those processes, the wing's patches (engine/vllm/: no
+drafts for pass 2, a fast loop guard, the grammar fills, ...) and, when the run asks for it by environment
+(BATCHJSON_PROFILE_STEPS), the step profiler (profiler.py). Does nothing outside a batchjson run, nor in the runner
+process itself, but one thing: in every process, where vLLM has a registry of speculative methods (0.34), it registers
+the schema drafter's (engine/vllm/schema_speculator/), which any vLLM engine may then name, batchjson's or not.
 
-Forked engine processes. vLLM loads its general plugins once per process, and on CUDA it forks the engine-core
-process from the runner, which has loaded them already (where this plugin does nothing): so the runner registers an
-at-fork hook that lets a forked child load them again (internals.let_forked_child_load_plugins says why and how),
+Forked engine processes. vLLM loads its general plugins once per process, and on CUDA it forks the engine-core process
+from the runner, which has loaded them already (where this plugin does nothing): so the runner registers an at-fork hook
+that lets a forked child load them again (engine/vllm/processes.py, let_forked_child_load_plugins, says why and how),
 until the child has installed the patches, and vLLM loads the plugin there as it does in a spawned one.
 """
 
@@ -21,8 +21,8 @@ import ctypes
 import os
 import signal
 
-# Imported here, not in the at-fork hook, which runs in a child just forked (internals imports no vLLM when loaded).
-from batchjson.engine import internals, schema_drafter
+# Imported here, not in the at-fork hook, which runs in a child just forked (neither imports vLLM when loaded).
+from batchjson.engine.vllm import processes, schema_speculator
 
 PR_SET_PDEATHSIG = 1
 
@@ -34,7 +34,7 @@ _PENDING = False  # a local replica tied to its runner, its patches left for its
 
 def _after_fork_in_child() -> None:
     if not _DONE:
-        internals.let_forked_child_load_plugins()  # vLLM loads its plugins (this one) again in this process
+        processes.let_forked_child_load_plugins()  # vLLM loads its plugins (this one) again in this process
 
 
 def register(replica: bool = False) -> None:
@@ -43,7 +43,7 @@ def register(replica: bool = False) -> None:
     never imports vLLM (seconds of CPU each)."""
     global _FORK_HOOK, _DONE, _PENDING
     if not replica:  # vLLM's call: vLLM is imported (a replica's own call imports none)
-        schema_drafter.register()
+        schema_speculator.register()
     runner = os.environ.get("BATCHJSON_RUNNER_PID")
     if not runner:
         return
@@ -81,7 +81,8 @@ def install_pending() -> None:
 
 def _install() -> None:
     from batchjson.engine import profiler, quiet
+    from batchjson.engine.vllm import patches
 
     quiet.quiet_floods()
-    internals.install()
+    patches.install()
     profiler.install()
