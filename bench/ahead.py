@@ -90,7 +90,8 @@ def one(cfg: dict) -> dict:
     import xgrammar as xgr
 
     # imports no vLLM: its settings below come first
-    from batchjson.engine.vllm import ahead as wing_ahead, ahead_hooks, fills, scheduler
+    from batchjson.engine.vllm import ahead as wing_ahead, ahead_hooks, fills
+    from batchjson.engine.vllm import scheduler as wing_scheduler
 
     os.environ[wing_ahead.AHEAD_ENV] = "1" if cfg["name"] in ("ahead", "late") else "0"
     os.environ[wing_ahead.AHEAD_FROM_ENV] = "update" if cfg["name"] == "late" else "launch"
@@ -118,8 +119,8 @@ def one(cfg: dict) -> dict:
         if indexed:
             fields["req_id_to_index"] = {r: i for i, r in enumerate(req_ids)}
         return ModelRunnerOutput(req_ids=req_ids, **fields)
-    installed = {"no_draft": scheduler.install_no_draft(), "guard": scheduler.install_fast_loop_guard(),
-                 "idle_drafter": scheduler.install_idle_drafter() if strided else "off",  # 0.26's: the V1 runner's
+    installed = {"no_draft": wing_scheduler.install_no_draft(), "guard": wing_scheduler.install_fast_loop_guard(),
+                 "idle_drafter": wing_scheduler.install_idle_drafter() if strided else "off",  # 0.26's: the V1 runner's
                  "fills": fills.install_batch_fills() if cfg["name"] != "vllm" else "off",
                  "ahead": ahead_hooks.install_grammar_ahead() if cfg["name"] in ("ahead", "late") else "off"}
     jobs = {"work": 0, "served": 0, "moved": 0, "thread_s": 0.0, "wait_s": 0.0, "launch_s": 0.0, "fills": 0,
@@ -325,7 +326,7 @@ def one(cfg: dict) -> dict:
     no_draft = {str(i) for i in range(rows) if every and i % every == 0}
     guard = RepetitionDetectionParams(max_pattern_size=16, min_count=8)  # the loop guard runs at every token
     for i in range(rows):
-        extra = {"extra_args": {scheduler.NO_DRAFT: True}} if str(i) in no_draft else {}
+        extra = {"extra_args": {wing_scheduler.NO_DRAFT: True}} if str(i) in no_draft else {}
         if free:
             params = SamplingParams(temperature=0.0, max_tokens=len(answers[str(i)]), ignore_eos=True, **extra)
         else:

@@ -95,7 +95,7 @@ def parse(name: str) -> dict:
 
 def one(cfg: dict) -> dict:
     """One configuration in this process: bare vLLM's LLM and one generate."""
-    from batchjson.engine.vllm import ahead, fills
+    from batchjson.engine.vllm import ahead as wing_ahead, fills as wing_fills
     from batchjson.engine.profiler import DUMP_EVERY_S, ENV_PROFILE, ENV_PROFILE_SYNC, SCHEDULED, read_profile
 
     profile = Path(cfg["profile"])
@@ -103,12 +103,12 @@ def one(cfg: dict) -> dict:
     fills, method, threads, stats = read["fills"], read["method"], read["threads"], read["stats"]
     ours = fills in ("batch", "ahead", "late")
     os.environ.update({"BATCHJSON_RUNNER_PID": str(os.getpid()), ENV_PROFILE: str(profile), ENV_PROFILE_SYNC: "0",
-                       fills.GRAMMAR_FILLS_ENV: "batch" if ours else "vllm",
-                       ahead.AHEAD_ENV: "1" if fills in ("ahead", "late") else "0",
-                       ahead.AHEAD_FROM_ENV: "update" if fills == "late" else "launch",
-                       ahead.ENGINE_GC_ENV: str(read["gc"] or "")})  # "": batchjson's default
+                       wing_fills.GRAMMAR_FILLS_ENV: "batch" if ours else "vllm",
+                       wing_ahead.AHEAD_ENV: "1" if fills in ("ahead", "late") else "0",
+                       wing_ahead.AHEAD_FROM_ENV: "update" if fills == "late" else "launch",
+                       wing_ahead.ENGINE_GC_ENV: str(read["gc"] or "")})  # "": batchjson's default
     if threads:
-        os.environ[fills.FILL_THREADS_ENV] = threads
+        os.environ[wing_fills.FILL_THREADS_ENV] = threads
     from batchjson.engine.vllm_engine import _vllm
 
     vllm = _vllm()  # imported as batchjson imports it: a CPU build's KV cache size and threads set the same way

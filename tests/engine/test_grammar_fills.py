@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from batchjson.engine.vllm import fills
+from batchjson.engine.vllm import fills as fills_module
 from batchjson.engine.vllm.ahead import AHEAD_ENV, ENGINE_GC_ENV, GrammarAhead, ahead_wanted, engine_gc, stale_field
 from batchjson.engine.vllm.ahead_hooks import install_grammar_ahead
 from batchjson.engine.vllm.fills import BatchFills
@@ -415,7 +415,7 @@ def test_grammar_work_goes_ahead_by_default(monkeypatch):
     import vllm
 
     monkeypatch.setattr(vllm, "__version__", "0.26.0")
-    monkeypatch.setattr(fills, "batch_fills_unready", lambda: "")
+    monkeypatch.setattr(fills_module, "batch_fills_unready", lambda: "")
     for setting, on in ((None, True), ("0", False), ("1", True)):
         if setting is None:
             monkeypatch.delenv(AHEAD_ENV, raising=False)

@@ -1,5 +1,5 @@
 """The KV cache sizes vLLM measured, kept per configuration (engine/kv_sizes.py), and the engine core's report of
-them (install_kv_size_report) on the real CPU engine."""
+them (engine/vllm/kv.py, install_kv_size_report) on the real CPU engine."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import json
 import pytest
 
 from batchjson.engine import devices, kv_sizes
-from batchjson.engine.vllm.kv import KV_SIZE_ENV, install_kv_size_report
+from batchjson.engine.vllm.kv import KV_SIZE_ENV
 from batchjson.spec import DecodingSpec, ModelSpec, load_spec
 from helpers import TINY_SCHEMA, write_job, write_rows
 

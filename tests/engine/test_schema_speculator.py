@@ -1,7 +1,7 @@
-"""The schema drafter as a Model Runner V2 speculative method (engine/vllm/schema_speculator/): its work per step, on CPU
-tensors shaped as vLLM 0.34's request states, with real xgrammar matchers and the tiny model's tokenizer; its
-registration against vLLM 0.34's own registry (its Python file, where `make install` put vLLM 0.34's sources); and
-the job's `method = "schema"` becoming the registered method's speculative_config."""
+"""The schema drafter as a Model Runner V2 speculative method (engine/vllm/schema_speculator/): its work per step, on
+CPU tensors shaped as vLLM 0.34's request states, with real xgrammar matchers and the tiny model's tokenizer; its
+registration against vLLM 0.34's own registry (its Python file, where `make install` put vLLM 0.34's sources); and the
+job's `method = "schema"` becoming the registered method's speculative_config."""
 
 from __future__ import annotations
 

@@ -359,8 +359,8 @@ def test_the_profiler_times_nothing_on_a_vllm_it_was_not_read_on(monkeypatch, tm
 def test_the_report_line_for_a_vllm_outside_read_on():
     line = versions.unread(UNREAD)
     assert line == (f"vLLM {UNREAD} is newer than the versions batchjson's engine patches were read on (0.26, 0.32, "
-                    "0.33, 0.34): all are off (pass 2 cannot share a speculative engine, and vLLM's own loop guard and grammar "
-                    "fills run)")
+                    "0.33, 0.34): all are off (pass 2 cannot share a speculative engine, and vLLM's own loop guard "
+                    "and grammar fills run)")
     assert versions.unread("0.25.1").startswith("vLLM 0.25.1 is not one of the versions")
     assert versions.unread("dev").startswith("vLLM dev is not one of the versions")
     assert versions.unread("0.34.0") == versions.unread("0.33.2rc1") == versions.unread("0.26.0") == ""
