@@ -5,7 +5,6 @@ fake model runner on this CPU. The runner answers each request with its ground-t
 every mask row it is given against a matcher of its own; a run passes when every answer comes back whole and every
 row matched.
 
-    python -m bench ahead --fetch DIR [--version 0.34.0]  # vLLM's Python files from the package index (no .so)
     python -m bench ahead --vllm-src DIR --configs ahead,batch,free --rows 2048 --seqs 1024 --launch-ms 25 \\
         --check 0 --repeat 2 --out OUT
 
@@ -29,37 +28,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 from bench.common import ROOT, answer_one, dump, one_process, table
 
-VERSIONS = ("0.26.0", "0.34.0")  # the vLLM versions whose Python this runs on (--fetch: the first by default)
+VERSIONS = ("0.26.0", "0.34.0")  # the vLLM versions whose Python this runs on (`make install`: .venv/vllm-0.26, -0.34)
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "city": {"type": "string"},
                                            "n": {"type": "integer"},
                                            "tags": {"type": "array", "items": {"type": "string"}}},
           "required": ["name", "city", "n", "tags"], "additionalProperties": False}
 WORDS = [("ann", "oslo"), ("bo", "rome"), ("cy", 'new "york"'), ("dee\\x", "lima"), ("e", "a\nb")]  # escapes too
-
-
-def fetch(folder: Path, version: str = VERSIONS[0]) -> Path:
-    """vLLM `version`'s Python files (no compiled module is imported on this path) into `folder`, from its wheel."""
-    import glob
-    import tempfile
-    import zipfile
-
-    if (folder / "vllm" / "v1" / "engine" / "core.py").exists():
-        return folder
-    with tempfile.TemporaryDirectory() as tmp:
-        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", f"vllm=={version}", "-d", tmp],
-                       check=True)
-        with zipfile.ZipFile(glob.glob(f"{tmp}/vllm-{version}-*.whl")[0]) as wheel:
-            names = [n for n in wheel.namelist() if n.startswith("vllm/") and n.endswith(".py")]
-            wheel.extractall(folder.with_name(folder.name + ".part"), names)
-    folder.with_name(folder.name + ".part").rename(folder)
-    return folder
 
 
 def answers_for(tokenizer, compiled, rows: int, separators=(", ", ": ")) -> dict[str, list[int]]:
@@ -372,9 +351,8 @@ def main(argv: list[str]) -> int:
         return 0
     ap = argparse.ArgumentParser(prog="python -m bench ahead", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--fetch", type=Path, help="put vLLM's Python files in this folder, then stop")
-    ap.add_argument("--version", default=VERSIONS[0], choices=VERSIONS, help="--fetch: this vLLM's")
-    ap.add_argument("--vllm-src", type=Path, help="a folder --fetch filled")
+    ap.add_argument("--vllm-src", type=Path, help="a folder of vLLM 0.26's or 0.34's Python files (make install: "
+                    ".venv/vllm-0.26, .venv/vllm-0.34; tests/vllm_sources.py fetches them)")
     ap.add_argument("--configs", default="ahead,batch")
     ap.add_argument("--repeat", type=int, default=1, help="the configurations in turn, this many times")
     ap.add_argument("--rows", type=int, default=300)
@@ -391,11 +369,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--timeout", type=float, default=600)
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
-    if args.fetch:
-        print(fetch(args.fetch.resolve(), args.version))
-        return 0
     if not args.vllm_src or not (args.vllm_src / "vllm").is_dir():
-        ap.error("--vllm-src: a folder `python -m bench ahead --fetch DIR` filled")
+        ap.error("--vllm-src: a folder of vLLM's Python files (`make install` puts them in .venv/vllm-0.26, -0.34)")
     if args.model is None:
         from batchjson.engine.models import default_model_dir, resolve_model
 

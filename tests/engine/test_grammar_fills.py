@@ -425,15 +425,12 @@ def test_grammar_work_goes_ahead_by_default(monkeypatch):
         assert ("beside the forward" in grammar_fills("batch")) == on, setting
 
 
-VLLM_SRC = {v: Path(sys.prefix) / f"vllm-{v}" for v in ("0.26", "0.34")}  # their Python files: `make install`
 MODES = {"ahead": [], "one at a time, drafted": ["--sync", "--drafts", "4"],
          "ahead of time, drafted": ["--drafts", "4"]}
 
 
-def on_vllms_scheduler(version: str, tiny_model: str, out: Path, *args: str) -> list[dict]:
-    """`python -m bench ahead ARGS` on vLLM `version`'s own Python over the CPU build: its runs."""
-    src = VLLM_SRC[version]
-    assert (src / "vllm").is_dir(), f"{src} is missing: `make install` fetches vLLM {version}'s Python files"
+def on_vllms_scheduler(src: Path, tiny_model: str, out: Path, *args: str) -> list[dict]:
+    """`python -m bench ahead ARGS` on the Python files of a vLLM in `src` over the CPU build: its runs."""
     proc = subprocess.run([sys.executable, "-m", "bench", "ahead", "--vllm-src", str(src), "--model", tiny_model,
                            "--seqs", "32", "--min-requests", "1", *args, "--out", str(out)],
                           cwd=Path(__file__).parents[2], capture_output=True, text=True, timeout=500)
@@ -443,7 +440,7 @@ def on_vllms_scheduler(version: str, tiny_model: str, out: Path, *args: str) -> 
 
 @pytest.mark.parametrize("version,steps", [("0.26", "ahead"), ("0.26", "one at a time, drafted"), ("0.34", "ahead"),
                                            ("0.34", "one at a time, drafted"), ("0.34", "ahead of time, drafted")])
-def test_grammar_work_ahead_on_vllms_own_scheduler(tiny_model, tmp_path, version, steps):
+def test_grammar_work_ahead_on_vllms_own_scheduler(tiny_model, tmp_path, vllm_sources, version, steps):
     """vLLM 0.26's or 0.34's own scheduler, StructuredOutputManager (xgrammar) and engine step (step_with_batch_queue
     under async scheduling; step and post_step one step at a time, with n-gram-style drafts of 4 tokens that vLLM cuts
     and verifies; 0.34 also drafts ahead of time, its drafts unchecked), their Python on this CPU, with a model runner
@@ -452,7 +449,7 @@ def test_grammar_work_ahead_on_vllms_own_scheduler(tiny_model, tmp_path, version
     thread serves every step after the first few and vLLM advances no grammar itself (drafted ahead of time: every
     step is vLLM's, with BatchFills' masks); with the masks made when vLLM asks, the same answers and rows."""
     mode = MODES[steps]
-    ahead, batch = on_vllms_scheduler(version, tiny_model, tmp_path, "--configs", "ahead,batch", "--rows", "120",
+    ahead, batch = on_vllms_scheduler(vllm_sources(version), tiny_model, tmp_path, "--configs", "ahead,batch", "--rows", "120",
                                       *mode)
     assert ahead["installed"]["fills"] == ahead["installed"]["ahead"] == "ok" and batch["installed"]["ahead"] == "off"
     for run in (ahead, batch):
@@ -468,12 +465,12 @@ def test_grammar_work_ahead_on_vllms_own_scheduler(tiny_model, tmp_path, version
 
 
 @pytest.mark.parametrize("version", ["0.26", "0.34"])
-def test_requests_without_drafts_get_none_on_vllms_own_scheduler(tiny_model, tmp_path, version):
+def test_requests_without_drafts_get_none_on_vllms_own_scheduler(tiny_model, tmp_path, vllm_sources, version):
     """A speculative engine on vLLM's own scheduler (0.26 one step at a time, 0.34 ahead of time) with every third
     request asking for no drafts (NO_DRAFT) and the loop guard on every token: those requests are scheduled no
     drafted token, every answer comes back whole, and on 0.34 the scheduler counts their drafts as unused (the
     idle drafter: a step of them alone proposes nothing) and the others' as used."""
-    run, = on_vllms_scheduler(version, tiny_model, tmp_path, "--configs", "batch", "--rows", "60", "--drafts", "4",
+    run, = on_vllms_scheduler(vllm_sources(version), tiny_model, tmp_path, "--configs", "batch", "--rows", "60", "--drafts", "4",
                               "--no-draft-every", "3", *(["--sync"] if version == "0.26" else []))
     assert run["installed"]["no_draft"] == run["installed"]["guard"] == "ok"
     assert run["right"] == 60 and run["no_draft_drafted"] == 0

@@ -6,10 +6,8 @@ job's `method = "schema"` becoming the registered method's speculative_config.""
 from __future__ import annotations
 
 import json
-import os
 import sys
 import types
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -165,12 +163,13 @@ def test_tokens_gained_beyond_the_window_are_read_whole_and_a_refused_token_leav
 @pytest.fixture
 def registry_034():
     """vLLM 0.34's registry of speculative methods: this vLLM's, else its Python file from vLLM 0.34's sources (`make
-    install` puts them in the virtualenv; VLLM_034_SRC names another copy), as bench schema-drafter --fake loads it."""
+    install` puts them in the virtualenv: tests/vllm_sources.py), as bench schema-drafter --fake loads it."""
+    import vllm_sources
     from bench.schema_drafter import use_registry
 
     before = sys.modules.get(schema_speculator.REGISTRY)
     try:
-        registry = use_registry(Path(os.environ.get("VLLM_034_SRC") or Path(sys.prefix) / "vllm-0.34"))
+        registry = use_registry(vllm_sources.folder("0.34"))
     except SystemExit as e:
         pytest.skip(str(e))
     registry._CUSTOM_CONFIGS.pop(schema_speculator.METHOD, None)  # as in a process the plugin has not run in yet
