@@ -16,33 +16,35 @@ from batchjson.engine.vllm.versions import installs_once, layout, unread_here
 # structured_outputs.py of 0.26. Under async scheduling EngineCore.step_with_batch_queue begins with at most one step in
 # its batch_queue, the oldest ([-1]): (the future of step n's sampled tokens, n's SchedulerOutput, ...). It schedules
 # step n+1 and launches n+1's forward (execute_model); where n+1 holds structured requests still waiting for tokens
-# (SchedulerOutput. pending_structured_output_tokens, set inside schedule()), it then takes n's output
-# (future.result()), runs Scheduler.update_from_output(n), and only then Scheduler.get_grammar_bitmask(n+1) and
-# sample_tokens(n+1). update_from_output advances the grammar of each request n scheduled that is still in self.requests
-# and not finished, whose tokens AsyncScheduler._update_request_with_output keeps (it drops them while
-# async_tokens_to_discard > 0) and that got a token (one token is never trimmed at a stop), where
-# StructuredOutputManager.should_advance(request) says so (always without a reasoning parser); XgrammarGrammar.
-# accept_tokens refuses a terminated grammar untouched, else matcher.accept_token, num_processed_tokens += 1 and
-# _is_terminated (is_terminated() returns it; the matcher, made without terminate_without_stop_token, ends only by
-# accepting one of its stop_token_ids); a refused token ends the request with an error. Request.is_finished() is
-# RequestStatus.is_finished(status): status > PREEMPTED. Nothing else touches a grammar between n+1's schedule and its
-# mask without drafts (preemption leaves grammars as they are). get_grammar_bitmask(n+1)'s ids: the requests n+1
-# scheduled, in order, still in self.requests, structured and not a prefill chunk. Model Runner V2 masks one logits row
-# per id (StructuredOutputsWorker.apply_grammar_bitmask), and n+1's forward holds every request n+1 scheduled. With one
-# process (UniProcExecutor) n's future is an AsyncOutputFuture whose async_output (Model Runner V2's AsyncOutput) holds
-# pinned copies of the sampled tokens (sampled_token_ids: rows x 1 without drafts, num_sampled_tokens_np), complete once
-# its copy_event is, and model_runner_output.req_id_to_index. One step at a time (async scheduling off: every n-gram,
-# suffix and draft-model engine of 0.26) EngineCore.step runs schedule(), execute_model (the forward's launch),
-# get_grammar_bitmask, sample_tokens, update_from_output; drafts come after (post_step: update_draft_token_ids, where
-# vLLM cuts them with validate_tokens). Between schedule() and get_grammar_bitmask nothing touches a grammar or the
-# scheduler's requests, so the step's masks (its drafted positions' too) can be filled on a thread from the moment it is
-# scheduled. 0.34: the same step_with_batch_queue, EngineCore.step and get_grammar_bitmask; the advance in
-# update_from_output is StructuredOutputManager.accept_tokens(request, new_token_ids) (should_advance is gone; without a
-# reasoning parser it is grammar.accept_tokens of them all, which returns True untouched on a terminated grammar),
-# called for every request that got tokens unless its output is stale and dropped: Request.num_stale_output_tokens
-# (0.26's async_tokens_to_discard) is read before update_from_output counts it down, so a request with any is left to
-# vLLM (and refilled if vLLM advanced it). ModelRunnerOutput has no req_id_to_index: the rows are req_ids' order. Async
-# scheduling is on with drafts too (Model Runner V2 everywhere), and their drafts reach the step's output only after
+# (SchedulerOutput.pending_structured_output_tokens, set inside schedule()), it then takes n's output (future.result()),
+# runs Scheduler.update_from_output(n), and only then Scheduler.get_grammar_bitmask(n+1) and sample_tokens(n+1).
+# update_from_output advances the grammar of each request n scheduled that is still in self.requests and not finished,
+# whose tokens AsyncScheduler._update_request_with_output keeps (it drops them while async_tokens_to_discard > 0) and
+# that got a token (one token is never trimmed at a stop), where StructuredOutputManager.should_advance(request) says so
+# (always without a reasoning parser); XgrammarGrammar. accept_tokens refuses a terminated grammar untouched, else
+# matcher.accept_token, num_processed_tokens += 1 and _is_terminated (is_terminated() returns it; the matcher, made
+# without terminate_without_stop_token, ends only by accepting one of its stop_token_ids); a refused token ends the
+# request with an error. Request.is_finished() is RequestStatus.is_finished(status): status > PREEMPTED. Nothing else
+# touches a grammar between n+1's schedule and its mask without drafts (preemption leaves grammars as they are).
+# get_grammar_bitmask(n+1)'s ids: the requests n+1 scheduled, in order, still in self.requests, structured and not a
+# prefill chunk. Model Runner V2 masks one logits row per id (StructuredOutputsWorker.apply_grammar_bitmask), and n+1's
+# forward holds every request n+1 scheduled. With one process (UniProcExecutor) n's future is an AsyncOutputFuture whose
+# async_output (Model Runner V2's AsyncOutput) holds pinned copies of the sampled tokens (sampled_token_ids: rows x 1
+# without drafts, num_sampled_tokens_np), complete once its copy_event is, and model_runner_output.req_id_to_index.
+#
+# One step at a time (async scheduling off: every n-gram, suffix and draft-model engine of 0.26) EngineCore.step runs
+# schedule(), execute_model (the forward's launch), get_grammar_bitmask, sample_tokens, update_from_output; drafts come
+# after (post_step: update_draft_token_ids, where vLLM cuts them with validate_tokens). Between schedule() and
+# get_grammar_bitmask nothing touches a grammar or the scheduler's requests, so the step's masks (its drafted positions'
+# too) can be filled on a thread from the moment it is scheduled.
+#
+# 0.34: the same step_with_batch_queue, EngineCore.step and get_grammar_bitmask; the advance in update_from_output is
+# StructuredOutputManager.accept_tokens(request, new_token_ids) (should_advance is gone; without a reasoning parser it
+# is grammar.accept_tokens of them all, which returns True untouched on a terminated grammar), called for every request
+# that got tokens unless its output is stale and dropped: Request.num_stale_output_tokens (0.26's
+# async_tokens_to_discard) is read before update_from_output counts it down, so a request with any is left to vLLM (and
+# refilled if vLLM advanced it). ModelRunnerOutput has no req_id_to_index: the rows are req_ids' order. Async scheduling
+# is on with drafts too (Model Runner V2 everywhere), and their drafts reach the step's output only after
 # update_from_output (update_draft_token_ids_in_output): a drafted engine that schedules ahead is vLLM's own here.
 
 

@@ -24,7 +24,6 @@ token by token, one Python call per token compared, for each pattern size (57 si
 `install_fast_loop_guard` replaces it with an equal function (same answer on every input: it looks only at the
 pattern sizes where the last token recurs, and compares whole slices in C): 16.75 -> 2.42 us per output token
 (`bench/guard_cost.py`); the tests compare both answers.
-
 """
 
 from __future__ import annotations
@@ -35,19 +34,21 @@ from batchjson.engine.vllm.versions import PATCHES, installs_once, layout, unrea
 
 NO_DRAFT = "batchjson_no_draft"  # the SamplingParams.extra_args key
 AUDIT_TWIN = "batchjson_audit_twin"  # ... beside NO_DRAFT: a speculation audit's twin of a drafted row
-# Read on (no_draft, fast_loop_guard): vllm/v1/core/sched/ and vllm/v1/engine/core.py. Scheduler.schedule(self,
-# throttle_prefills=False) schedules a running request's drafts from Request.spec_token_ids alone (and empties them);
-# Scheduler.add_request(self, request); SamplingParams.extra_args. Drafts reach spec_token_ids after a step
-# (update_draft_token_ids), or under async scheduling as placeholders that AsyncScheduler._update_after_schedule sets
-# after schedule(), sized by the drafts schedule() scheduled; update_draft_token_ids_in_output fills only requests
-# that were scheduled placeholders, and the GPU model runners (V1, and V2 in 0.33) verify per request the drafts in
-# scheduled_spec_decode_tokens. In 0.33 the skip_drafts step flag (Scheduler._drafts_unused) is new and changes
-# none of this. Not reached by the patch, in every version read: schedule() pads a request it admits with one token
-# left to compute (a resumed one, a fully cached prompt) with placeholder drafts (-1, not the drafter's) for one step,
-# to keep a uniform CUDA graph. check_sequence_repetition(token_ids, params) in
-# vllm/v1/core/sched/utils.py, called by check_stop through the module's name (the same file in 0.32 and 0.33).
-# 0.34: the same names and signatures; every model runs on Model Runner V2, which takes each request's drafts to verify
-# from scheduled_spec_decode_tokens (its _prepare_inputs: num_draft_tokens_np), and utils.py is 0.32's, unchanged.
+
+# Read on (no_draft, fast_loop_guard: 0.26, 0.32, 0.33, 0.34): vllm/v1/core/sched/ and vllm/v1/engine/core.py.
+# Scheduler.schedule(self, throttle_prefills=False) schedules a running request's drafts from Request.spec_token_ids
+# alone (and empties them); Scheduler.add_request(self, request); SamplingParams.extra_args. Drafts reach spec_token_ids
+# after a step (update_draft_token_ids), or under async scheduling as placeholders that
+# AsyncScheduler._update_after_schedule sets after schedule(), sized by the drafts schedule() scheduled;
+# update_draft_token_ids_in_output fills only requests that were scheduled placeholders, and the GPU model runners (V1,
+# and V2 in 0.33) verify per request the drafts in scheduled_spec_decode_tokens. In 0.33 the skip_drafts step flag
+# (Scheduler._drafts_unused) is new and changes none of this. Not reached by the patch, in every version read:
+# schedule() pads a request it admits with one token left to compute (a resumed one, a fully cached prompt) with
+# placeholder drafts (-1, not the drafter's) for one step, to keep a uniform CUDA graph.
+# check_sequence_repetition(token_ids, params) in vllm/v1/core/sched/utils.py, called by check_stop through the module's
+# name (the same file in 0.32 and 0.33). 0.34: the same names and signatures; every model runs on Model Runner V2, which
+# takes each request's drafts to verify from scheduled_spec_decode_tokens (its _prepare_inputs: num_draft_tokens_np),
+# and utils.py is 0.32's, unchanged.
 
 
 def no_draft_ready() -> bool:
