@@ -34,7 +34,7 @@ def test_check_names_each_engine_patch_the_installed_vllm_leaves_off_and_why():
     off = versions.off_here(version, {})
     assert f"vLLM {version}: batchjson's engine patches on: " in result.output
     for name, why in off.items():
-        assert f"  off: {name} (" in result.output and why.split(": ", 1)[-1] in result.output, name
+        assert f"  off: {name} (" in result.output and why in result.output, name
     if version.startswith("0.32."):
         assert set(off) == {"grammar_ahead", "drafted_fills"}
         assert "off: grammar_ahead (the grammars' work beside the forward's launch; ahead.py): vLLM 0.32.0 is not a " \

@@ -297,6 +297,34 @@ def test_a_vllm_the_patches_were_not_read_on_gets_neither_and_says_why(monkeypat
         versions.reset(kept)
 
 
+def test_the_versions_table_says_what_each_vllm_leaves_off_and_the_report_names_them_all(monkeypatch):
+    """versions.py's one table: on each vLLM the wing was read on, the patches off there, and why; an answer this
+    process got at an install (a check that failed) stands over the table's. The report's line names them all."""
+    import vllm
+
+    off = {v: versions.off_here(v, {}) for v in ("0.26.0", "0.32.0", "0.33.1", "0.34.0")}
+    assert off["0.26.0"] == {}
+    assert set(off["0.32.0"]) == {"drafted_fills", "grammar_ahead"}
+    assert set(off["0.34.0"]) == {"mask_scatter", "scheduler_drafts"}
+    assert off["0.34.0"]["mask_scatter"].startswith("no V1 GPU model runner")
+    assert "no_draft" not in off["0.33.1"] and "idle_drafter" not in off["0.33.1"]
+    assert off["0.33.1"]["grammar_ahead"] == "vLLM 0.33.1 is not a version this patch was read on (0.26.x, 0.34.x)"
+    assert versions.off_here("0.26.0", {"no_draft": "Scheduler.schedule changed"}) == {
+        "no_draft": "Scheduler.schedule changed"}
+
+    monkeypatch.setattr(vllm, "__version__", "0.34.0")
+    kept = versions.reset({"no_draft": "ok"})
+    try:
+        assert versions.notice() == ("batchjson's engine patches off in vLLM 0.34.0: "
+                                     f"mask_scatter ({off['0.34.0']['mask_scatter']}); "
+                                     f"scheduler_drafts ({off['0.34.0']['scheduler_drafts']})")
+        assert versions.notice_code() == "patches-off"
+        monkeypatch.setattr(vllm, "__version__", "0.26.0")
+        assert versions.notice() == versions.notice_code() == ""
+    finally:
+        versions.reset(kept)
+
+
 def test_an_install_runs_once_and_its_exception_is_its_answer():
     """versions.installs_once: the first answer is every later call's; an exception is an answer, never raised."""
     calls = []

@@ -138,7 +138,7 @@ def off_here(version: str, answers: dict[str, str] | None = None) -> dict[str, s
         why = answers.get(name, "ok")
         why = unread_here(name, version) if why == "ok" else why
         if why:
-            off[name] = why
+            off[name] = why.removeprefix(f"off on vLLM {version}: ")
     return off
 
 
@@ -189,5 +189,4 @@ def check_lines() -> list[str]:
     off = off_here(version, {})
     on = [name for name in PATCHES if name not in off]
     return ([f"vLLM {version}: batchjson's engine patches on: {', '.join(on) or 'none'}"]
-            + [f"  off: {name} ({PATCHES[name].what}): {why.removeprefix(f'off on vLLM {version}: ')}"
-               for name, why in off.items()])
+            + [f"  off: {name} ({PATCHES[name].what}): {why}" for name, why in off.items()])
