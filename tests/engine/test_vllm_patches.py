@@ -367,7 +367,7 @@ def test_a_patch_named_off_is_not_installed(monkeypatch):
 
 
 def test_the_profiler_times_nothing_on_a_vllm_it_was_not_read_on(monkeypatch, tmp_path):
-    """Outside PROFILER_READ_ON every part is skipped, with why, and no vLLM class is touched."""
+    """Outside versions.PATCHES["timers"] every part is skipped, with why, and no vLLM class is touched."""
     import vllm
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.engine.core import EngineCore
