@@ -19,14 +19,14 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 # vLLM 0.26's Python files (38 MB; none of its compiled code is used): the tests run batchjson's patches for 0.26 on
-# its own scheduler (bench/ahead.py)
+# its own scheduler (tests/vllm_sources.py)
 $(VENV)/vllm-0.26: $(VENV)/.installed
-	$(PY) -m bench ahead --fetch $@
+	$(PY) tests/vllm_sources.py $@ 0.26.0
 
 # vLLM 0.34's Python files (63 MB of its 240 MB wheel, no compiled module): the same tests for the patches read on 0.34,
 # whose scheduler and structured-output manager import over the CPU build
 $(VENV)/vllm-0.34: $(VENV)/.installed
-	$(PY) -m bench ahead --fetch $@ --version 0.34.0
+	$(PY) tests/vllm_sources.py $@ 0.34.0
 
 run: install
 	$(VENV)/bin/batchjson run jobs/sample.toml

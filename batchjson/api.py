@@ -116,9 +116,10 @@ class CheckResult:
 
 
 def check_job(job: JobSpec, output: str | None = None, *, input_path: str | None = None) -> CheckResult:
-    """Check a job without starting an engine: its input (files, columns, ids), its output folder (and what a run
-    there would resume), and its schema (output columns, each pass's grammar backend and what it enforces, formats
-    nothing checks). Raises BatchjsonError on what a run would fail on."""
+    """Check a job without starting an engine: its input (files, columns, ids), its output folder (and what a run there
+    would resume), the installed vLLM (batchjson's engine patches on there, and each one off, and why), and its schema
+    (output columns, each pass's grammar backend and what it enforces, formats nothing checks). Raises BatchjsonError on
+    what a run would fail on."""
     from batchjson.ends import run_ends
 
     spec = with_input(job, input_path)
@@ -140,6 +141,9 @@ def check_job(job: JobSpec, output: str | None = None, *, input_path: str | None
         check_draft(spec.model.path, spec.speculative.draft_model)
         lines.append(f"draft model {spec.speculative.draft_model}: the target's tokenizer and vocabulary")
     lines.append(f"ok: {len(source.files)} file(s), {rows} rows, columns {source.columns}, spec {spec.hash()}")
+    from batchjson.engine.vllm.versions import check_lines
+
+    lines += check_lines()
     typed, grammar, schema_lines = _schema(spec)
     if scan.repeated:
         warnings.append(f"warning: {len(scan.repeated)} ids occur more than once (e.g. {next(iter(scan.repeated))!r}); "

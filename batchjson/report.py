@@ -68,7 +68,8 @@ class PassStats:
     grammar: str = ""
     """The grammar backend this pass decoded with, and why it was chosen."""
     notice: str = ""
-    """What this pass's engine said about itself (an unread vLLM: engine/internals.py); the summary says it once."""
+    """What this pass's engine said about itself (its patches off on this vLLM: engine/vllm/versions.py); the
+    summary says it once."""
     replicas: int = 1
     """Engine replicas the pass ran on at once: its engine-seconds are seconds x replicas."""
     auto: list = field(default_factory=list)

@@ -155,7 +155,7 @@ class ModelSpec:
     second and a CPU's prefill of a full batch a few seconds: raise it only for very long prompts on slow hardware."""
     grammar_fills: GrammarFills = field(default="batch", metadata=UNHASHED)  # the same masks either way
     """How the engine fills the grammar's masks each step: "batch" (xgrammar's batch matcher: one call per step, in
-    C++ threads, into pinned buffers; engine/internals.py) or "vllm" (vLLM's own, a Python call per row). The same
+    C++ threads, into pinned buffers; engine/vllm/fills.py) or "vllm" (vLLM's own, a Python call per row). The same
     masks either way; "vllm" is for comparison, and is what runs on a vLLM version batchjson has not read."""
     engine: dict = field(default_factory=dict)
     """Any other vllm.LLM keyword argument, passed through unchanged (e.g. gpu_memory_utilization)."""

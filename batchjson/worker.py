@@ -4,7 +4,7 @@ auto's engine switches, the speculation audit). Every executor runs this body: i
 a replica's whole life (`serve_replica`, at the end).
 
 Both passes share the worker's engine where it decodes both (sampling is per request; pass 2's requests go
-without a draft on a speculative engine, see engine/internals.py), so a unit's pass 2 decodes beside other units'
+without a draft on a speculative engine, see engine/vllm/scheduler.py), so a unit's pass 2 decodes beside other units'
 pass 1. An engine that does not decode a pass (a vLLM without the per-request draft switch, another grammar
 backend; passes.decoded_by says) makes the worker ask only for the passes it decodes and park the rest;
 when nothing else is left it changes engines.

@@ -1,11 +1,10 @@
-"""The grammars' work beside the forward's launch (engine/internals.py GrammarAhead) on vLLM 0.26's or 0.34's own
+"""The grammars' work beside the forward's launch (engine/vllm/ahead.py GrammarAhead) on vLLM 0.26's or 0.34's own
 scheduler, with no GPU: that vLLM's Python (its AsyncScheduler, StructuredOutputManager with the xgrammar backend, and
 EngineCore.step_with_batch_queue, which runs as it does in the engine process) over the installed CPU build drives a
 fake model runner on this CPU. The runner answers each request with its ground-truth JSON, token by token, and checks
 every mask row it is given against a matcher of its own; a run passes when every answer comes back whole and every
 row matched.
 
-    python -m bench ahead --fetch DIR [--version 0.34.0]  # vLLM's Python files from the package index (no .so)
     python -m bench ahead --vllm-src DIR --configs ahead,batch,free --rows 2048 --seqs 1024 --launch-ms 25 \\
         --check 0 --repeat 2 --out OUT
 
@@ -29,37 +28,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 from bench.common import ROOT, answer_one, dump, one_process, table
 
-VERSIONS = ("0.26.0", "0.34.0")  # the vLLM versions whose Python this runs on (--fetch: the first by default)
+VERSIONS = ("0.26.0", "0.34.0")  # the vLLM versions whose Python this runs on (`make install`: .venv/vllm-0.26, -0.34)
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "city": {"type": "string"},
                                            "n": {"type": "integer"},
                                            "tags": {"type": "array", "items": {"type": "string"}}},
           "required": ["name", "city", "n", "tags"], "additionalProperties": False}
 WORDS = [("ann", "oslo"), ("bo", "rome"), ("cy", 'new "york"'), ("dee\\x", "lima"), ("e", "a\nb")]  # escapes too
-
-
-def fetch(folder: Path, version: str = VERSIONS[0]) -> Path:
-    """vLLM `version`'s Python files (no compiled module is imported on this path) into `folder`, from its wheel."""
-    import glob
-    import tempfile
-    import zipfile
-
-    if (folder / "vllm" / "v1" / "engine" / "core.py").exists():
-        return folder
-    with tempfile.TemporaryDirectory() as tmp:
-        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", f"vllm=={version}", "-d", tmp],
-                       check=True)
-        with zipfile.ZipFile(glob.glob(f"{tmp}/vllm-{version}-*.whl")[0]) as wheel:
-            names = [n for n in wheel.namelist() if n.startswith("vllm/") and n.endswith(".py")]
-            wheel.extractall(folder.with_name(folder.name + ".part"), names)
-    folder.with_name(folder.name + ".part").rename(folder)
-    return folder
 
 
 def answers_for(tokenizer, compiled, rows: int, separators=(", ", ": ")) -> dict[str, list[int]]:
@@ -89,11 +68,13 @@ def one(cfg: dict) -> dict:
     import torch
     import xgrammar as xgr
 
-    from batchjson.engine import internals  # imports no vLLM: its settings below come first
+    # imports no vLLM: its settings below come first
+    from batchjson.engine.vllm import ahead as wing_ahead, ahead_hooks, fills
+    from batchjson.engine.vllm import scheduler as wing_scheduler
 
-    os.environ[internals.AHEAD_ENV] = "1" if cfg["name"] in ("ahead", "late") else "0"
-    os.environ[internals.AHEAD_FROM_ENV] = "update" if cfg["name"] == "late" else "launch"
-    os.environ[internals.GRAMMAR_FILLS_ENV] = "batch"
+    os.environ[wing_ahead.AHEAD_ENV] = "1" if cfg["name"] in ("ahead", "late") else "0"
+    os.environ[wing_ahead.AHEAD_FROM_ENV] = "update" if cfg["name"] == "late" else "launch"
+    os.environ[fills.GRAMMAR_FILLS_ENV] = "batch"
     import vllm
     from transformers import AutoTokenizer
     from vllm.config import (CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig, StructuredOutputsConfig,
@@ -117,13 +98,13 @@ def one(cfg: dict) -> dict:
         if indexed:
             fields["req_id_to_index"] = {r: i for i, r in enumerate(req_ids)}
         return ModelRunnerOutput(req_ids=req_ids, **fields)
-    installed = {"no_draft": internals.install_no_draft(), "guard": internals.install_fast_loop_guard(),
-                 "idle_drafter": internals.install_idle_drafter() if strided else "off",  # 0.26's: the V1 runner's
-                 "fills": internals.install_batch_fills() if cfg["name"] != "vllm" else "off",
-                 "ahead": internals.install_grammar_ahead() if cfg["name"] in ("ahead", "late") else "off"}
+    installed = {"no_draft": wing_scheduler.install_no_draft(), "guard": wing_scheduler.install_fast_loop_guard(),
+                 "idle_drafter": wing_scheduler.install_idle_drafter() if strided else "off",  # 0.26's: the V1 runner's
+                 "fills": fills.install_batch_fills() if cfg["name"] != "vllm" else "off",
+                 "ahead": ahead_hooks.install_grammar_ahead() if cfg["name"] in ("ahead", "late") else "off"}
     jobs = {"work": 0, "served": 0, "moved": 0, "thread_s": 0.0, "wait_s": 0.0, "launch_s": 0.0, "fills": 0,
             "no_draft_drafted": 0}
-    ahead = internals.GrammarAhead
+    ahead = wing_ahead.GrammarAhead
     masks, advanced = ahead.masks, ahead.advanced
 
     def counted(method):  # the thread's work: its CPU time, and whether it served the step
@@ -150,14 +131,14 @@ def one(cfg: dict) -> dict:
         return got
 
     ahead.work, ahead.fill_beside = counted(ahead.work), counted(ahead.fill_beside)
-    bitmask = internals.BatchFills.bitmask
+    bitmask = fills.BatchFills.bitmask
 
     def fills_counted(self, *args):  # the steps whose masks BatchFills made (not vLLM's own)
         got = bitmask(self, *args)
         jobs["fills"] += got is not None
         return got
 
-    internals.BatchFills.bitmask = fills_counted
+    fills.BatchFills.bitmask = fills_counted
     if cfg["name"] == "late":  # the thread's work is the fill alone (advanced() advances on the engine core's thread)
         ahead.fill_next = counted(ahead.fill_next)
     ahead.masks, ahead.advanced = counted_masks, timed_advanced
@@ -324,7 +305,7 @@ def one(cfg: dict) -> dict:
     no_draft = {str(i) for i in range(rows) if every and i % every == 0}
     guard = RepetitionDetectionParams(max_pattern_size=16, min_count=8)  # the loop guard runs at every token
     for i in range(rows):
-        extra = {"extra_args": {internals.NO_DRAFT: True}} if str(i) in no_draft else {}
+        extra = {"extra_args": {wing_scheduler.NO_DRAFT: True}} if str(i) in no_draft else {}
         if free:
             params = SamplingParams(temperature=0.0, max_tokens=len(answers[str(i)]), ignore_eos=True, **extra)
         else:
@@ -370,9 +351,8 @@ def main(argv: list[str]) -> int:
         return 0
     ap = argparse.ArgumentParser(prog="python -m bench ahead", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--fetch", type=Path, help="put vLLM's Python files in this folder, then stop")
-    ap.add_argument("--version", default=VERSIONS[0], choices=VERSIONS, help="--fetch: this vLLM's")
-    ap.add_argument("--vllm-src", type=Path, help="a folder --fetch filled")
+    ap.add_argument("--vllm-src", type=Path, help="a folder of vLLM 0.26's or 0.34's Python files (make install: "
+                    ".venv/vllm-0.26, .venv/vllm-0.34; tests/vllm_sources.py fetches them)")
     ap.add_argument("--configs", default="ahead,batch")
     ap.add_argument("--repeat", type=int, default=1, help="the configurations in turn, this many times")
     ap.add_argument("--rows", type=int, default=300)
@@ -389,11 +369,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--timeout", type=float, default=600)
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
-    if args.fetch:
-        print(fetch(args.fetch.resolve(), args.version))
-        return 0
     if not args.vllm_src or not (args.vllm_src / "vllm").is_dir():
-        ap.error("--vllm-src: a folder `python -m bench ahead --fetch DIR` filled")
+        ap.error("--vllm-src: a folder of vLLM's Python files (`make install` puts them in .venv/vllm-0.26, -0.34)")
     if args.model is None:
         from batchjson.engine.models import default_model_dir, resolve_model
 

@@ -16,7 +16,7 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from batchjson.engine.internals import SCHEMA_PROPOSER
+from batchjson.engine.vllm.drafts import SCHEMA_PROPOSER
 from batchjson.records import Stage
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -125,7 +125,7 @@ def rate(n: float, seconds: float) -> float:
 
 
 # The speculative_config of each method as the benchmarks run it in bare vLLM (and batchjson's k for it): "schema" is
-# batchjson's drafter as vLLM's custom_class proposer (engine/internals.py), or on vLLM 0.34 the method it registers
+# batchjson's drafter as vLLM's custom_class proposer (engine/vllm/drafts.py), or on vLLM 0.34 the method it registers
 # (`speculative`).
 SPECULATIVE = {"suffix": {"method": "suffix", "num_speculative_tokens": 8},
                "ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4},
@@ -135,11 +135,11 @@ SPECULATIVE = {"suffix": {"method": "suffix", "num_speculative_tokens": 8},
 
 def speculative(method: str, schema: dict | None) -> dict:
     """SPECULATIVE[method], where "schema" is the method batchjson registers where vLLM has a registry of them (0.34:
-    engine/schema_drafter/), drafting from `schema` (the one the engine decodes under)."""
-    from batchjson.engine import schema_drafter
+    engine/vllm/schema_speculator/), drafting from `schema` (the one the engine decodes under)."""
+    from batchjson.engine.vllm import schema_speculator
 
-    if method == "schema" and schema_drafter.register():
-        return schema_drafter.speculative_config(SPECULATIVE[method]["num_speculative_tokens"], schema, {})
+    if method == "schema" and schema_speculator.register():
+        return schema_speculator.speculative_config(SPECULATIVE[method]["num_speculative_tokens"], schema, {})
     return SPECULATIVE[method]
 
 

@@ -123,13 +123,13 @@ def cost(task: str, rows: int, k: int, tokenizer: str) -> list[dict]:
     """The drafter's CPU a step, `rows` requests decoding their answers in lockstep (each step: the accepted drafts
     and one token of the answer), two ways, the same drafts: `runner` (before: a matcher of the drafter's own per
     request, advanced through each step's tokens, then vLLM's check of every draft: an accept per token and a
-    rollback) and `scheduler` (engine/internals.py SchedulerDrafts on vLLM's own matchers, which the engine has
+    rollback) and `scheduler` (engine/vllm/drafts.py SchedulerDrafts on vLLM's own matchers, which the engine has
     advanced anyway, the check skipped for forced strings that passed it once). vLLM's own advance is timed apart;
     the first step is not timed (lazy imports, each request's prompt index)."""
     import xgrammar as xgr
     from vllm.v1.structured_output.backend_xgrammar import XgrammarGrammar
 
-    from batchjson.engine.internals import SchedulerDrafts
+    from batchjson.engine.vllm.drafts import SchedulerDrafts
     from batchjson.schema.drafts import COPY_MAX, Drafter
 
     compiled, encode, vocab, cases = task_cases(task, rows, tokenizer)

@@ -1,5 +1,5 @@
 """What the JSON constraint costs a step at a full batch: bare vLLM's one `generate`, with no grammar, with vLLM's own
-mask fills and with batchjson's (engine/internals.py, BatchFills), each in its own process, all in one call.
+mask fills and with batchjson's (engine/vllm/fills.py, BatchFills), each in its own process, all in one call.
 
     python -m bench grammar --model /tmp/models/coder-1.5b --task C --rows 6000 --seqs 1024 \
         --configs vllm,batch,free,vllm-ngram,batch-ngram --out OUT
@@ -7,9 +7,9 @@ mask fills and with batchjson's (engine/internals.py, BatchFills), each in its o
 Configurations, run in the order given, for each --seqs (vLLM's max_num_seqs, its batch):
   vllm, batch   the task's JSON Schema (xgrammar, no whitespace, greedy, --max-tokens), the masks filled by vLLM
                 (grammar_fills = "vllm") or by batchjson's batch fills when vLLM asks for them ("batch",
-                engine/internals.py BatchFills).
+                engine/vllm/fills.py BatchFills).
   ahead         the batch fills and the grammars' advance on a thread beside the forward's launch, where vLLM
-                schedules ahead without drafts, and with drafts the step's fills beside its launch (engine/internals.py
+                schedules ahead without drafts, and with drafts the step's fills beside its launch (engine/vllm/ahead.py
                 GrammarAhead, BATCHJSON_GRAMMAR_AHEAD=1); "batch" and "vllm" run with it off (=0).
   late          "ahead" with the grammars' advance when update_from_output asks for it, on the engine core's
                 thread, and only the next step's fill beside it (BATCHJSON_GRAMMAR_AHEAD_FROM=update).
@@ -44,7 +44,7 @@ launch. Results: OUT/grammar-<task>-<rows>.json.
     python -m bench grammar --masks --seqs 1024 --drafts 0,4,8 --out OUT
 
 masks the logits of a step with drafts, no engine (where vLLM decodes with its V1 model runner: 0.26 with any
-speculation): vLLM's apply_grammar_bitmask against batchjson's (engine/internals.py, mask_rows and apply_mask_rows),
+speculation): vLLM's apply_grammar_bitmask against batchjson's (engine/vllm/masks.py, mask_rows and apply_mask_rows),
 CPU ms per call and ms until the GPU is done, on this machine's GPU (its CPU without one), the masked logits compared.
 
 `--matchers TOKENIZER` (xgrammar alone, no engine) also times the grammar's advance as update_from_output makes it:
@@ -95,7 +95,7 @@ def parse(name: str) -> dict:
 
 def one(cfg: dict) -> dict:
     """One configuration in this process: bare vLLM's LLM and one generate."""
-    from batchjson.engine import internals
+    from batchjson.engine.vllm import ahead as wing_ahead, fills as wing_fills
     from batchjson.engine.profiler import DUMP_EVERY_S, ENV_PROFILE, ENV_PROFILE_SYNC, SCHEDULED, read_profile
 
     profile = Path(cfg["profile"])
@@ -103,12 +103,12 @@ def one(cfg: dict) -> dict:
     fills, method, threads, stats = read["fills"], read["method"], read["threads"], read["stats"]
     ours = fills in ("batch", "ahead", "late")
     os.environ.update({"BATCHJSON_RUNNER_PID": str(os.getpid()), ENV_PROFILE: str(profile), ENV_PROFILE_SYNC: "0",
-                       internals.GRAMMAR_FILLS_ENV: "batch" if ours else "vllm",
-                       internals.AHEAD_ENV: "1" if fills in ("ahead", "late") else "0",
-                       internals.AHEAD_FROM_ENV: "update" if fills == "late" else "launch",
-                       internals.ENGINE_GC_ENV: str(read["gc"] or "")})  # "": batchjson's default
+                       wing_fills.GRAMMAR_FILLS_ENV: "batch" if ours else "vllm",
+                       wing_ahead.AHEAD_ENV: "1" if fills in ("ahead", "late") else "0",
+                       wing_ahead.AHEAD_FROM_ENV: "update" if fills == "late" else "launch",
+                       wing_ahead.ENGINE_GC_ENV: str(read["gc"] or "")})  # "": batchjson's default
     if threads:
-        os.environ[internals.FILL_THREADS_ENV] = threads
+        os.environ[wing_fills.FILL_THREADS_ENV] = threads
     from batchjson.engine.vllm_engine import _vllm
 
     vllm = _vllm()  # imported as batchjson imports it: a CPU build's KV cache size and threads set the same way
@@ -492,7 +492,7 @@ def masks(in_flight: int, drafts: int, vocab: int, repeat: int) -> dict:
     import torch
     from vllm.v1.structured_output.utils import apply_grammar_bitmask
 
-    from batchjson.engine.internals import apply_mask_rows, mask_rows
+    from batchjson.engine.vllm.masks import apply_mask_rows, mask_rows
 
     gpu = torch.cuda.is_available()
     device, words, rows = ("cuda" if gpu else "cpu"), (vocab + 31) // 32, in_flight * (1 + drafts)

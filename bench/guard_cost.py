@@ -1,5 +1,5 @@
 """The loop guard's cost per output token in vLLM's engine core: vLLM's check_sequence_repetition against
-batchjson's replacement (engine/internals.py, `repeats`), on the token lists the scheduler passes (ConstantList).
+batchjson's replacement (engine/vllm/scheduler.py, `repeats`), on the token lists the scheduler passes (ConstantList).
 
     python -m bench guard-cost [--guard 64,8,3]
 
@@ -24,14 +24,14 @@ def main(argv: list[str] | None = None) -> int:
     from vllm.v1.core.sched import utils
     from vllm.v1.utils import ConstantList
 
-    from batchjson.engine import internals
+    from batchjson.engine.vllm import scheduler
 
     vllms = utils.check_sequence_repetition
     params = RepetitionDetectionParams(*map(int, args.guard.split(",")))
     rng = random.Random(0)
     tokens = [rng.randrange(2000) if rng.random() < 0.6 else rng.choice((1, 2, 3, 4)) for _ in range(300)]
     seqs = [ConstantList(tokens[:n]) for n in range(1, 301)]
-    for name, check in (("vLLM check_sequence_repetition", vllms), ("batchjson repeats", internals.repeats)):
+    for name, check in (("vLLM check_sequence_repetition", vllms), ("batchjson repeats", scheduler.repeats)):
         t = time.perf_counter()
         for _ in range(args.repeat):
             for s in seqs:

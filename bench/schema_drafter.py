@@ -1,4 +1,4 @@
-"""The schema drafter as vLLM 0.34's registered speculative method (batchjson/engine/schema_drafter/): does it run,
+"""The schema drafter as vLLM 0.34's registered speculative method (batchjson/engine/vllm/schema_speculator/): does it run,
 keep greedy outputs token for token, and what does it give?
 
     python -m bench schema-drafter --model MODEL_DIR [--task C] [--rows 512] [--k 8] [--max-num-seqs 256]
@@ -35,12 +35,12 @@ SIDES = ("none", "schema", "ngram", "suffix")
 
 
 def side_config(side: str, k: int, schema: dict, options: dict) -> dict | None:
-    from batchjson.engine import schema_drafter
+    from batchjson.engine.vllm import schema_speculator
 
     if side == "none":
         return None
     if side == "schema":
-        return schema_drafter.speculative_config(k, schema, options)
+        return schema_speculator.speculative_config(k, schema, options)
     return {"method": side, "num_speculative_tokens": k} | options
 
 
@@ -51,14 +51,14 @@ def one(cfg: dict) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.sampling_params import StructuredOutputsParams
 
-    from batchjson.engine import schema_drafter
+    from batchjson.engine.vllm import schema_speculator
     from bench.common import frame, task_prompts
     from bench.scenarios import acceptance, spec_counters
     from bench.tasks import TASKS, schema as task_schema
 
     if cfg["side"] == "schema":
         plugins = [p.value for p in entry_points(group="vllm.general_plugins")]
-        if "batchjson.engine.plugin:register" not in plugins or not schema_drafter.register():
+        if "batchjson.engine.plugin:register" not in plugins or not schema_speculator.register():
             raise SystemExit("the schema drafter needs vLLM 0.34 and batchjson's vLLM plugin registered in every vLLM "
                              "process: pip install batchjson, or bash bench/gpu/register_plugin.sh")
     schema = task_schema(cfg["task"])
@@ -112,16 +112,16 @@ def compare(args) -> int:
 def use_registry(root: Path) -> types.ModuleType:
     """vLLM 0.34's registry of speculative methods: this vLLM's own, else its Python file under `root` (it imports
     nothing that vLLM 0.32 lacks), made this process's."""
-    from batchjson.engine import schema_drafter
+    from batchjson.engine.vllm import schema_speculator
 
-    if importlib.util.find_spec("vllm.v1.worker.gpu.spec_decode") and schema_drafter.register():
-        return sys.modules[schema_drafter.REGISTRY]
+    if importlib.util.find_spec("vllm.v1.worker.gpu.spec_decode") and schema_speculator.register():
+        return sys.modules[schema_speculator.REGISTRY]
     path = next((p for p in (root / "vllm", root / "src" / "vllm") if p.is_dir()), root / "vllm")
     path = path / "v1/worker/gpu/spec_decode/speculator_config.py"
     if not path.is_file():
         raise SystemExit(f"--vllm-src: no vLLM 0.34 sources in {root} ({path} is missing)")
-    spec = importlib.util.spec_from_file_location(schema_drafter.REGISTRY, path)
-    module = sys.modules[schema_drafter.REGISTRY] = importlib.util.module_from_spec(spec)
+    spec = importlib.util.spec_from_file_location(schema_speculator.REGISTRY, path)
+    module = sys.modules[schema_speculator.REGISTRY] = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
@@ -129,7 +129,7 @@ def use_registry(root: Path) -> types.ModuleType:
 def settings(folder: Path, k: int):
     """A task-C job file with `[speculative] method = "schema"`, through batchjson's engine settings: its vLLM
     speculative_config, and the config class vLLM's registry gives for the method it names, set up."""
-    from batchjson.engine import schema_drafter
+    from batchjson.engine.vllm import schema_speculator
     from batchjson.engine.vllm_engine import engine_settings
     from batchjson.spec import load_spec
     from bench.tasks import write_task
@@ -142,9 +142,9 @@ def settings(folder: Path, k: int):
     spec = load_spec(job)
     choice, kwargs = engine_settings(spec.model, spec.sampling, spec.schema_doc, spec.speculative, cpu=False)
     config = kwargs["speculative_config"]
-    assert config["method"] == schema_drafter.METHOD, config
+    assert config["method"] == schema_speculator.METHOD, config
     assert json.loads(config["speculator_options"]["json_schema"]) == choice.grammar_schema
-    registry = sys.modules[schema_drafter.REGISTRY]
+    registry = sys.modules[schema_speculator.REGISTRY]
     config_cls = registry.get_custom_speculator_config_class(config["method"])
     vllm_spec = types.SimpleNamespace(target_model_config="target", target_parallel_config="tp",
                                       **{k: config[k] for k in ("num_speculative_tokens", "speculator_options")})
@@ -161,7 +161,7 @@ def lockstep(compiled, encode, cases, k: int) -> dict:
     import numpy as np
     import torch
 
-    from batchjson.engine.schema_drafter.steps import StepDrafts, read_rows, read_step
+    from batchjson.engine.vllm.schema_speculator.steps import StepDrafts, read_rows, read_step
 
     drafts = StepDrafts(encode, compiled, k)
     n, length = len(cases), max(len(p.prompt) + len(a) for p, a in cases) + 1

@@ -22,7 +22,7 @@ Runs, in the order given (compare only runs of one call: machines differ by +-30
   <run>-noadapt           the same with [sampling] adapt = false (pass 1 keeps its own settings however its rows do).
   <run>-nofills           the same with [model] grammar_fills = "vllm" (vLLM's own mask fills, not batchjson's).
   <run>+ahead             the same with the grammars' work beside the forward's launch (BATCHJSON_GRAMMAR_AHEAD=1;
-                          engine/internals.py GrammarAhead; the default since 2026-12-06, with drafts too).
+                          engine/vllm/ahead.py GrammarAhead; the default since 2026-12-06, with drafts too).
   <run>+noahead           the same with the grammars' work when vLLM asks for it (BATCHJSON_GRAMMAR_AHEAD=0).
   <run>+p2                pass 1 stops every row at 8 tokens, so pass 2 (max_tokens as given, no drafts) decodes all
                           rows on pass 1's engine: draft+p2 against none+p2 is what the drafter costs requests
@@ -83,7 +83,7 @@ import time
 from pathlib import Path
 
 from batchjson.engine.devices import visible_gpus
-from batchjson.engine.internals import AHEAD_ENV
+from batchjson.engine.vllm.ahead import AHEAD_ENV
 from batchjson.engine.vllm_engine import graph_sizes
 from bench.common import P1, P2, ROOT, SPECULATIVE, cli, run_group, speculative
 from bench.replicas import HostSampler

@@ -1,5 +1,5 @@
-"""The fixtures: a tiny random model for the real vLLM CPU engine, engines started once per session, and a test S3
-server. What tests share besides fixtures is in helpers.py."""
+"""The fixtures: a tiny random model for the real vLLM CPU engine, engines started once per session, the Python files
+of other vLLM versions, and a test S3 server. What tests share besides fixtures is in helpers.py."""
 
 from __future__ import annotations
 
@@ -23,6 +23,20 @@ def pytest_unconfigure(config):
     """After the last test: should the interpreter hang on its way out (a child process joined at exit, a thread
     that never ends), print every thread's stack and exit 1 within five minutes rather than stall the caller."""
     faulthandler.dump_traceback_later(300, exit=True)
+
+
+@pytest.fixture(scope="session")
+def vllm_sources():
+    """The folder of a vLLM version's Python files ("0.26", "0.34"), for the tests that run batchjson's patches on
+    that vLLM's own scheduler (vllm_sources.py; `make install` fetches them)."""
+    import vllm_sources
+
+    def source(version: str):
+        found = vllm_sources.folder(version)
+        assert (found / "vllm").is_dir(), f"{found} is missing: `make install` fetches vLLM {version}'s Python files"
+        return found
+
+    return source
 
 
 @pytest.fixture(scope="session")

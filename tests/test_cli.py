@@ -22,6 +22,25 @@ def test_check_reports_rows_and_columns():
     assert "120 rows" in result.output and "['id', 'text', 'source']" in result.output
 
 
+def test_check_names_each_engine_patch_the_installed_vllm_leaves_off_and_why():
+    """`batchjson check` says which of batchjson's engine patches are off on the installed vLLM, each with its
+    reason, without starting an engine (the CPU build, 0.32: the grammars' work beside the launch, the drafted
+    fills)."""
+    from batchjson.engine.vllm import versions
+
+    result = CliRunner().invoke(main, ["check", str(ROOT / "jobs" / "sample.toml")])
+    assert result.exit_code == 0, result.output
+    version = versions.installed_version()
+    off = versions.off_here(version, {})
+    assert f"vLLM {version}: batchjson's engine patches on: " in result.output
+    for name, why in off.items():
+        assert f"  off: {name} (" in result.output and why in result.output, name
+    if version.startswith("0.32."):
+        assert set(off) == {"grammar_ahead", "drafted_fills"}
+        assert "off: grammar_ahead (the grammars' work beside the forward's launch; ahead.py): vLLM 0.32.0 is not a " \
+               "version this patch was read on (0.26.x, 0.34.x)" in result.output.replace(version, "0.32.0")
+
+
 def test_the_command_keeps_its_exit_codes_and_its_whole_output(tmp_path):
     """`batchjson` ends without Python's teardown (cli.entry): what it printed into a pipe still arrives, and the
     exit code is the command's."""

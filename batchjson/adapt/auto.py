@@ -26,7 +26,7 @@ costs two engine starts, at most 2 / TRIAL_PAYS = 5% of the rest of the pass, so
 better choice either way. The report says what was chosen and why.
 
 Auto judges the pass, and the pass is the whole run's cost of speculation: the rows pass 1 fails go to pass 2, which
-decodes them without a draft on the same engine (worker.py; engine/internals.py's per-request draft switch). Where
+decodes them without a draft on the same engine (worker.py; engine/vllm/scheduler.py's per-request draft switch). Where
 that switch is missing, pass 2 would need an engine of its own after a speculative pass 1, and the worker runs pass
 1 without speculation instead of asking auto (BENCHMARKS.md, "One engine start for both passes").
 """
@@ -122,7 +122,7 @@ class Auto(Policy):
     weights_gb: float | None = None
     """The target's weight gigabytes (engine/models.py, weight_bytes): the measurements of the nearest model size count."""
     schema_drafts: bool = False
-    """Whether the schema drafter can run on this job and engine (a JSON Schema; engine/internals.py read this vLLM)."""
+    """Whether the schema drafter can run on this job and engine (a JSON Schema; engine/vllm/ read this vLLM)."""
     trials: list[Trial] = field(default_factory=list)
     decided: str = ""
     """Why the current choice is final; empty while measuring."""

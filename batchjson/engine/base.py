@@ -28,7 +28,7 @@ class EngineFacts:
     "" without a grammar."""
     notice: str = ""
     """What the run's report should say about the engine itself (VllmEngine: its vLLM is one batchjson's patches
-    were not read on, see internals.notice); "" for nothing."""
+    were not read on, see engine/vllm/versions.py, notice); "" for nothing."""
     notice_code: str = ""
     """The notice's code (a report.NoteCode); "" for the generic "engine-notice"."""
     kv_kept: int | None = None

@@ -3,16 +3,18 @@
 The engine processes of a batchjson run die with the runner, whatever kills it: here, a parent-death signal, once
 vLLM has loaded the plugin (after its start-up handshake); before that, the runner's reaper (reaper.py) kills them.
 
-Without both, a runner killed by SIGKILL or the OOM killer leaves vLLM's engine process alive, holding gigabytes
-of memory (GPU memory on a GPU) until someone finds it. It also installs, in those processes, the scheduler patches
-(internals.py: no drafts for pass 2, a fast loop guard) and, when the run asks for it by environment (BATCHJSON_PROFILE_STEPS), the step profiler
-(profiler.py). Does nothing outside a batchjson run, nor in the runner process itself, but one thing: in every
-process, where vLLM has a registry of speculative methods (0.34), it registers the schema drafter's
-(schema_drafter/), which any vLLM engine may then name, batchjson's or not.
+Without both, a runner killed by SIGKILL or the OOM killer leaves vLLM's engine process alive, holding gigabytes of
+memory (GPU memory on a GPU) until someone finds it. It also installs, in those processes, the wing's patches
+(engine/vllm/: no drafts for pass 2, a fast loop guard, the grammar fills, ...) and, when the run asks for it by
+environment (BATCHJSON_PROFILE_STEPS), the step profiler (profiler.py). Does nothing outside a batchjson run, nor in
+the runner process itself, but two things: in every process, where vLLM has a registry of speculative methods (0.34),
+it registers the schema drafter's (engine/vllm/schema_speculator/), which any vLLM engine may then name, batchjson's or
+not; and where vLLM 0.34's kernel warmup would import the CuTe DSL it lacks, it skips the MiniMax-M3 warmup
+(engine/vllm/processes.py, skip_msa_warmup_without_cute).
 
-Forked engine processes. vLLM loads its general plugins once per process, and on CUDA it forks the engine-core
-process from the runner, which has loaded them already (where this plugin does nothing): so the runner registers an
-at-fork hook that lets a forked child load them again (internals.let_forked_child_load_plugins says why and how),
+Forked engine processes. vLLM loads its general plugins once per process, and on CUDA it forks the engine-core process
+from the runner, which has loaded them already (where this plugin does nothing): so the runner registers an at-fork hook
+that lets a forked child load them again (engine/vllm/processes.py, let_forked_child_load_plugins, says why and how),
 until the child has installed the patches, and vLLM loads the plugin there as it does in a spawned one.
 """
 
@@ -20,8 +22,9 @@ from __future__ import annotations
 
 import os
 
-# Imported here, not in the at-fork hook, which runs in a child just forked (internals imports no vLLM when loaded).
-from batchjson.engine import internals, reaper, schema_drafter
+# Imported here, not in the at-fork hook, which runs in a child just forked (none of them imports vLLM when loaded).
+from batchjson.engine import reaper
+from batchjson.engine.vllm import processes, schema_speculator
 
 
 _FORK_HOOK = False
@@ -31,7 +34,7 @@ _PENDING = False  # a local replica tied to its runner, its patches left for its
 
 def _after_fork_in_child() -> None:
     if not _DONE:
-        internals.let_forked_child_load_plugins()  # vLLM loads its plugins (this one) again in this process
+        processes.let_forked_child_load_plugins()  # vLLM loads its plugins (this one) again in this process
 
 
 def register(replica: bool = False) -> None:
@@ -40,8 +43,8 @@ def register(replica: bool = False) -> None:
     never imports vLLM (seconds of CPU each)."""
     global _FORK_HOOK, _DONE, _PENDING
     if not replica:  # vLLM's call: vLLM is imported (a replica's own call imports none)
-        schema_drafter.register()
-        internals.skip_msa_warmup_without_cute()
+        schema_speculator.register()
+        processes.skip_msa_warmup_without_cute()
     runner = os.environ.get("BATCHJSON_RUNNER_PID")
     if not runner:
         return
@@ -76,7 +79,8 @@ def install_pending() -> None:
 
 def _install() -> None:
     from batchjson.engine import profiler, quiet
+    from batchjson.engine.vllm import patches
 
     quiet.quiet_floods()
-    internals.install()
+    patches.install()
     profiler.install()

@@ -4,8 +4,8 @@
 process, to the JSON file every few seconds and at shutdown; read it with `read_profile`.
 `BATCHJSON_PROFILE_SYNC=0` leaves out the GPU waits around the model runner's parts (see _cuda_sync). Installed by
 the plugin (plugin.py), only when asked for. This module measures and writes; what it times in vLLM (the table
-TIMED) and the patching of its timers in are internals.py's (`time_engine_steps`), checked against the versions they
-were read on: a part this vLLM lacks is skipped and recorded, never an error.
+TIMED) and the patching of its timers in are engine/vllm/timers.py's (`time_engine_steps`), checked against the
+versions they were read on: a part this vLLM lacks is skipped and recorded, never an error.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import threading
 import time
 from pathlib import Path
 
-from batchjson.engine import internals
+from batchjson.engine.vllm import timers
 
 ENV_PROFILE = "BATCHJSON_PROFILE_STEPS"
 ENV_PROFILE_SYNC = "BATCHJSON_PROFILE_SYNC"
@@ -149,12 +149,12 @@ def install_profiler(path: Path, sync: bool) -> StepProfile:
     """Time, in this process: the scheduler's schedule and update_from_output (and the grammars' advance inside it,
     call by call: "advance"), Python's garbage collections ("gc"), the grammar bitmask, the model runner's forward
     (execute_model) and sampling (sample_tokens, which holds the rejection sampler and the drafter's propose), the
-    rejection sampler, the drafter (ngram, suffix, draft model, eagle), and the whole engine step (internals.TIMED,
-    patched in by internals.time_engine_steps), on whichever model runner(s) this vLLM has. A part
+    rejection sampler, the drafter (ngram, suffix, draft model, eagle), and the whole engine step (timers.TIMED,
+    patched in by timers.time_engine_steps), on whichever model runner(s) this vLLM has. A part
     that cannot be patched is skipped and recorded; an error in one is recorded (the file's "error") and logged, and
     never stops the engine."""
     profile = StepProfile(path, sync)
-    profile.patches, profile.errors = internals.time_engine_steps(
+    profile.patches, profile.errors = timers.time_engine_steps(
         lambda fn, part, gpu: _timed(fn, part, profile, gpu), profile.count_step, profile.dump)
     if not all(how.startswith("skipped") for how in profile.patches.values()):  # times nothing where nothing is read
         _time_collections(profile)

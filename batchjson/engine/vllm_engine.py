@@ -4,7 +4,8 @@ its factory.
 Over 250 lines because it is one adapter: vLLM is imported here only (in `_vllm`, on first use), and a change in
 vLLM's API (as guided decoding becoming StructuredOutputsParams) should touch this file alone; split, the class's
 start, stream and shutdown would each see part of vLLM. What touches vLLM's internals (the scheduler patches, the
-engine-process watcher, the shutdown) is in internals.py; `engine_kwargs` builds the engine's arguments without vLLM.
+engine-process watcher, the shutdown, an internal abort) is in the wing, engine/vllm/; `engine_kwargs` builds the
+engine's arguments without vLLM.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-from batchjson.engine import devices, internals, kv_sizes, plugin, reaper, schema_drafter
+from batchjson.engine import devices, kv_sizes, plugin, reaper
+from batchjson.engine.vllm import drafts, fills, kv, patches, processes, scheduler, schema_speculator, versions
 from batchjson.engine.base import Engine, EngineFactory, EngineFacts
 from batchjson.engine.models import resolve_model
 from batchjson.errors import EngineDied, EngineError
@@ -141,14 +143,14 @@ def speculative_config(spec: SpeculativeSpec, schema: dict | None = None) -> dic
     """vLLM's speculative_config for `spec`; `[speculative.options]` goes last and overrides any of it. "schema" is
     batchjson's drafter (the tokens the grammar forces, copies from the prompt; `schema`: the grammar's JSON Schema,
     None for any JSON object): the method it registered where vLLM has a registry of them (0.34's Model Runner V2:
-    schema_drafter/), else vLLM's custom_class proposer."""
+    engine/vllm/schema_speculator/), else vLLM's custom_class proposer (engine/vllm/drafts.py)."""
     if spec.method == "schema":
-        if schema_drafter.register():
-            return schema_drafter.speculative_config(spec.num_speculative_tokens, schema, spec.options)
-        if why := internals.schema_drafts_unready():
+        if schema_speculator.register():
+            return schema_speculator.speculative_config(spec.num_speculative_tokens, schema, spec.options)
+        if why := drafts.schema_drafts_unready():
             raise EngineError(f'speculative.method = "schema" cannot run here ({why}): choose another method '
                               '(auto, suffix, ngram, none).')
-        return {"method": "custom_class", "model": internals.SCHEMA_PROPOSER,
+        return {"method": "custom_class", "model": drafts.SCHEMA_PROPOSER,
                 "num_speculative_tokens": spec.num_speculative_tokens} | spec.options
     config: dict[str, Any] = {"method": spec.method, "num_speculative_tokens": spec.num_speculative_tokens,
                               "draft_sample_method": spec.draft_sample_method}
@@ -207,13 +209,13 @@ class VllmEngine(Engine):
         self.params: dict[str, Any] = {}  # stage -> SamplingParams
         # Requests without a draft on a speculative engine (pass 2): through batchjson's scheduler patch.
         plugin.install_pending()  # a local replica's (before its engine exists, as the engine may fork from it)
-        internals.install_in_runner()  # the plugin installs them all in vLLM's processes
-        self.no_draft = self.speculative is not None and internals.no_draft_ready()
-        self.notice, self.notice_code = internals.notice(), internals.notice_code()
+        patches.install_in_runner()  # the plugin installs them all in vLLM's processes
+        self.no_draft = self.speculative is not None and scheduler.no_draft_ready()
+        self.notice, self.notice_code = versions.notice(), versions.notice_code()
         self.use(decoding)
         # The engine processes fill the grammar's masks as the spec says (its plugin reads this before the first step).
-        os.environ[internals.GRAMMAR_FILLS_ENV] = model.grammar_fills
-        self.fills = internals.grammar_fills(model.grammar_fills)
+        os.environ[fills.GRAMMAR_FILLS_ENV] = model.grammar_fills
+        self.fills = patches.grammar_fills(model.grammar_fills)
         # The KV cache's size vLLM measured for these settings before, if it did (kv_sizes.py): given, vLLM skips the
         # measurement; else the engine core reports what it measures, kept for the next start.
         config, self.kv_kept = kv_sizes.sized(kwargs, self._cpu)
@@ -221,7 +223,7 @@ class VllmEngine(Engine):
             kwargs[kv_sizes.GIVEN] = self.kv_kept
         report = Path(tempfile.mkdtemp(prefix="batchjson-kv-")) / "bytes" if config and not self.kv_kept else None
         if report:
-            os.environ[internals.KV_SIZE_ENV] = str(report)
+            os.environ[kv.KV_SIZE_ENV] = str(report)
         try:
             with reaper.guard():  # its processes die with this one, however and whenever it dies
                 self.llm = vllm.LLM(**kwargs)
@@ -234,17 +236,16 @@ class VllmEngine(Engine):
                               + (taken or "Check [model], [model.engine] and [speculative].")) from e
         finally:
             if report:
-                os.environ.pop(internals.KV_SIZE_ENV, None)
+                os.environ.pop(kv.KV_SIZE_ENV, None)
                 with contextlib.suppress(OSError, ValueError):
                     kv_sizes.keep(config, int(report.read_text()))
                 shutil.rmtree(report.parent, ignore_errors=True)
         self.tokenizer = self.llm.get_tokenizer()
         if self.max_in_flight is None:  # the engine's batch, and as many waiting behind it
-            scheduler = getattr(getattr(self.llm.llm_engine, "vllm_config", None), "scheduler_config", None)
-            self.max_in_flight = 2 * (getattr(scheduler, "max_num_seqs", None) or 256)
+            self.max_in_flight = 2 * (processes.batch_size(self.llm) or 256)
         self._probe(kwargs["structured_outputs_config"]["backend"], decoding)
         # A killed engine process becomes EngineDeadError in step(), which stream() handles (else step() hangs).
-        internals.watch_engine_processes(self.llm, self._closed, self._dead, self._hung)
+        processes.watch_engine_processes(self.llm, self._closed, self._dead, self._hung)
 
     def accepts(self, decoding: DecodingSpec, speculative: SpeculativeSpec | None) -> bool:
         """Whether a pass with these settings can run on this engine: sampling is per request, but the grammar
@@ -281,7 +282,7 @@ class VllmEngine(Engine):
         """SamplingParams.extra_args: no draft for this request (pass 2 on pass 1's engine), or an audit's twin."""
         if not no_draft:
             return None
-        return {internals.NO_DRAFT: True, internals.AUDIT_TWIN: True} if twin else {internals.NO_DRAFT: True}
+        return {scheduler.NO_DRAFT: True, scheduler.AUDIT_TWIN: True} if twin else {scheduler.NO_DRAFT: True}
 
     def _hung(self) -> str:
         """Why the engine is taken for hung ("" while it is not): one step has not returned for hang_timeout_s.
@@ -302,7 +303,7 @@ class VllmEngine(Engine):
             raise EngineError(f"the {backend} structured-output backend cannot use this JSON Schema: {e}. "
                               "Set model.structured_output_backend (or fallback.structured_output_backend) to "
                               "another backend (xgrammar, guidance, outlines), or simplify the schema.") from None
-        self.llm.llm_engine.abort_request([request_id], internal=True)
+        processes.abort_internal(self.llm, request_id)
 
     def _repetition(self, settings: dict | None) -> dict[str, Any]:
         if not settings:
@@ -430,7 +431,7 @@ class VllmEngine(Engine):
         out = dict.fromkeys(names.values(), 0.0)
         if self.audit["rows"]:  # the speculation audit's rows and those whose answer differed without drafts
             out |= {"audit_rows": self.audit["rows"], "audit_differ": self.audit["differ"]}
-        if self.speculative is None or not getattr(self.llm.llm_engine, "log_stats", True):  # no draft, or stats off ([model.engine])
+        if self.speculative is None or not processes.stats_on(self.llm):  # no draft, or stats off ([model.engine])
             return out
         for metric in self.llm.get_metrics():
             if metric.name in names and hasattr(metric, "value"):
@@ -442,7 +443,7 @@ class VllmEngine(Engine):
         if self.llm is None:
             return
         self._closed.set()
-        internals.shut_down(self.llm)
+        processes.shut_down(self.llm)
         self.llm = None
         gc.collect()
 
@@ -467,8 +468,8 @@ class VllmEngines(EngineFactory):
 
     @property
     def drafts_optional(self) -> bool:
-        return internals.no_draft_ready()
+        return scheduler.no_draft_ready()
 
     @property
     def schema_drafts(self) -> bool:
-        return schema_drafter.register() or not internals.schema_drafts_unready()
+        return schema_speculator.register() or not drafts.schema_drafts_unready()

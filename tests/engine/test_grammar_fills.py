@@ -1,4 +1,4 @@
-"""batchjson's grammar fills (engine/internals.py, BatchFills): the same masks and the same tokens as vLLM's own
+"""batchjson's grammar fills (engine/vllm/fills.py, BatchFills): the same masks and the same tokens as vLLM's own
 fills, the drafted rows as vLLM 0.26 makes them with the grammars rolled back, and vLLM's own fills where batchjson
 has not read the vLLM version or the spec asks for them; the masks placed on the logits' device (mask_rows,
 apply_mask_rows) as vLLM's V1 model runner places them."""
@@ -13,7 +13,12 @@ from types import SimpleNamespace
 
 import pytest
 
-from batchjson.engine import internals
+from batchjson.engine.vllm import fills as fills_module
+from batchjson.engine.vllm.ahead import AHEAD_ENV, ENGINE_GC_ENV, GrammarAhead, ahead_wanted, engine_gc, stale_field
+from batchjson.engine.vllm.ahead_hooks import install_grammar_ahead
+from batchjson.engine.vllm.fills import BatchFills
+from batchjson.engine.vllm.masks import apply_mask_rows, install_mask_scatter, mask_rows
+from batchjson.engine.vllm.patches import grammar_fills
 from batchjson.engine.profiler import read_profile
 from batchjson.records import Prompt
 from batchjson.spec import DecodingSpec, ModelSpec
@@ -90,7 +95,7 @@ def test_batch_fills_make_vllms_rows_at_every_step(grammar_kit):
     tokenizer, compiled, vocab = grammar_kit
     answers = [answer_tokens(tokenizer, compiled, f'{{"name": "w{i % 5}x", "n": {i % 10}}}') for i in range(12)]
     gs, mine = grammars(compiled, vocab, 12), grammars(compiled, vocab, 12)
-    fills = internals.BatchFills(rows=16, words=xgr.allocate_token_bitmask(1, vocab).shape[1], drafted=True)
+    fills = BatchFills(rows=16, words=xgr.allocate_token_bitmask(1, vocab).shape[1], drafted=True)
     expected = xgr.allocate_token_bitmask(12, vocab)
     steps = max(map(len, answers)) + 2
     for step in range(steps):
@@ -111,7 +116,7 @@ def test_batch_accept_tells_each_refused_token(grammar_kit, asks):
     call leaves it. On this xgrammar one FFI call tells whether any was refused (finds_refusals); without that, the
     answer is read in full."""
     tokenizer, compiled, vocab = grammar_kit
-    fills = internals.BatchFills(rows=4, words=xgr.allocate_token_bitmask(1, vocab).shape[1], drafted=True)
+    fills = BatchFills(rows=4, words=xgr.allocate_token_bitmask(1, vocab).shape[1], drafted=True)
     assert fills.finds_refusals
     fills.finds_refusals = asks
     first, second = answer_tokens(tokenizer, compiled, '{"name": "w", "n": 1}')[:2]
@@ -141,7 +146,7 @@ def test_drafted_rows_are_vllm_026s_and_the_grammars_come_back(grammar_kit):
     assert gs[5].accept_tokens("r", answer) and mine[5].accept_tokens("r", answer)  # the last one ended
     assert mine[5].is_terminated()
     words = xgr.allocate_token_bitmask(1, vocab).shape[1]
-    fills = internals.BatchFills(rows=32, words=words, drafted=True)
+    fills = BatchFills(rows=32, words=words, drafted=True)
     expected = xgr.allocate_token_bitmask(32, vocab)
     rows = vllm_rows(gs, drafts, expected)
     got = fills.bitmask(requests_of(mine), list(requests_of(mine)), {str(i): d for i, d in enumerate(drafts)})
@@ -173,21 +178,21 @@ def test_masks_placed_in_one_scatter_mask_what_vllms_row_copies_mask():
     grammar = SimpleNamespace(grammar_bitmask=bitmask.numpy(), structured_output_request_ids=grammar_ids)
     theirs, ours = logits.clone(), logits.clone()
     apply_grammar_bitmask(scheduled, grammar, SimpleNamespace(req_ids=batch), theirs)
-    kept, targets = internals.mask_rows(batch, grammar_ids, drafts)
-    internals.apply_mask_rows(grammar.grammar_bitmask, kept, targets, ours)
+    kept, targets = mask_rows(batch, grammar_ids, drafts)
+    apply_mask_rows(grammar.grammar_bitmask, kept, targets, ours)
     assert torch.isinf(theirs).any() and not torch.isinf(theirs[4:6]).any()  # masked, but not "free"'s rows
     assert torch.equal(theirs, ours)
     assert len(targets) == rows - 2  # "gone"'s two rows have no place
-    assert internals.install_mask_scatter() == "ok"  # on this vLLM; the CPU runner's logits keep vLLM's own path
+    assert install_mask_scatter() == "ok"  # on this vLLM; the CPU runner's logits keep vLLM's own path
 
 
 def test_an_unread_vllm_keeps_its_own_fills(monkeypatch):
     import vllm
 
     monkeypatch.setattr(vllm, "__version__", "0.99.0")
-    said = internals.grammar_fills("batch")
+    said = grammar_fills("batch")
     assert said.startswith("vllm (vLLM 0.99.0 is not a version this patch was read on")
-    assert internals.grammar_fills("vllm") == 'vllm ([model] grammar_fills = "vllm")'
+    assert grammar_fills("vllm") == 'vllm ([model] grammar_fills = "vllm")'
 
 
 @pytest.mark.engine
@@ -229,7 +234,7 @@ class Request(SimpleNamespace):
 
 def ahead_requests(gs) -> dict:
     return {str(i): Request(structured_output_request=SimpleNamespace(grammar=g), use_structured_output=True,
-                            is_prefill_chunk=False, finished=False, **{internals.stale_field(): 0})
+                            is_prefill_chunk=False, finished=False, **{stale_field(): 0})
             for i, g in enumerate(gs)}
 
 
@@ -257,7 +262,7 @@ def vllm_update(requests, ids, tokens, skip=frozenset()) -> list[str]:
         request = requests.get(req_id)
         if request is None or request.finished or req_id not in tokens or req_id in skip:
             continue
-        if getattr(request, internals.stale_field()):
+        if getattr(request, stale_field()):
             continue
         request.structured_output_request.grammar.accept_tokens(req_id, [tokens[req_id]])
         moved.append(req_id)
@@ -275,7 +280,7 @@ def test_grammar_work_ahead_of_the_step_is_vllms_step_after_step(grammar_kit, la
     gs, mine = grammars(compiled, vocab, 12), grammars(compiled, vocab, 12)
     theirs, ours = ahead_requests(gs), ahead_requests(mine)
     words = xgr.allocate_token_bitmask(1, vocab).shape[1]
-    ahead = internals.GrammarAhead(internals.BatchFills(rows=16, words=words, drafted=True), ours)
+    ahead = GrammarAhead(BatchFills(rows=16, words=words, drafted=True), ours)
     ahead.min_requests, ahead.late = 1, late
     ids = list(ours)
     step = scheduled(ids)
@@ -311,10 +316,10 @@ def test_an_engine_core_collects_its_first_generation_less_often_on_a_gpu(monkey
     import gc
 
     before = gc.get_threshold()
-    monkeypatch.setenv(internals.ENGINE_GC_ENV, given)
+    monkeypatch.setenv(ENGINE_GC_ENV, given)
     try:
         gc.set_threshold(700, 11, 12)
-        assert internals.engine_gc(gpu) == expected
+        assert engine_gc(gpu) == expected
         assert gc.get_threshold() == (expected or 700, 11, 12)
     finally:
         gc.set_threshold(*before)
@@ -335,13 +340,13 @@ def test_grammar_work_ahead_skips_what_vllm_skips_and_refills_what_vllm_moved(gr
     for requests in (theirs, ours):
         requests["1"].finished = True
         del requests["2"]
-        setattr(requests["3"], internals.stale_field(), 1)
+        setattr(requests["3"], stale_field(), 1)
     ids = [str(i) for i in range(8)]
     tokens = {r: answer[0] for r in ids if r != "4"}  # 4: a prefill chunk, no token
     refused = tokenizer.encode("}", add_special_tokens=False)[0]
     tokens["5"] = refused
     words = xgr.allocate_token_bitmask(1, vocab).shape[1]
-    ahead = internals.GrammarAhead(internals.BatchFills(rows=16, words=words, drafted=True), ours)
+    ahead = GrammarAhead(BatchFills(rows=16, words=words, drafted=True), ours)
     ahead.min_requests = 1
     step, following = scheduled(ids), scheduled(ids)
     ahead.note(step, SimpleNamespace(structured_output_request_ids=ids))
@@ -376,7 +381,7 @@ def test_grammar_work_ahead_starts_only_on_a_step_it_reads(grammar_kit):
     vLLM (the CPU build schedules without async) it is not installed."""
     _, compiled, vocab = grammar_kit
     words = xgr.allocate_token_bitmask(1, vocab).shape[1]
-    ahead = internals.GrammarAhead(internals.BatchFills(rows=4, words=words, drafted=True), {})
+    ahead = GrammarAhead(BatchFills(rows=4, words=words, drafted=True), {})
     ahead.min_requests = 1
     step, ids = scheduled(["0"]), ["0"]
     output = SimpleNamespace(async_output=sampled({"0": 1}, ids))
@@ -400,8 +405,8 @@ def test_grammar_work_ahead_starts_only_on_a_step_it_reads(grammar_kit):
     ahead.start(scheduled(ids))
     assert ahead.job is not None and ahead.job[0] is step
     ahead.job[2].result()
-    assert internals.install_grammar_ahead().startswith("vLLM 0.32")
-    assert "beside the forward" not in internals.grammar_fills("batch")
+    assert install_grammar_ahead().startswith("vLLM 0.32")
+    assert "beside the forward" not in grammar_fills("batch")
 
 
 def test_grammar_work_goes_ahead_by_default(monkeypatch):
@@ -410,25 +415,22 @@ def test_grammar_work_goes_ahead_by_default(monkeypatch):
     import vllm
 
     monkeypatch.setattr(vllm, "__version__", "0.26.0")
-    monkeypatch.setattr(internals, "_batch_fills_unready", lambda: "")
+    monkeypatch.setattr(fills_module, "batch_fills_unready", lambda: "")
     for setting, on in ((None, True), ("0", False), ("1", True)):
         if setting is None:
-            monkeypatch.delenv(internals.AHEAD_ENV, raising=False)
+            monkeypatch.delenv(AHEAD_ENV, raising=False)
         else:
-            monkeypatch.setenv(internals.AHEAD_ENV, setting)
-        assert internals.ahead_wanted() == on, setting
-        assert ("beside the forward" in internals.grammar_fills("batch")) == on, setting
+            monkeypatch.setenv(AHEAD_ENV, setting)
+        assert ahead_wanted() == on, setting
+        assert ("beside the forward" in grammar_fills("batch")) == on, setting
 
 
-VLLM_SRC = {v: Path(sys.prefix) / f"vllm-{v}" for v in ("0.26", "0.34")}  # their Python files: `make install`
 MODES = {"ahead": [], "one at a time, drafted": ["--sync", "--drafts", "4"],
          "ahead of time, drafted": ["--drafts", "4"]}
 
 
-def on_vllms_scheduler(version: str, tiny_model: str, out: Path, *args: str) -> list[dict]:
-    """`python -m bench ahead ARGS` on vLLM `version`'s own Python over the CPU build: its runs."""
-    src = VLLM_SRC[version]
-    assert (src / "vllm").is_dir(), f"{src} is missing: `make install` fetches vLLM {version}'s Python files"
+def on_vllms_scheduler(src: Path, tiny_model: str, out: Path, *args: str) -> list[dict]:
+    """`python -m bench ahead ARGS` on the Python files of a vLLM in `src` over the CPU build: its runs."""
     proc = subprocess.run([sys.executable, "-m", "bench", "ahead", "--vllm-src", str(src), "--model", tiny_model,
                            "--seqs", "32", "--min-requests", "1", *args, "--out", str(out)],
                           cwd=Path(__file__).parents[2], capture_output=True, text=True, timeout=500)
@@ -438,7 +440,7 @@ def on_vllms_scheduler(version: str, tiny_model: str, out: Path, *args: str) -> 
 
 @pytest.mark.parametrize("version,steps", [("0.26", "ahead"), ("0.26", "one at a time, drafted"), ("0.34", "ahead"),
                                            ("0.34", "one at a time, drafted"), ("0.34", "ahead of time, drafted")])
-def test_grammar_work_ahead_on_vllms_own_scheduler(tiny_model, tmp_path, version, steps):
+def test_grammar_work_ahead_on_vllms_own_scheduler(tiny_model, tmp_path, vllm_sources, version, steps):
     """vLLM 0.26's or 0.34's own scheduler, StructuredOutputManager (xgrammar) and engine step (step_with_batch_queue
     under async scheduling; step and post_step one step at a time, with n-gram-style drafts of 4 tokens that vLLM cuts
     and verifies; 0.34 also drafts ahead of time, its drafts unchecked), their Python on this CPU, with a model runner
@@ -447,7 +449,7 @@ def test_grammar_work_ahead_on_vllms_own_scheduler(tiny_model, tmp_path, version
     thread serves every step after the first few and vLLM advances no grammar itself (drafted ahead of time: every
     step is vLLM's, with BatchFills' masks); with the masks made when vLLM asks, the same answers and rows."""
     mode = MODES[steps]
-    ahead, batch = on_vllms_scheduler(version, tiny_model, tmp_path, "--configs", "ahead,batch", "--rows", "120",
+    ahead, batch = on_vllms_scheduler(vllm_sources(version), tiny_model, tmp_path, "--configs", "ahead,batch", "--rows", "120",
                                       *mode)
     assert ahead["installed"]["fills"] == ahead["installed"]["ahead"] == "ok" and batch["installed"]["ahead"] == "off"
     for run in (ahead, batch):
@@ -463,12 +465,12 @@ def test_grammar_work_ahead_on_vllms_own_scheduler(tiny_model, tmp_path, version
 
 
 @pytest.mark.parametrize("version", ["0.26", "0.34"])
-def test_requests_without_drafts_get_none_on_vllms_own_scheduler(tiny_model, tmp_path, version):
+def test_requests_without_drafts_get_none_on_vllms_own_scheduler(tiny_model, tmp_path, vllm_sources, version):
     """A speculative engine on vLLM's own scheduler (0.26 one step at a time, 0.34 ahead of time) with every third
     request asking for no drafts (NO_DRAFT) and the loop guard on every token: those requests are scheduled no
     drafted token, every answer comes back whole, and on 0.34 the scheduler counts their drafts as unused (the
     idle drafter: a step of them alone proposes nothing) and the others' as used."""
-    run, = on_vllms_scheduler(version, tiny_model, tmp_path, "--configs", "batch", "--rows", "60", "--drafts", "4",
+    run, = on_vllms_scheduler(vllm_sources(version), tiny_model, tmp_path, "--configs", "batch", "--rows", "60", "--drafts", "4",
                               "--no-draft-every", "3", *(["--sync"] if version == "0.26" else []))
     assert run["installed"]["no_draft"] == run["installed"]["guard"] == "ok"
     assert run["right"] == 60 and run["no_draft_drafted"] == 0

@@ -1,5 +1,5 @@
 """The KV cache sizes vLLM measured, kept per configuration (engine/kv_sizes.py), and the engine core's report of
-them (internals.install_kv_size_report) on the real CPU engine."""
+them (engine/vllm/kv.py, install_kv_size_report) on the real CPU engine."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from batchjson.engine import devices, internals, kv_sizes
+from batchjson.engine import devices, kv_sizes
+from batchjson.engine.vllm.kv import KV_SIZE_ENV
 from batchjson.spec import DecodingSpec, ModelSpec, load_spec
 from helpers import TINY_SCHEMA, write_job, write_rows
 
@@ -95,7 +96,7 @@ def test_the_engine_core_reports_the_kv_cache_bytes_it_was_given(tiny_model, tmp
     from batchjson.engine import VllmEngine
 
     report = tmp_path / "kv-bytes"
-    monkeypatch.setenv(internals.KV_SIZE_ENV, str(report))
+    monkeypatch.setenv(KV_SIZE_ENV, str(report))
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
     engine = VllmEngine(ModelSpec(path=tiny_model, dtype="float32", max_model_len=512, max_in_flight=4),
                         DecodingSpec(max_tokens=8), TINY_SCHEMA)

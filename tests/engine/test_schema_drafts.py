@@ -1,4 +1,4 @@
-"""`[speculative] method = "schema"` on the real CPU engine: batchjson's drafter (engine/internals.py SchemaProposer,
+"""`[speculative] method = "schema"` on the real CPU engine: batchjson's drafter (engine/vllm/drafts.py SchemaProposer,
 vLLM's custom_class proposer, its drafts made in the scheduler) proposes what the grammar forces and what the prompt
 holds, and greedy outputs stay token for token those of an engine without speculation; on a vLLM it has not read, the
 method is refused clearly."""
@@ -10,7 +10,8 @@ import types
 
 import pytest
 
-from batchjson.engine import internals
+from batchjson.engine.vllm import versions
+from batchjson.engine.vllm.drafts import SCHEMA_PROPOSER, SchedulerDrafts
 from batchjson.engine.vllm_engine import speculative_config
 from batchjson.errors import EngineError
 from batchjson.records import Prompt
@@ -45,9 +46,9 @@ def test_schema_drafts_are_proposed_and_accepted_and_change_no_token(tiny_model)
 
 def test_schema_drafts_name_batchjsons_proposer_and_are_refused_on_an_unread_vllm(monkeypatch):
     config = speculative_config(SpeculativeSpec(method="schema", num_speculative_tokens=6, options={"x": 1}))
-    assert config == {"method": "custom_class", "model": internals.SCHEMA_PROPOSER, "num_speculative_tokens": 6,
+    assert config == {"method": "custom_class", "model": SCHEMA_PROPOSER, "num_speculative_tokens": 6,
                       "x": 1}
-    monkeypatch.setattr(internals, "SCHEMA_DRAFTS_READ_ON", ("0.1.",))
+    monkeypatch.setitem(versions.PATCHES, "scheduler_drafts", versions.Read(("0.1.",), "unread here"))
     with pytest.raises(EngineError, match='method = "schema" cannot run here .*not a version'):
         speculative_config(SpeculativeSpec(method="schema"))
 
@@ -65,7 +66,7 @@ class _Request:
 
 
 def test_scheduler_drafts_check_a_forced_string_once_and_never_draft_for_who_asked_none(tiny_model):
-    """SchedulerDrafts (engine/internals.py) drafts from the engine's own matcher; vLLM's check of a forced string's
+    """SchedulerDrafts (engine/vllm/drafts.py) drafts from the engine's own matcher; vLLM's check of a forced string's
     tokens is skipped only once they passed it whole, and a string whose tokens failed it is checked every time."""
     import xgrammar as xgr
     from transformers import AutoTokenizer
@@ -82,7 +83,7 @@ def test_scheduler_drafts_check_a_forced_string_once_and_never_draft_for_who_ask
         return g
 
     encode = lambda text: tok.encode(text, add_special_tokens=False)  # noqa: E731
-    drafts = internals.SchedulerDrafts(encode, k=4)
+    drafts = SchedulerDrafts(encode, k=4)
     scheduler = types.SimpleNamespace(requests={"a": _Request(grammar(), opening), "none": _Request(grammar(), opening),
                                                 "chunk": _Request(grammar(), opening, prefill=True)},
                                       _batchjson_no_draft={"none"})
@@ -104,7 +105,7 @@ def test_scheduler_drafts_check_a_forced_string_once_and_never_draft_for_who_ask
     scheduler.requests["b"] = _Request(grammar(), opening)
     assert step("b") == [] and scheduler.requests["b"].spec_token_ids == forced  # passed once: no check again
 
-    wrong = internals.SchedulerDrafts(lambda text: encode("[" + text), k=4)  # tokens that do not spell the string
+    wrong = SchedulerDrafts(lambda text: encode("[" + text), k=4)  # tokens that do not spell the string
     drafts = wrong
     for req_id in ("c", "d"):
         scheduler.requests[req_id] = _Request(grammar(), opening)

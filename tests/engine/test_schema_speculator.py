@@ -1,21 +1,19 @@
-"""The schema drafter as a Model Runner V2 speculative method (engine/schema_drafter/): its work per step, on CPU
-tensors shaped as vLLM 0.34's request states, with real xgrammar matchers and the tiny model's tokenizer; its
-registration against vLLM 0.34's own registry (its Python file, where `make install` put vLLM 0.34's sources); and
-the job's `method = "schema"` becoming the registered method's speculative_config."""
+"""The schema drafter as a Model Runner V2 speculative method (engine/vllm/schema_speculator/): its work per step, on
+CPU tensors shaped as vLLM 0.34's request states, with real xgrammar matchers and the tiny model's tokenizer; its
+registration against vLLM 0.34's own registry (its Python file, where `make install` put vLLM 0.34's sources); and the
+job's `method = "schema"` becoming the registered method's speculative_config."""
 
 from __future__ import annotations
 
 import json
-import os
 import sys
 import types
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-from batchjson.engine import schema_drafter
-from batchjson.engine.schema_drafter.steps import NO_GRAMMAR, StepDrafts, read_rows, read_step
+from batchjson.engine.vllm import schema_speculator
+from batchjson.engine.vllm.schema_speculator.steps import NO_GRAMMAR, StepDrafts, read_rows, read_step
 from batchjson.schema.drafts import COPY_MAX, Drafter
 
 torch = pytest.importorskip("torch")
@@ -165,32 +163,33 @@ def test_tokens_gained_beyond_the_window_are_read_whole_and_a_refused_token_leav
 @pytest.fixture
 def registry_034():
     """vLLM 0.34's registry of speculative methods: this vLLM's, else its Python file from vLLM 0.34's sources (`make
-    install` puts them in the virtualenv; VLLM_034_SRC names another copy), as bench schema-drafter --fake loads it."""
+    install` puts them in the virtualenv: tests/vllm_sources.py), as bench schema-drafter --fake loads it."""
+    import vllm_sources
     from bench.schema_drafter import use_registry
 
-    before = sys.modules.get(schema_drafter.REGISTRY)
+    before = sys.modules.get(schema_speculator.REGISTRY)
     try:
-        registry = use_registry(Path(os.environ.get("VLLM_034_SRC") or Path(sys.prefix) / "vllm-0.34"))
+        registry = use_registry(vllm_sources.folder("0.34"))
     except SystemExit as e:
         pytest.skip(str(e))
-    registry._CUSTOM_CONFIGS.pop(schema_drafter.METHOD, None)  # as in a process the plugin has not run in yet
+    registry._CUSTOM_CONFIGS.pop(schema_speculator.METHOD, None)  # as in a process the plugin has not run in yet
     yield registry
-    sys.modules.pop(schema_drafter.CONFIG.rsplit(".", 1)[0], None)
+    sys.modules.pop(schema_speculator.CONFIG.rsplit(".", 1)[0], None)
     if before is None:
-        sys.modules.pop(schema_drafter.REGISTRY, None)
+        sys.modules.pop(schema_speculator.REGISTRY, None)
     else:
-        sys.modules[schema_drafter.REGISTRY] = before
+        sys.modules[schema_speculator.REGISTRY] = before
 
 
 def test_on_vllm_034_the_plugin_registers_the_method_and_its_config_sets_up_a_drafter_without_a_model(registry_034):
     from batchjson.engine import plugin
 
-    assert schema_drafter.METHOD not in registry_034.registered_speculative_methods()
+    assert schema_speculator.METHOD not in registry_034.registered_speculative_methods()
     plugin.register()  # vLLM's call in each of its processes, in a batchjson run or not
-    assert schema_drafter.METHOD in registry_034.registered_speculative_methods()
+    assert schema_speculator.METHOD in registry_034.registered_speculative_methods()
     plugin.register()  # again (a forked process): no "already registered"
-    config_cls = registry_034.get_custom_speculator_config_class(schema_drafter.METHOD)
-    assert config_cls.speculator_class == "batchjson.engine.schema_drafter.speculator.SchemaSpeculator"
+    config_cls = registry_034.get_custom_speculator_config_class(schema_speculator.METHOD)
+    assert config_cls.speculator_class == "batchjson.engine.vllm.schema_speculator.speculator.SchemaSpeculator"
     target = object()
     spec = types.SimpleNamespace(target_model_config=target, target_parallel_config="tp", num_speculative_tokens=8,
                                  speculator_options={"json_schema": json.dumps(SCHEMA)},
@@ -211,7 +210,7 @@ def test_the_job_method_schema_names_the_registered_method_with_the_jobs_grammar
     (tmp_path / "config.json").write_text("{}")
     choice, kwargs = engine_settings(ModelSpec(path=str(tmp_path)), DecodingSpec(), SCHEMA, speculative, cpu=False)
     config = kwargs["speculative_config"]
-    assert config["method"] == schema_drafter.METHOD in registry_034.registered_speculative_methods()
+    assert config["method"] == schema_speculator.METHOD in registry_034.registered_speculative_methods()
     assert config["num_speculative_tokens"] == 8 and config["max_model_len"] == 300
     assert json.loads(config["speculator_options"]["json_schema"]) == choice.grammar_schema
 
@@ -226,10 +225,10 @@ def test_the_speculator_reads_vllms_request_states_and_writes_each_rows_draft(ki
     monkeypatch.setitem(sys.modules, "vllm.v1.worker.gpu.spec_decode.speculator",
                         types.SimpleNamespace(BaseSpeculator=object))
     monkeypatch.setattr(vllm.tokenizers, "cached_tokenizer_from_config", lambda model_config: tokenizer)
-    name = "batchjson.engine.schema_drafter.speculator"
+    name = "batchjson.engine.vllm.schema_speculator.speculator"
     monkeypatch.setitem(sys.modules, name, None)  # its state now, restored after the test: the module on the stand-in
     del sys.modules[name]                          # base is imported afresh here and forgotten after
-    from batchjson.engine.schema_drafter.speculator import SchemaSpeculator
+    from batchjson.engine.vllm.schema_speculator.speculator import SchemaSpeculator
 
     ns = types.SimpleNamespace
     config = ns(speculative_config=ns(num_speculative_tokens=K, speculator_options={"json_schema": json.dumps(SCHEMA)},

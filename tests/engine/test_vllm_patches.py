@@ -1,4 +1,4 @@
-"""What the plugin installs in vLLM's engine processes (engine/plugin.py, internals.py, profiler.py): the step
+"""What the plugin installs in vLLM's engine processes (engine/plugin.py, engine/vllm/, profiler.py): the step
 profiler, and the plugin itself in a forked engine process; the versions the patches were read on, and what a run on
 another vLLM reports."""
 
@@ -13,10 +13,10 @@ import time
 
 import pytest
 
-from batchjson.engine import internals
 from batchjson.engine.base import EngineFacts
 from batchjson.engine.fake import FakeEngines
 from batchjson.engine.profiler import read_profile
+from batchjson.engine.vllm import scheduler, timers, versions
 from batchjson.job import run_job
 from batchjson.records import Prompt
 from batchjson.report import PassStats, RunReport
@@ -42,7 +42,11 @@ def test_pass_2_requests_take_no_draft_and_the_step_profiler_times_each_part_of_
                         SpeculativeSpec(method="ngram", num_speculative_tokens=4, prompt_lookup_min=1, audit_rows=0))
     try:
         assert engine.no_draft and engine.accepts(DecodingSpec(max_tokens=30), None)
-        assert engine.notice == ""  # a vLLM the patches were read on: nothing to report
+        # the report names every patch this vLLM leaves off (versions.py's table), and only those
+        off = versions.off_here(versions.vllm_version())
+        assert "no_draft" not in off and "fast_loop_guard" not in off
+        assert engine.notice_code == ("patches-off" if off else "")
+        assert [name for name in versions.PATCHES if f"{name} (" in engine.notice] == list(off)
         engine.use(DecodingSpec(max_tokens=40), "p2", draft=False)
         second = list(engine.stream(Prompt(str(i), "u", text, stage="p2") for i, text in enumerate(PROMPTS)))
         after_second = engine.stats()["draft_tokens"]
@@ -116,17 +120,17 @@ def test_the_idle_drafter_patch_counts_the_requests_of_the_step():
 
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    assert internals.install_idle_drafter() == "ok"
-    no, yes = NS(sampling_params=NS(extra_args={internals.NO_DRAFT: True})), NS(sampling_params=NS(extra_args=None))
+    assert scheduler.install_idle_drafter() == "ok"
+    no, yes = NS(sampling_params=NS(extra_args={scheduler.NO_DRAFT: True})), NS(sampling_params=NS(extra_args=None))
     both = {"a": no, "b": yes}
-    assert internals.few_drafted(both, ["a", "a"])
-    assert internals.few_drafted(both, ["a", "b"])  # half: the drafter's forwards would cost the other half
-    assert internals.few_drafted(both, ["a", "a", "b"])
-    assert not internals.few_drafted(both, ["a", "b", "b"])  # most of the step is drafted for
-    assert not internals.few_drafted(both, ["b"])
-    assert not internals.few_drafted({}, [])  # an empty step: vLLM decides
-    twin = NS(sampling_params=NS(extra_args={internals.NO_DRAFT: True, internals.AUDIT_TWIN: True}))
-    assert not internals.few_drafted(both | {"t": twin}, ["b", "t", "t"])  # audit twins do not idle the drafter
+    assert scheduler.few_drafted(both, ["a", "a"])
+    assert scheduler.few_drafted(both, ["a", "b"])  # half: the drafter's forwards would cost the other half
+    assert scheduler.few_drafted(both, ["a", "a", "b"])
+    assert not scheduler.few_drafted(both, ["a", "b", "b"])  # most of the step is drafted for
+    assert not scheduler.few_drafted(both, ["b"])
+    assert not scheduler.few_drafted({}, [])  # an empty step: vLLM decides
+    twin = NS(sampling_params=NS(extra_args={scheduler.NO_DRAFT: True, scheduler.AUDIT_TWIN: True}))
+    assert not scheduler.few_drafted(both | {"t": twin}, ["b", "t", "t"])  # audit twins do not idle the drafter
 
     def runner(draft_model: bool, ids: list[str]):
         return NS(speculative_config=NS(uses_draft_model=lambda: draft_model, use_dflash=lambda: False),
@@ -174,7 +178,7 @@ def test_profiler_records_skips_and_errors(monkeypatch, tmp_path):
     from batchjson.engine import profiler
 
     profile = tmp_path / "p.json"
-    monkeypatch.setattr(internals, "TIMED", internals.TIMED + (
+    monkeypatch.setattr(timers, "TIMED", timers.TIMED + (
         ("vllm.v1.no_such_module", "X", "y", "y", False), ("vllm.v1.engine.core", "EngineCore", "no_such", "z", False)))
     profiler.install_profiler(profile, sync=False)
     got = read_profile(profile)
@@ -221,7 +225,7 @@ def test_the_grammar_warning_flood_of_an_engine_process_is_counted_not_printed()
 
 
 def test_the_fast_loop_guard_answers_as_vllms_own_check():
-    """internals.repeats replaces vLLM's per-token repetition check in the engine core: same answer on every
+    """scheduler.repeats replaces vLLM's per-token repetition check in the engine core: same answer on every
     sequence (random ones, many of them ending in repeats), on the token lists vLLM passes (ConstantList)."""
     import random
 
@@ -229,12 +233,10 @@ def test_the_fast_loop_guard_answers_as_vllms_own_check():
     from vllm.v1.core.sched import utils
     from vllm.v1.utils import ConstantList
 
-    from batchjson.engine import internals
-
-    assert internals.install_fast_loop_guard() == "ok"
-    assert utils.check_sequence_repetition is internals.repeats
-    vllms = internals.VLLM_CHECK
-    assert vllms is not internals.repeats and vllms.__module__ == "vllm.v1.core.sched.utils"
+    assert scheduler.install_fast_loop_guard() == "ok"
+    assert utils.check_sequence_repetition is scheduler.repeats
+    vllms = scheduler.VLLM_CHECK
+    assert vllms is not scheduler.repeats and vllms.__module__ == "vllm.v1.core.sched.utils"
     rng, hits = random.Random(7), 0
     for _ in range(20_000):
         size = rng.randrange(0, 70)
@@ -245,7 +247,7 @@ def test_the_fast_loop_guard_answers_as_vllms_own_check():
         if rng.random() < 0.3:
             seq.append(rng.randrange(3))
         expected = vllms(ConstantList(seq), guard)
-        assert internals.repeats(ConstantList(seq), guard) == expected, (seq, guard)
+        assert scheduler.repeats(ConstantList(seq), guard) == expected, (seq, guard)
         hits += expected
     assert 2_000 < hits < 18_000  # both answers were tested often
 
@@ -266,7 +268,7 @@ def test_the_plugin_installs_both_scheduler_patches_in_an_engine_process():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                           env=os.environ | {"BATCHJSON_ENGINE_STDERR": "raw"})
     assert done.returncode == 0, done.stderr[-2000:]
-    assert "guard: batchjson.engine.internals" in done.stdout
+    assert "guard: batchjson.engine.vllm.scheduler" in done.stdout
     assert "schedule wrapped: True" in done.stdout
 
 
@@ -274,44 +276,72 @@ UNREAD = "0.35.0"
 
 
 def test_a_vllm_the_patches_were_not_read_on_gets_neither_and_says_why(monkeypatch):
-    """The bound: on a version outside READ_ON neither scheduler patch is installed, each says why, and notice()
-    is the report's line. The installed vLLM (read on) gets both. No engine starts."""
+    """The bound: on a version outside versions.EVERY neither scheduler patch is installed, each says why, and
+    notice() is the report's line. The installed vLLM (read on) gets both. No engine starts."""
     import vllm
     from vllm.v1.core.sched import utils
     from vllm.v1.core.sched.scheduler import Scheduler
 
-    assert vllm.__version__.startswith(internals.READ_ON)
-    monkeypatch.setattr(internals, "VLLM_CHECK", internals.VLLM_CHECK)
+    assert vllm.__version__.startswith(versions.EVERY)
+    monkeypatch.setattr(scheduler, "VLLM_CHECK", scheduler.VLLM_CHECK)
     monkeypatch.setattr(vllm, "__version__", UNREAD)
     before = Scheduler.add_request, Scheduler.schedule, utils.check_sequence_repetition
-    kept = internals.reset()  # as in a fresh process
+    kept = versions.reset()  # as in a fresh process
     try:
-        assert internals.install_no_draft() == \
+        assert scheduler.install_no_draft() == \
             f"vLLM {UNREAD} is not a version this patch was read on (0.26.x, 0.32.x, 0.33.x, 0.34.x)"
-        assert "check_sequence_repetition is not the one this was read on" in internals.install_fast_loop_guard()
-        assert not internals.no_draft_ready()
+        assert "check_sequence_repetition is not the one this was read on" in scheduler.install_fast_loop_guard()
+        assert not scheduler.no_draft_ready()
         assert (Scheduler.add_request, Scheduler.schedule, utils.check_sequence_repetition) == before  # untouched
-        assert internals.notice() == internals.unread(UNREAD) and internals.notice_code() == "unread-vllm"
+        assert versions.notice() == versions.unread(UNREAD) and versions.notice_code() == "unread-vllm"
     finally:
-        internals.reset(kept)
+        versions.reset(kept)
+
+
+def test_the_versions_table_says_what_each_vllm_leaves_off_and_the_report_names_them_all(monkeypatch):
+    """versions.py's one table: on each vLLM the wing was read on, the patches off there, and why; an answer this
+    process got at an install (a check that failed) stands over the table's. The report's line names them all."""
+    import vllm
+
+    off = {v: versions.off_here(v, {}) for v in ("0.26.0", "0.32.0", "0.33.1", "0.34.0")}
+    assert off["0.26.0"] == {}
+    assert set(off["0.32.0"]) == {"drafted_fills", "grammar_ahead"}
+    assert set(off["0.34.0"]) == {"mask_scatter", "scheduler_drafts"}
+    assert off["0.34.0"]["mask_scatter"].startswith("no V1 GPU model runner")
+    assert "no_draft" not in off["0.33.1"] and "idle_drafter" not in off["0.33.1"]
+    assert off["0.33.1"]["grammar_ahead"] == "vLLM 0.33.1 is not a version this patch was read on (0.26.x, 0.34.x)"
+    assert versions.off_here("0.26.0", {"no_draft": "Scheduler.schedule changed"}) == {
+        "no_draft": "Scheduler.schedule changed"}
+
+    monkeypatch.setattr(vllm, "__version__", "0.34.0")
+    kept = versions.reset({"no_draft": "ok"})
+    try:
+        assert versions.notice() == ("batchjson's engine patches off in vLLM 0.34.0: "
+                                     f"mask_scatter ({off['0.34.0']['mask_scatter']}); "
+                                     f"scheduler_drafts ({off['0.34.0']['scheduler_drafts']})")
+        assert versions.notice_code() == "patches-off"
+        monkeypatch.setattr(vllm, "__version__", "0.26.0")
+        assert versions.notice() == versions.notice_code() == ""
+    finally:
+        versions.reset(kept)
 
 
 def test_an_install_runs_once_and_its_exception_is_its_answer():
-    """installs_once: the first answer is every later call's; an exception is an answer, never raised."""
+    """versions.installs_once: the first answer is every later call's; an exception is an answer, never raised."""
     calls = []
 
-    @internals.installs_once
+    @versions.installs_once
     def install_broken() -> str:
         calls.append(1)
         raise RuntimeError("no such attribute")
 
-    kept = internals.reset()
+    kept = versions.reset()
     try:
         assert install_broken() == install_broken() == "RuntimeError: no such attribute" and len(calls) == 1
-        assert internals.reset() == {"broken": "RuntimeError: no such attribute"}
+        assert versions.reset() == {"broken": "RuntimeError: no such attribute"}
         assert install_broken() == "RuntimeError: no such attribute" and len(calls) == 2  # forgotten: run again
     finally:
-        internals.reset(kept)
+        versions.reset(kept)
 
 
 def test_a_patch_named_off_is_not_installed(monkeypatch):
@@ -319,26 +349,26 @@ def test_a_patch_named_off_is_not_installed(monkeypatch):
     others install as before."""
     calls = []
 
-    @internals.installs_once
+    @versions.installs_once
     def install_thing() -> str:
         calls.append(1)
         return "ok"
 
-    @internals.installs_once
+    @versions.installs_once
     def install_other() -> str:
         return "ok"
 
-    monkeypatch.setenv(internals.PATCHES_OFF_ENV, "idle_drafter,thing")
-    kept = internals.reset()
+    monkeypatch.setenv(versions.PATCHES_OFF_ENV, "idle_drafter,thing")
+    kept = versions.reset()
     try:
-        assert install_thing() == f"off: {internals.PATCHES_OFF_ENV}" and not calls
+        assert install_thing() == f"off: {versions.PATCHES_OFF_ENV}" and not calls
         assert install_other() == "ok"
     finally:
-        internals.reset(kept)
+        versions.reset(kept)
 
 
 def test_the_profiler_times_nothing_on_a_vllm_it_was_not_read_on(monkeypatch, tmp_path):
-    """Outside PROFILER_READ_ON every part is skipped, with why, and no vLLM class is touched."""
+    """Outside versions.PATCHES["timers"] every part is skipped, with why, and no vLLM class is touched."""
     import vllm
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.engine.core import EngineCore
@@ -349,24 +379,25 @@ def test_the_profiler_times_nothing_on_a_vllm_it_was_not_read_on(monkeypatch, tm
     before = Scheduler.schedule, EngineCore.shutdown
     profiler.install_profiler(tmp_path / "p.json", sync=False)
     got = read_profile(tmp_path / "p.json")
-    assert len(got["patches"]) == len(internals.TIMED) and not got["errors"]
+    assert len(got["patches"]) == len(timers.TIMED) and not got["errors"]
     assert set(got["patches"].values()) == {
         f"skipped: vLLM {UNREAD} is not a version this patch was read on (0.26.x, 0.32.x, 0.34.x)"}
     assert (Scheduler.schedule, EngineCore.shutdown) == before
 
 
 def test_the_report_line_for_a_vllm_outside_read_on():
-    line = internals.unread(UNREAD)
+    line = versions.unread(UNREAD)
     assert line == (f"vLLM {UNREAD} is newer than the versions batchjson's engine patches were read on (0.26, 0.32, "
-                    "0.33, 0.34): both are off (pass 2 cannot share a speculative engine, and vLLM's own loop guard runs)")
-    assert internals.unread("0.25.1").startswith("vLLM 0.25.1 is not one of the versions")
-    assert internals.unread("dev").startswith("vLLM dev is not one of the versions")
-    assert internals.unread("0.34.0") == internals.unread("0.33.2rc1") == internals.unread("0.26.0") == ""
+                    "0.33, 0.34): all are off (pass 2 cannot share a speculative engine, and vLLM's own loop guard "
+                    "and grammar fills run)")
+    assert versions.unread("0.25.1").startswith("vLLM 0.25.1 is not one of the versions")
+    assert versions.unread("dev").startswith("vLLM dev is not one of the versions")
+    assert versions.unread("0.34.0") == versions.unread("0.33.2rc1") == versions.unread("0.26.0") == ""
 
 
 def test_a_run_on_an_unread_vllm_says_so_once_in_its_summary(tmp_path, tiny_model):
     """The engine's notice reaches the summary as one line, however many passes and engines saw it, and its JSON."""
-    line = internals.unread(UNREAD)
+    line = versions.unread(UNREAD)
 
     class Unread(FakeEngines):
         def start(self, *args):

@@ -1,7 +1,7 @@
 """`[speculative] method = "schema"` on vLLM's Model Runner V2: batchjson's drafter (what each request's grammar
 forces next, else a copy from its prompt: schema/drafts.py) as a speculative method registered with vLLM's
 `register_speculative_method` (vLLM 0.34; experimental there). Where vLLM has no such registry, the method runs
-through internals.py's custom_class path (vLLM 0.26 and 0.32), as before.
+through engine/vllm/drafts.py's custom_class path (vLLM 0.26 and 0.32), as before.
 
 Where the drafts are made. On MRv2 the speculator runs in the GPU worker, right after a step's tokens are sampled,
 and its drafts go straight into the runner's draft buffer on the GPU (the scheduler, which holds vLLM's own
@@ -17,7 +17,9 @@ so greedy outputs stay token-identical to decoding without drafts. A request who
 copies only; a position with nothing known repeats the last token (MRv2 verifies k positions a request anyway).
 
 config.py (the SpeculatorConfig, imported in every vLLM process) and speculator.py (the speculator, imported in
-the worker only) need vLLM 0.34; this module and steps.py import no vLLM.
+the worker only) need vLLM 0.34; this module and steps.py import no vLLM. Read on (0.34.0):
+vllm/v1/worker/gpu/spec_decode/speculator_config.py (register_speculative_method(name, config class path),
+SpeculatorConfig) and vllm/config/speculative.py (speculator_options).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import importlib.util
 import json
 
 METHOD = "batchjson_schema"  # the name it is registered under (a vLLM method name; batchjson's job file says "schema")
-CONFIG = "batchjson.engine.schema_drafter.config.SchemaSpeculatorConfig"
+CONFIG = "batchjson.engine.vllm.schema_speculator.config.SchemaSpeculatorConfig"
 REGISTRY = "vllm.v1.worker.gpu.spec_decode.speculator_config"
 
 

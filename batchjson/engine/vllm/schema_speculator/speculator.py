@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from vllm.v1.worker.gpu.spec_decode.speculator import BaseSpeculator
 
-from batchjson.engine.schema_drafter.steps import StepDrafts, read_rows, read_step
+from batchjson.engine.vllm.schema_speculator.steps import StepDrafts, read_rows, read_step
 
 log = logging.getLogger(__name__)
 
