@@ -58,6 +58,12 @@ MEASURED_SPEEDUP = {
                   "schema": {1024: 0.79}}},
     "cpu": {0.27: {"ngram": {1: 1.0}, "suffix": {1: 1.0}}},
 }
+# On vLLM 0.34 every drafter runs on Model Runner V2 (suffix decoding is its own, no arctic-inference): the 1.5B's
+# figures measured there (an H100, run33; BENCHMARKS.md, "vLLM 0.34") replace 0.26's; 16 in flight keeps 0.26's
+# until measured there.
+MEASURED_ON_MRV2 = {"gpu": {3.1: {"suffix": {16: 1.48, 64: 1.29, 1024: 0.88}, "ngram": {1024: 0.66},
+                                  "schema": {64: 0.81, 1024: 0.61}}}}
+MRV2_FROM = (0, 34)  # the first vLLM whose drafters all run on Model Runner V2
 DRAFT_TOKENS = {"ngram": 4, "suffix": 8, "schema": 8}  # k as measured above
 TRIAL_PAYS = 40.0  # try the other choice only if the rest of the pass takes this many engine starts or more
 FULL_BATCH = 1024  # vLLM's largest default batch (max_num_seqs on an H100/H200): an unset max_in_flight fills it
@@ -65,15 +71,33 @@ BETTER_BY = 1.05  # a choice must be this much faster to be taken (runs differ b
 WORTH_TRYING = 0.85  # our speculative methods measured under this x none are not tried after none
 
 
+def on_model_runner_v2() -> bool:
+    """Whether the installed vLLM runs every drafter on Model Runner V2 (0.34 on), read from its package metadata."""
+    from batchjson.engine.vllm.versions import installed_version
+
+    version = installed_version()
+    try:
+        return version is not None and tuple(int(p) for p in version.split(".")[:2]) >= MRV2_FROM
+    except ValueError:  # a version we cannot read: as before
+        return False
+
+
 def draft_method() -> str:
-    """The speculative method auto tries: suffix decoding where arctic-inference is installed, else n-gram lookup."""
-    return "suffix" if importlib.util.find_spec("arctic_inference") else "ngram"
+    """The speculative method auto tries: suffix decoding where vLLM has its own (0.34) or arctic-inference is
+    installed (0.26-0.33), else n-gram lookup."""
+    return "suffix" if on_model_runner_v2() or importlib.util.find_spec("arctic_inference") else "ngram"
 
 
-def predicted_speedup(platform: str, method: str, in_flight: int, weights_gb: float | None = None) -> float:
+def predicted_speedup(platform: str, method: str, in_flight: int, weights_gb: float | None = None,
+                      mrv2: bool = False) -> float:
     """`method`'s measured output tokens/s over none at the nearest in-flight size, for the measured model nearest
-    in size (log scale) to one of `weights_gb` (None: the smallest); 1.0 where nothing was measured."""
-    models = {gb: t[method] for gb, t in MEASURED_SPEEDUP[platform].items() if method in t}
+    in size (log scale) to one of `weights_gb` (None: the smallest); 1.0 where nothing was measured. `mrv2`: what
+    vLLM 0.34's Model Runner V2 measured replaces the rest, where it measured that model and method."""
+    tables = {gb: dict(t) for gb, t in MEASURED_SPEEDUP[platform].items()}
+    if mrv2:
+        for gb, t in MEASURED_ON_MRV2.get(platform, {}).items():
+            tables.setdefault(gb, {}).update(t)
+    models = {gb: t[method] for gb, t in tables.items() if method in t}
     if not models:  # unmeasured: no gain assumed; the job measures it
         return 1.0
     gb = min(models, key=lambda g: abs(math.log(g / weights_gb))) if weights_gb else min(models)
@@ -123,6 +147,8 @@ class Auto(Policy):
     """The target's weight gigabytes (engine/models.py, weight_bytes): the measurements of the nearest model size count."""
     schema_drafts: bool = False
     """Whether the schema drafter can run on this job and engine (a JSON Schema; engine/vllm/ read this vLLM)."""
+    mrv2: bool = False
+    """Whether the installed vLLM drafts on Model Runner V2 (0.34): its own measurements count (MEASURED_ON_MRV2)."""
     trials: list[Trial] = field(default_factory=list)
     decided: str = ""
     """Why the current choice is final; empty while measuring."""
@@ -140,10 +166,10 @@ class Auto(Policy):
             method = "draft_model"
         else:
             methods = [draft_method()] + (["schema"] if self.schema_drafts else [])
-            method = max(methods, key=lambda m: predicted_speedup(self.platform, m, size, self.weights_gb))
+            method = max(methods, key=lambda m: predicted_speedup(self.platform, m, size, self.weights_gb, self.mrv2))
         k = self.spec.num_speculative_tokens if method == "draft_model" else DRAFT_TOKENS[method]
         self.candidate = dataclasses.replace(self.spec, method=method, num_speculative_tokens=k)
-        self.prior = predicted_speedup(self.platform, method, size, self.weights_gb)
+        self.prior = predicted_speedup(self.platform, method, size, self.weights_gb, self.mrv2)
         self.sample = max(2 * size, 64)  # rows measured per choice
         self.trials.append(Trial(method if self.prior >= BETTER_BY else "none"))
 
@@ -162,7 +188,7 @@ class Auto(Policy):
             in_flight = min(in_flight or batch, batch)
         drafts = spec.schema_doc is not None and engines.schema_drafts
         return cls(speculative, in_flight, "gpu" if visible_gpus() else "cpu", rows,
-                   weights / 1e9 if weights else None, schema_drafts=drafts)
+                   weights / 1e9 if weights else None, schema_drafts=drafts, mrv2=on_model_runner_v2())
 
     def config(self, method: str) -> SpeculativeSpec | None:
         return None if method == "none" else self.candidate

@@ -56,6 +56,27 @@ def test_prior_follows_the_model_size(monkeypatch):
     assert speculation.predicted_speedup("gpu", "eagle", 16, 3.1) == 1.0  # unmeasured: no gain assumed
 
 
+def test_on_vllm_034_the_prior_is_what_model_runner_v2_measured(monkeypatch):
+    """vLLM 0.34 runs every drafter on Model Runner V2: on the 1.5B suffix decoding gained x1.29 at 64 in flight
+    there (it lost, x0.85, on 0.26's V1 runner) and still loses at a full batch; its suffix speculator is vLLM's own,
+    so auto tries it without arctic-inference."""
+    from batchjson.engine.vllm import versions
+
+    big = dict(weights_gb=3.1)
+    monkeypatch.setattr(speculation, "draft_method", lambda: "suffix")
+    at_64 = speculation.Auto(AUTO, 64, "gpu", 10_000, **big, mrv2=True)
+    assert at_64.current().method == "suffix" and at_64.prior == 1.29
+    assert speculation.Auto(AUTO, 64, "gpu", 10_000, **big).current() is None  # 0.26's V1 runner: x0.85
+    assert speculation.Auto(AUTO, None, "gpu", 10_000, **big, mrv2=True).current() is None  # x0.88 at 1,024
+    assert speculation.Auto(AUTO, 16, "gpu", 10_000, **big, mrv2=True).prior == 1.48  # 0.26's, unmeasured on 0.34
+    assert speculation.predicted_speedup("gpu", "schema", 1024, 3.1, mrv2=True) == 0.61
+    monkeypatch.undo()
+    monkeypatch.setattr(speculation.importlib.util, "find_spec", lambda name, *a: None)  # no arctic-inference
+    for version, method, mrv2 in (("0.34.0", "suffix", True), ("0.32.0", "ngram", False), (None, "ngram", False)):
+        monkeypatch.setattr(versions, "installed_version", lambda v=version: v)
+        assert (speculation.draft_method(), speculation.on_model_runner_v2()) == (method, mrv2), version
+
+
 def test_a_short_pass_keeps_the_first_choice():
     auto = speculation.Auto(AUTO, 8, "cpu", 100)
     auto.started(30.0)
