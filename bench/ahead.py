@@ -372,9 +372,9 @@ def main(argv: list[str]) -> int:
     if not args.vllm_src or not (args.vllm_src / "vllm").is_dir():
         ap.error("--vllm-src: a folder of vLLM's Python files (`make install` puts them in .venv/vllm-0.26, -0.34)")
     if args.model is None:
-        from batchjson.engine.models import default_model_dir, resolve_model
+        from batchjson.engine.models import resolve_model
 
-        args.model = resolve_model(str(default_model_dir()))
+        args.model = resolve_model("default")  # converted once where this machine has not yet (a fresh CI machine)
     out = args.out or Path(os.environ.get("TMPDIR", "/tmp")) / "bench-ahead"
     out.mkdir(parents=True, exist_ok=True)
     env = os.environ | {"PYTHONPATH": os.pathsep.join([str(args.vllm_src.resolve()), str(ROOT)]),
