@@ -117,6 +117,10 @@ def skip_msa_warmup_without_cute() -> str:
     import importlib.util
     import types
 
+    from batchjson.engine.vllm.versions import vllm_version
+
+    if not vllm_version().startswith("0.34."):  # the one version read; elsewhere vLLM's warmup runs as it is
+        return "not read on this vLLM"
     name = "vllm.model_executor.warmup.minimax_m3_msa_warmup"
     try:
         if importlib.util.find_spec(name) is None or importlib.util.find_spec("cutlass.cute") is not None:
