@@ -133,14 +133,19 @@ SPECULATIVE = {"suffix": {"method": "suffix", "num_speculative_tokens": 8},
                "schema": {"method": "custom_class", "model": SCHEMA_PROPOSER, "num_speculative_tokens": 8}}
 
 
-def speculative(method: str, schema: dict | None) -> dict:
+def speculative(method: str, schema: dict | None, k: int | None = None, adaptive: bool = False) -> dict:
     """SPECULATIVE[method], where "schema" is the method batchjson registers where vLLM has a registry of them (0.34:
-    engine/vllm/schema_speculator/), drafting from `schema` (the one the engine decodes under)."""
+    engine/vllm/schema_speculator/), drafting from `schema` (the one the engine decodes under); `k` drafts a request
+    (None: SPECULATIVE's); `adaptive`: Model Runner V2's adaptive verification (vLLM 0.34), as batchjson's GPU
+    engines run suffix, schema and draft_model there."""
     from batchjson.engine.vllm import schema_speculator
 
+    config = dict(SPECULATIVE[method])
+    if k:
+        config["num_speculative_tokens"] = k
     if method == "schema" and schema_speculator.register():
-        return schema_speculator.speculative_config(SPECULATIVE[method]["num_speculative_tokens"], schema, {})
-    return SPECULATIVE[method]
+        config = schema_speculator.speculative_config(config["num_speculative_tokens"], schema, {})
+    return config | ({"enable_adaptive_verification": True} if adaptive else {})
 
 
 def dump(path: Path, data: Any) -> None:

@@ -24,6 +24,11 @@ Configurations, run in the order given, for each --seqs (vLLM's max_num_seqs, it
                 earlier).
   <cfg>-ngram, <cfg>-suffix, <cfg>-schema   the same with speculation (ngram k 4, suffix k 8, batchjson's schema
                 drafter k 8, as whole-runs configures them).
+  <cfg>-draft   the same with the draft model of --draft (draft_model, k 4).
+  <cfg>+kN      the same with N drafts a request (num_speculative_tokens).
+  <cfg>+av      the same with Model Runner V2's adaptive verification (vLLM 0.34; enable_adaptive_verification): a
+                step verifies the drafts its profiled cost and the drafter's confidences say pay, not k a request
+                (suffix, schema, draft; batchjson's GPU engines run them so there).
   <cfg>+stats   the same with vLLM's stats on (disable_log_stats = False, as batchjson's engine has them).
   <cfg>+gcN     the same with Python's first-generation collection threshold N in the engine core
                 (BATCHJSON_ENGINE_GC; batchjson's GPU default 10,000, the interpreter's own 700: +gc700). Without it
@@ -79,7 +84,7 @@ GRAMMAR_FRAMES = ("grammar_bitmask", "accept_tokens", "fill_next_token_bitmask",
 
 def parse(name: str) -> dict:
     """A configuration's name read: fills (vllm, batch, ahead, late, free), method, threads and its +flags."""
-    flags: dict = {flag: f"+{flag}" in name for flag in ("written", "stats", "mean")}
+    flags: dict = {flag: f"+{flag}" in name for flag in ("written", "stats", "mean", "av")}
     for flag in flags:
         name = name.replace(f"+{flag}", "")
     graphs = re.search(r"\+cg(\d+)", name)
@@ -88,6 +93,9 @@ def parse(name: str) -> dict:
     collector = re.search(r"\+gc(\d+)", name)
     flags["gc"] = int(collector.group(1)) if collector else 0
     name = re.sub(r"\+gc\d+", "", name)
+    drafts = re.search(r"\+k(\d+)", name)
+    flags["k"] = int(drafts.group(1)) if drafts else 0
+    name = re.sub(r"\+k\d+", "", name)
     name, _, threads = name.partition("@")
     fills, _, method = name.partition("-")
     return {"fills": fills, "method": method, "threads": threads, **flags}
@@ -127,7 +135,8 @@ def one(cfg: dict) -> dict:
     if method or stats:  # the draft counters need vLLM's stats; +stats: as batchjson's engine runs (its report)
         kwargs["disable_log_stats"] = False
     if method:
-        kwargs["speculative_config"] = speculative(method, schema(cfg["task"]))
+        kwargs["speculative_config"] = speculative(method, schema(cfg["task"]), read["k"], read["av"]) | (
+            {"model": cfg["draft"]} if method == "draft" else {})
     if current_platform.is_cpu():
         kwargs["enforce_eager"] = True
     llm = vllm.LLM(**kwargs)
@@ -540,6 +549,7 @@ def main(argv: list[str]) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", help="the model folder (engine runs)")
     ap.add_argument("--task", default="C")
+    ap.add_argument("--draft", help="the draft model's folder (configurations <cfg>-draft)")
     ap.add_argument("--rows", type=int, default=6000)
     ap.add_argument("--seqs", default="1024", help="vLLM max_num_seqs values, comma-separated")
     ap.add_argument("--configs", default="vllm,batch,free")
@@ -589,7 +599,7 @@ def main(argv: list[str]) -> int:
             free_tokens = args.max_tokens  # free's lengths: the first schema run's, each row's or their mean
             if firsts:
                 free_tokens = max(1, round(firsts[0]["mean_tokens"])) if read["mean"] else firsts[0]["lengths_file"]
-            cfg = {"name": name, "seqs": seqs, "model": args.model, "task": args.task, "rows": args.rows,
+            cfg = {"name": name, "seqs": seqs, "model": args.model, "draft": args.draft, "task": args.task, "rows": args.rows,
                    "max_tokens": args.max_tokens, "pyspy": args.pyspy, "idle": args.idle, "native": args.native,
                    "free_tokens": free_tokens,
                    "profile": str(args.out / f"profile-{name}-{seqs}.json"),
