@@ -136,8 +136,7 @@ SPECULATIVE = {"suffix": {"method": "suffix", "num_speculative_tokens": 8},
 def speculative(method: str, schema: dict | None, k: int | None = None, adaptive: bool = False) -> dict:
     """SPECULATIVE[method], where "schema" is the method batchjson registers where vLLM has a registry of them (0.34:
     engine/vllm/schema_speculator/), drafting from `schema` (the one the engine decodes under); `k` drafts a request
-    (None: SPECULATIVE's); `adaptive`: Model Runner V2's adaptive verification (vLLM 0.34), as batchjson's GPU
-    engines run suffix, schema and draft_model there."""
+    (None: SPECULATIVE's); `adaptive`: Model Runner V2's adaptive verification (vLLM 0.34; off by default)."""
     from batchjson.engine.vllm import schema_speculator
 
     config = dict(SPECULATIVE[method])

@@ -28,7 +28,7 @@ Configurations, run in the order given, for each --seqs (vLLM's max_num_seqs, it
   <cfg>+kN      the same with N drafts a request (num_speculative_tokens).
   <cfg>+av      the same with Model Runner V2's adaptive verification (vLLM 0.34; enable_adaptive_verification): a
                 step verifies the drafts its profiled cost and the drafter's confidences say pay, not k a request
-                (suffix, schema, draft; batchjson's GPU engines run them so there).
+                (suffix, schema, draft).
   <cfg>+stats   the same with vLLM's stats on (disable_log_stats = False, as batchjson's engine has them).
   <cfg>+gcN     the same with Python's first-generation collection threshold N in the engine core
                 (BATCHJSON_ENGINE_GC; batchjson's GPU default 10,000, the interpreter's own 700: +gc700). Without it

@@ -21,9 +21,9 @@ Runs, in the order given (compare only runs of one call: machines differ by +-30
   <run>-noguard           the same with the loop guard off in both passes (repetition_detection = false).
   <run>-noadapt           the same with [sampling] adapt = false (pass 1 keeps its own settings however its rows do).
   <run>-nofills           the same with [model] grammar_fills = "vllm" (vLLM's own mask fills, not batchjson's).
-  <run>-noav              the same without Model Runner V2's adaptive verification (vLLM 0.34), which batchjson's GPU
-                          engines turn on for suffix, schema and draft_model ([speculative.options]
-                          enable_adaptive_verification = false).
+  <run>+av                the same with Model Runner V2's adaptive verification (vLLM 0.34; [speculative.options]
+                          enable_adaptive_verification = true): a step verifies the drafts its profiled cost and the
+                          drafter's confidences say pay (suffix, schema, draft_model).
   <run>+ahead             the same with the grammars' work beside the forward's launch (BATCHJSON_GRAMMAR_AHEAD=1;
                           engine/vllm/ahead.py GrammarAhead; the default since 2026-12-06, with drafts too).
   <run>+noahead           the same with the grammars' work when vLLM asks for it (BATCHJSON_GRAMMAR_AHEAD=0).
@@ -146,8 +146,9 @@ def batchjson_run(name: str, args, rows: int, work: Path, t_launch: float, timeo
     gpus, share = re.search(r"\+gpus(\d+)", run), re.search(r"\+gmu([0-9.]+)", run)
     stats, profiled, spied, logged = "+stats" in run, "+prof" in run, "+spy" in run, "+log" in run
     measured, ahead = "+measure" in run, "1" if "+ahead" in run else "0" if "+noahead" in run else ""
+    adaptive = "+av" in run
     graphs = re.search(r"\+cg(\d+)", run)
-    flags = r"\+gpus\d+|\+gmu[0-9.]+|\+cg\d+|\+warm|\+trace|\+stats|\+prof|\+spy|\+log|\+measure|\+noahead|\+ahead"
+    flags = r"\+gpus\d+|\+gmu[0-9.]+|\+cg\d+|\+warm|\+trace|\+stats|\+prof|\+spy|\+log|\+measure|\+noahead|\+ahead|\+av"
     run, _, per_gpu = re.sub(flags, "", run).partition("+rpg")
     base, _, size = run.partition("@")
     pass2 = "+p2" in base
@@ -164,8 +165,8 @@ def batchjson_run(name: str, args, rows: int, work: Path, t_launch: float, timeo
         text += f'\n[speculative]\nmethod = "{method}"\nnum_speculative_tokens = {k}\n'
     if "fills" in flags:
         text = text.replace("[model]\n", '[model]\ngrammar_fills = "vllm"\n', 1)
-    if "av" in flags:  # every drafted step verifies k drafts a request, as vLLM's default
-        text += "\n[speculative.options]\nenable_adaptive_verification = false\n"
+    if adaptive:  # Model Runner V2's adaptive verification (vLLM 0.34), off in vLLM and batchjson by default
+        text += "\n[speculative.options]\nenable_adaptive_verification = true\n"
     if "adapt" in flags:
         text = text.replace("[sampling]\n", "[sampling]\nadapt = false\n", 1)
     if "guard" in flags:  # write_task writes a [sampling] table and no [fallback] one

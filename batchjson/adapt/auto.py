@@ -59,12 +59,17 @@ MEASURED_SPEEDUP = {
     "cpu": {0.27: {"ngram": {1: 1.0}, "suffix": {1: 1.0}}},
 }
 # On vLLM 0.34 every drafter runs on Model Runner V2 (suffix decoding is its own, no arctic-inference): the 1.5B's
-# figures measured there (an H100, run33; BENCHMARKS.md, "vLLM 0.34") replace 0.26's; 16 in flight keeps 0.26's
-# until measured there.
-MEASURED_ON_MRV2 = {"gpu": {3.1: {"suffix": {16: 1.48, 64: 1.29, 1024: 0.88}, "ngram": {1024: 0.66},
+# figures measured there (H100s, run33 and run34; BENCHMARKS.md, "vLLM 0.34") replace 0.26's; 16 in flight keeps
+# 0.26's until measured there. At a full batch each drafted position costs a grammar mask in the scheduler, accepted
+# or not: suffix decoding lost with 8 drafts a request (x0.88) and gained x1.15 with 2, against none with vLLM's own
+# CUDA graphs (to 512 tokens); batchjson's none captures graphs to 2,048 tokens, which gained x1.16-1.40 on 0.26, so
+# against it suffix's 2 drafts are estimated at about x0.9 (x0.82-0.99): under BETTER_BY, so auto starts without
+# drafts there, and over WORTH_TRYING, so a long pass measures suffix decoding on its own rows and keeps the faster.
+MEASURED_ON_MRV2 = {"gpu": {3.1: {"suffix": {16: 1.48, 64: 1.29, 1024: 0.9}, "ngram": {1024: 0.66},
                                   "schema": {64: 0.81, 1024: 0.61}}}}
 MRV2_FROM = (0, 34)  # the first vLLM whose drafters all run on Model Runner V2
 DRAFT_TOKENS = {"ngram": 4, "suffix": 8, "schema": 8}  # k as measured above
+MRV2_DRAFT_TOKENS = {"suffix": {64: 8, 1024: 2}}  # k by requests in flight (the nearer size) where 0.34 measured it
 TRIAL_PAYS = 40.0  # try the other choice only if the rest of the pass takes this many engine starts or more
 FULL_BATCH = 1024  # vLLM's largest default batch (max_num_seqs on an H100/H200): an unset max_in_flight fills it
 BETTER_BY = 1.05  # a choice must be this much faster to be taken (runs differ by a few % on one engine)
@@ -103,6 +108,15 @@ def predicted_speedup(platform: str, method: str, in_flight: int, weights_gb: fl
     gb = min(models, key=lambda g: abs(math.log(g / weights_gb))) if weights_gb else min(models)
     table = models[gb]
     return table[min(table, key=lambda size: abs(size - in_flight))]
+
+
+def draft_tokens(method: str, in_flight: int, mrv2: bool = False) -> int:
+    """The k auto gives `method` at `in_flight` requests: the one measured at the nearest size (MRV2_DRAFT_TOKENS)
+    where vLLM 0.34 measured it, else DRAFT_TOKENS'."""
+    sizes = MRV2_DRAFT_TOKENS.get(method) if mrv2 else None
+    if not sizes:
+        return DRAFT_TOKENS[method]
+    return sizes[min(sizes, key=lambda size: abs(size - in_flight))]
 
 
 @dataclass
@@ -167,7 +181,7 @@ class Auto(Policy):
         else:
             methods = [draft_method()] + (["schema"] if self.schema_drafts else [])
             method = max(methods, key=lambda m: predicted_speedup(self.platform, m, size, self.weights_gb, self.mrv2))
-        k = self.spec.num_speculative_tokens if method == "draft_model" else DRAFT_TOKENS[method]
+        k = self.spec.num_speculative_tokens if method == "draft_model" else draft_tokens(method, size, self.mrv2)
         self.candidate = dataclasses.replace(self.spec, method=method, num_speculative_tokens=k)
         self.prior = predicted_speedup(self.platform, method, size, self.weights_gb, self.mrv2)
         self.sample = max(2 * size, 64)  # rows measured per choice

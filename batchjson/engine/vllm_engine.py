@@ -124,7 +124,7 @@ def engine_kwargs(model: ModelSpec, decoding: DecodingSpec, backend: str, specul
     elif not drafting:  # drafted steps (1 + k tokens a request) with these graphs: not measured, vLLM's own
         kwargs["compilation_config"] = {"cudagraph_capture_sizes": graph_sizes(GRAPH_TOKENS)}
     if drafting:
-        kwargs["speculative_config"] = speculative_config(speculative, schema, adaptive=not cpu)
+        kwargs["speculative_config"] = speculative_config(speculative, schema)
     return kwargs | model.engine
 
 
@@ -139,41 +139,26 @@ def engine_settings(model: ModelSpec, decoding: DecodingSpec, schema: dict | Non
                     if choice.backend else {})
 
 
-ADAPTIVE = ("suffix", "schema", "draft_model")  # the methods whose speculators give MRv2 each draft's confidence
-
-
-def speculative_config(spec: SpeculativeSpec, schema: dict | None = None, adaptive: bool = False) -> dict[str, Any]:
+def speculative_config(spec: SpeculativeSpec, schema: dict | None = None) -> dict[str, Any]:
     """vLLM's speculative_config for `spec`; `[speculative.options]` goes last and overrides any of it. "schema" is
     batchjson's drafter (the tokens the grammar forces, copies from the prompt; `schema`: the grammar's JSON Schema,
     None for any JSON object): the method it registered where vLLM has a registry of them (0.34's Model Runner V2:
-    engine/vllm/schema_speculator/), else vLLM's custom_class proposer (engine/vllm/drafts.py).
-
-    `adaptive` (a GPU engine): where vLLM verifies drafts adaptively (0.34), a step verifies only the drafts that its
-    measured cost and the drafters' confidences say pay, not k for every request, so that drafts cost little at a
-    full batch (BENCHMARKS.md, "vLLM 0.34"); `enable_adaptive_verification = false` in [speculative.options] turns
-    it off."""
-    config = _method_config(spec, schema)
-    if adaptive and spec.method in ADAPTIVE and versions.layout("adaptive_verification"):
-        config["enable_adaptive_verification"] = True
-    return config | spec.options
-
-
-def _method_config(spec: SpeculativeSpec, schema: dict | None) -> dict[str, Any]:
+    engine/vllm/schema_speculator/), else vLLM's custom_class proposer (engine/vllm/drafts.py)."""
     if spec.method == "schema":
         if schema_speculator.register():
-            return schema_speculator.speculative_config(spec.num_speculative_tokens, schema, {})
+            return schema_speculator.speculative_config(spec.num_speculative_tokens, schema, spec.options)
         if why := drafts.schema_drafts_unready():
             raise EngineError(f'speculative.method = "schema" cannot run here ({why}): choose another method '
                               '(auto, suffix, ngram, none).')
         return {"method": "custom_class", "model": drafts.SCHEMA_PROPOSER,
-                "num_speculative_tokens": spec.num_speculative_tokens}
+                "num_speculative_tokens": spec.num_speculative_tokens} | spec.options
     config: dict[str, Any] = {"method": spec.method, "num_speculative_tokens": spec.num_speculative_tokens,
                               "draft_sample_method": spec.draft_sample_method}
     if spec.method == "ngram":
         config |= {"prompt_lookup_min": spec.prompt_lookup_min, "prompt_lookup_max": spec.prompt_lookup_max}
     if spec.draft_model:
         config["model"] = resolve_model(spec.draft_model)
-    return config
+    return config | spec.options
 
 
 class VllmEngine(Engine):

@@ -90,23 +90,3 @@ def test_on_a_gpu_batchjson_keeps_the_compile_cache_key_of_a_plain_vllm_run(monk
     monkeypatch.setattr(current_platform, "is_cpu", lambda: True)
     _vllm()  # a CPU build needs them: it refuses to start without a KV cache size
     assert vllm.envs.compile_factors() != plain
-
-
-def test_drafts_are_verified_adaptively_on_a_gpu_where_vllm_can_and_the_job_can_turn_it_off(folder, monkeypatch):
-    from batchjson.engine.vllm import versions
-
-    suffix = SpeculativeSpec(method="suffix", num_speculative_tokens=8)
-    ngram = SpeculativeSpec(method="ngram")
-    read_here = versions.vllm_version()[:5]
-    monkeypatch.setitem(versions.LAYOUTS, "adaptive_verification", (read_here,))
-
-    def spec_of(spec, cpu):
-        return engine_kwargs(ModelSpec(path=folder), DecodingSpec(), "xgrammar", spec, cpu)["speculative_config"]
-
-    assert spec_of(suffix, cpu=False)["enable_adaptive_verification"] is True
-    assert "enable_adaptive_verification" not in spec_of(suffix, cpu=True)  # vLLM's CPU runner has none
-    assert "enable_adaptive_verification" not in spec_of(ngram, cpu=False)  # its speculator gives no confidences
-    off = SpeculativeSpec(method="suffix", options={"enable_adaptive_verification": False})
-    assert spec_of(off, cpu=False)["enable_adaptive_verification"] is False
-    monkeypatch.setitem(versions.LAYOUTS, "adaptive_verification", ("0.1.",))  # a vLLM without it
-    assert "enable_adaptive_verification" not in spec_of(suffix, cpu=False)

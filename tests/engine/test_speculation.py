@@ -58,16 +58,24 @@ def test_prior_follows_the_model_size(monkeypatch):
 
 def test_on_vllm_034_the_prior_is_what_model_runner_v2_measured(monkeypatch):
     """vLLM 0.34 runs every drafter on Model Runner V2: on the 1.5B suffix decoding gained x1.29 at 64 in flight
-    there (it lost, x0.85, on 0.26's V1 runner) and still loses at a full batch; its suffix speculator is vLLM's own,
-    so auto tries it without arctic-inference."""
+    there with 8 drafts a request (it lost, x0.85, on 0.26's V1 runner); at a full batch, with 2 drafts, about x0.9 of
+    batchjson's none (estimated): auto starts without drafts there and tries suffix decoding on a long pass; its suffix
+    speculator is vLLM's own, so auto tries it without arctic-inference."""
     from batchjson.engine.vllm import versions
 
     big = dict(weights_gb=3.1)
     monkeypatch.setattr(speculation, "draft_method", lambda: "suffix")
     at_64 = speculation.Auto(AUTO, 64, "gpu", 10_000, **big, mrv2=True)
     assert at_64.current().method == "suffix" and at_64.prior == 1.29
+    assert at_64.current().num_speculative_tokens == 8
     assert speculation.Auto(AUTO, 64, "gpu", 10_000, **big).current() is None  # 0.26's V1 runner: x0.85
-    assert speculation.Auto(AUTO, None, "gpu", 10_000, **big, mrv2=True).current() is None  # x0.88 at 1,024
+    full = speculation.Auto(AUTO, None, "gpu", 10_000, **big, mrv2=True)  # vLLM's batch of 1,024
+    assert full.current() is None and full.prior == 0.9
+    assert (full.candidate.method, full.candidate.num_speculative_tokens) == ("suffix", 2)  # with 8: x0.88
+    full.trials[-1] = speculation.Trial("none", rows=full.sample, tokens=100, seconds=100.0, start_s=1.0)
+    assert full.decide().speculative.num_speculative_tokens == 2  # a long pass tries it on its own rows
+    assert speculation.Auto(AUTO, None, "gpu", 10_000, **big).current() is None  # 0.26: x0.57 at 1,024
+    assert speculation.Auto(AUTO, None, "gpu", 10_000, weights_gb=0.27, mrv2=True).current() is None  # SmolLM2: x0.88
     assert speculation.Auto(AUTO, 16, "gpu", 10_000, **big, mrv2=True).prior == 1.48  # 0.26's, unmeasured on 0.34
     assert speculation.predicted_speedup("gpu", "schema", 1024, 3.1, mrv2=True) == 0.61
     monkeypatch.undo()

@@ -52,11 +52,6 @@ LAYOUTS = {
     "idle_drafter_skip_drafts": ("0.34.",),  # through Scheduler._drafts_unused (Model Runner V2), not the V1 runner
     "strided_fills": ("0.34.",),  # a request's mask rows in a block of k + 1 (the rest: a row per position)
     "should_advance": ("0.26.",),  # StructuredOutputManager.should_advance, Request.async_tokens_to_discard
-    # Model Runner V2's adaptive verification (speculative_config enable_adaptive_verification): each step verifies
-    # the drafts its cost curve and the drafters' confidences say pay, not k a request; read on 0.34.0 in
-    # vllm/v1/worker/gpu/spec_decode/adaptive_verification.py, suffix/speculator.py, structured_outputs.py (the
-    # grammar's masks skip trimmed positions)
-    "adaptive_verification": ("0.34.",),
 }
 # Patches to leave off in every process of a run, by name (install_<name>, comma-separated: "no_draft,idle_drafter"),
 # for side-by-side measurements; each answers "off: BATCHJSON_PATCHES_OFF" and vLLM's own code runs.
