@@ -88,9 +88,9 @@ class Runner:
         return out
 
 
-def reference(compiled, encode, prompt: list[int], output: list[int]) -> list[int]:
+def reference(compiled, encode, prompt: list[int], output: list[int], end: int) -> list[int]:
     """The draft schema/drafts.py's Drafter proposes after `output`, from a matcher advanced through it alone,
-    padded to K with the last token, as each row of the speculator's drafts must be."""
+    padded to K with the end token, as each row of the speculator's drafts must be."""
     matcher = xgr.GrammarMatcher(compiled)
     for token in output:
         if matcher.is_terminated() or not matcher.accept_token(token):
@@ -100,13 +100,12 @@ def reference(compiled, encode, prompt: list[int], output: list[int]) -> list[in
         draft = []
     else:
         draft = Drafter(encode, K).propose(matcher or NO_GRAMMAR, prompt, output[-COPY_MAX:])
-    last = (prompt + output)[-1]
-    return draft + [last] * (K - len(draft))
+    return draft + [end] * (K - len(draft))
 
 
 def test_each_step_drafts_what_the_grammar_forces_or_the_prompt_holds_and_the_target_accepts_them(kit):
     tokenizer, encode, compiled = kit
-    runner = Runner(StepDrafts(encode, compiled, K))
+    runner = Runner(StepDrafts(encode, compiled, K, tokenizer.eos_token_id))
     prompts = {2: "Add Omar Khan to the free plan.", 5: "Put Alice Blue on pro now.", 6: "Zed to free."}
     answers = {2: '{"name":" Omar Khan","plan":"free"}', 5: '{"name":" Alice Blue","plan":"pro"}',
                6: '{"name":"Zed","plan":"free"}'}
@@ -122,7 +121,7 @@ def test_each_step_drafts_what_the_grammar_forces_or_the_prompt_holds_and_the_ta
             accepted += max(len(runner.output(slot)) - before[slot] - 1, 0)
             if slot in chunk or len(runner.output(slot)) >= len(runner.answers[slot]):
                 continue
-            assert out[row].tolist() == reference(compiled, encode, encode(prompts[slot]), runner.output(slot)), (
+            assert out[row].tolist() == reference(compiled, encode, encode(prompts[slot]), runner.output(slot), tokenizer.eos_token_id), (
                 steps, slot)
     assert all(runner.output(s) == runner.answers[s] for s in slots)
     assert accepted > 0.3 * sum(len(a) for a in runner.answers.values())  # forced keys and copied names were taken
@@ -131,18 +130,18 @@ def test_each_step_drafts_what_the_grammar_forces_or_the_prompt_holds_and_the_ta
 
 def test_a_slot_given_a_new_request_starts_from_its_prompt_and_the_grammars_start(kit):
     tokenizer, encode, compiled = kit
-    runner = Runner(StepDrafts(encode, compiled, K))
+    runner = Runner(StepDrafts(encode, compiled, K, tokenizer.eos_token_id))
     runner.add(3, encode("Omar to free."), encode('{"name":"Omar","plan":"free"}'))
     for _ in range(3):
         runner.step([3])
     runner.add(3, encode("Bob to pro."), encode('{"name":"Bob","plan":"pro"}'))
     out = runner.step([3])
-    assert out[0].tolist() == reference(compiled, encode, encode("Bob to pro."), runner.output(3))
+    assert out[0].tolist() == reference(compiled, encode, encode("Bob to pro."), runner.output(3), tokenizer.eos_token_id)
 
 
 def test_tokens_gained_beyond_the_window_are_read_whole_and_a_refused_token_leaves_copies_only(kit):
     tokenizer, encode, compiled = kit
-    runner = Runner(StepDrafts(encode, compiled, K))
+    runner = Runner(StepDrafts(encode, compiled, K, tokenizer.eos_token_id))
     prompt = encode("Add Omar Khan to the free plan.")
     runner.add(1, prompt, encode('{"name":" Omar Khan","plan":"free"}'))
     runner.step([1])
@@ -151,13 +150,45 @@ def test_tokens_gained_beyond_the_window_are_read_whole_and_a_refused_token_leav
         runner.step([1], propose=False)
     assert runner.steps.unknown([1], runner.prompt_len[[1]], runner.total[[1]].numpy()) == [0]
     out = runner.step([1])
-    assert out[0].tolist() == reference(compiled, encode, prompt, runner.output(1))
+    assert out[0].tolist() == reference(compiled, encode, prompt, runner.output(1), tokenizer.eos_token_id)
     # A request whose output its matcher refuses (another grammar's) keeps getting copies from its prompt.
     runner.add(4, prompt, encode("Omar Khan to the free plan") + [tokenizer.eos_token_id])
     for _ in range(4):
         out = runner.step([4])
     assert runner.steps.requests[4].matcher is None
-    assert out[0].tolist() == reference(compiled, encode, prompt, runner.output(4))
+    assert out[0].tolist() == reference(compiled, encode, prompt, runner.output(4), tokenizer.eos_token_id)
+
+
+def test_the_grammar_refuses_the_filler_so_the_schedulers_masks_end_where_the_known_draft_ends(kit):
+    """vLLM's scheduler fills a grammar mask for each drafted position up to the first one the grammar refuses (the
+    cost of a drafted step at a full batch): with the end token as filler, only the known part of a draft (forced,
+    copied) gets masks; with the last token repeated, masks went on over repeats the grammar takes inside a string.
+    The answers are the same either way."""
+    tokenizer, encode, compiled = kit
+    prompt = encode("Sign up Maximiliana Oberholzer-Wittgenstein to the pro plan.")
+    answer = encode('{"name":"Maximiliana Oberholzer-Wittgenstein","plan":"pro"}') + [tokenizer.eos_token_id]
+
+    def masked_rows(end):
+        """(drafted positions the scheduler's grammar takes, positions of known drafts, the output)."""
+        runner, rows, known = Runner(StepDrafts(encode, compiled, K, end)), 0, 0
+        runner.add(0, prompt, answer)
+        while len(runner.output(0)) < len(answer):
+            draft = runner.step([0])[0].tolist()
+            matcher = xgr.GrammarMatcher(compiled)  # the scheduler's: its grammar through the output, then the draft
+            for token in runner.output(0):
+                matcher.accept_token(token)
+            valid = 0
+            while valid < K and not matcher.is_terminated() and matcher.accept_token(draft[valid]):
+                valid += 1
+            rows += valid
+            known += (reference(compiled, encode, prompt, runner.output(0), -1) + [-1]).index(-1)
+        return rows, known, runner.output(0)
+
+    with_end, known, output = masked_rows(tokenizer.eos_token_id)
+    repeated, _, same = masked_rows(None)
+    assert output == same == answer
+    assert with_end <= known + 1  # the known drafts, and the end token once the JSON is complete
+    assert repeated > with_end, (repeated, with_end)
 
 
 @pytest.fixture
@@ -235,7 +266,7 @@ def test_the_speculator_reads_vllms_request_states_and_writes_each_rows_draft(ki
                                       enable_adaptive_verification=True),
                 scheduler_config=ns(max_num_seqs=8), structured_outputs_config=ns(disable_any_whitespace=True),
                 model_config=ns(get_vocab_size=lambda: len(tokenizer)))
-    runner = Runner(StepDrafts(encode, compiled, K))
+    runner = Runner(StepDrafts(encode, compiled, K, tokenizer.eos_token_id))
     states = ns(all_token_ids=ns(gpu=runner.tokens), total_len=ns(gpu=runner.total),
                 prompt_len=ns(np=runner.prompt_len), req_id_to_index={"a": 2, "b": 5})
     speculator = SchemaSpeculator(config, torch.device("cpu"), req_states=states)
@@ -250,7 +281,7 @@ def test_the_speculator_reads_vllms_request_states_and_writes_each_rows_draft(ki
         drafts = speculator.propose(batch, None, None, None, None, sampled, None, None, None, None, None,
                                     num_speculative_tokens=K)
         assert drafts.tolist() == expected.tolist(), step
-        odds = speculator.draft_token_confidence_probs[:2]  # adaptive verification's: forced 1, copies less, repeats 0
+        odds = speculator.draft_token_confidence_probs[:2]  # adaptive verification's: forced 1, copies less, fillers 0
         assert set(odds.flatten().tolist()) <= {0.0, 0.75, 1.0}
         assert step or odds[:, 0].tolist() == [1.0, 1.0]  # after the first token: the first key, forced
     assert speculator.propose(batch, *[None] * 10, dummy_run=True).shape == (2, K)

@@ -14,7 +14,8 @@ once per request.
 
 Exactness: the drafts are proposals, verified by the target under the grammar's masks (MRv2's rejection sampler),
 so greedy outputs stay token-identical to decoding without drafts. A request whose grammar is not the job's gets
-copies only; a position with nothing known repeats the last token (MRv2 verifies k positions a request anyway).
+copies only; a position with nothing known gets the end token (steps.py says why; MRv2 verifies k positions a
+request anyway).
 
 config.py (the SpeculatorConfig, imported in every vLLM process) and speculator.py (the speculator, imported in
 the worker only) need vLLM 0.34; this module and steps.py import no vLLM. Read on (0.34.0):

@@ -44,12 +44,13 @@ class SchemaSpeculator(BaseSpeculator):
         schema = (spec.speculator_options or {}).get("json_schema")
         grammar = compile_grammar(vllm_config, tokenizer, schema if isinstance(schema, str) or schema is None
                                   else json.dumps(schema))
-        self.steps = StepDrafts(lambda text: tokenizer.encode(text, add_special_tokens=False), grammar, self.k)
+        self.steps = StepDrafts(lambda text: tokenizer.encode(text, add_special_tokens=False), grammar, self.k,
+                                tokenizer.eos_token_id)
         rows = vllm_config.scheduler_config.max_num_seqs
         self.drafts = torch.zeros((rows, self.k), dtype=torch.int64, device=device)
         self.host = torch.zeros((rows, self.k), dtype=torch.int64, pin_memory=device.type == "cuda")
         # MRv2's adaptive verification (speculative_config enable_adaptive_verification, off by default) verifies the
-        # likeliest drafts first, by these odds: a forced string's first, a repeat of the last token never.
+        # likeliest drafts first, by these odds: a forced string's first, a filler never.
         self.enable_adaptive_verification = bool(getattr(spec, "enable_adaptive_verification", False))
         self.draft_token_confidence_probs = torch.zeros((rows, self.k), dtype=torch.float32, device=device)
         self.odds = torch.zeros((rows, self.k), dtype=torch.float32, pin_memory=device.type == "cuda")

@@ -46,11 +46,17 @@ class Request:
 
 class StepDrafts:
     """The drafts of every request of a step. `encode`: the tokenizer's encoding without special tokens; `grammar`:
-    the job's grammar compiled by xgrammar (None: copies only); `k`: the draft's width."""
+    the job's grammar compiled by xgrammar (None: copies only); `k`: the draft's width; `end`: the end-of-text token,
+    which fills the positions where nothing is known (None: the request's last token fills them).
 
-    def __init__(self, encode: Callable[[str], list[int]], grammar, k: int):
+    Why the end token: vLLM's scheduler fills a grammar mask for every drafted position up to the first one the grammar
+    refuses, before the GPU verifies any, and at a full batch those masks are most of a drafted step's cost
+    (BENCHMARKS.md, "Drafts at a full batch"). A grammar refuses the end token until the JSON is complete, so the
+    filler stops the masks where the known draft ends; where the JSON is complete it is the right draft."""
+
+    def __init__(self, encode: Callable[[str], list[int]], grammar, k: int, end: int | None = None):
         self.drafter = Drafter(encode, k)
-        self.grammar, self.k = grammar, k
+        self.grammar, self.k, self.end = grammar, k, end
         self.requests: dict[int, Request] = {}
 
     def add(self, slot: int) -> None:
@@ -86,12 +92,12 @@ class StepDrafts:
         Row i is the request in `slots[i]`: `prompt_lens[i]` prompt tokens, `total_lens[i]` tokens in all,
         `sampled[i]` tokens added this step (0: a prompt chunk, no draft wanted), `tails[i]` its last `window()`
         tokens (a short request's repeat its first token there: never read), `rows[i]` all its tokens, for the rows `unknown`
-        named. A position with nothing to propose repeats the request's last token (the target verifies it as any
-        draft; MRv2 verifies k tokens a request in every step). `confidence` (same shape), where given, gets each
+        named. A position with nothing to propose gets the end token, or repeats the request's last token without one
+        (the target verifies it as any draft; MRv2 verifies k tokens a request in every step). `confidence` (same shape), where given, gets each
         position's odds of acceptance for MRv2's adaptive verification, which verifies the likeliest first: 1 for a
-        forced string's, COPY_ODDS for a copy's, 0 for a repeat."""
+        forced string's, COPY_ODDS for a copy's, 0 for a filler."""
         width, tail_rows = tails.shape[1], tails.tolist()  # Python ints: a numpy read costs a call each
-        drafts = [[row[-1]] * self.k for row in tail_rows]
+        drafts = [[row[-1] if self.end is None else self.end] * self.k for row in tail_rows]
         odds = [[0.0] * self.k for _ in tail_rows] if confidence is not None else None
         live: list[tuple[int, Request, list[int]]] = []  # (row, request, its new tokens)
         for i, (slot, prompt_len, total, n) in enumerate(zip(*(np.asarray(a).tolist() for a in (
