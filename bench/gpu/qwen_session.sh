@@ -111,7 +111,7 @@
 # PLAN all: the plans named in PLANS (default: what run15 left: startkv smolmps replicas15; SmolLM2's first, as its
 #   files come first) in that order, within BUDGET_S.
 set -u
-export PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 PATH=/tmp/spy/bin:$PATH
+export PYTHONPATH=/tmp/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 PATH=/tmp/spy/bin:$PATH
 res=/tmp/res
 mkdir -p $res
 case "$1" in
@@ -139,6 +139,13 @@ case "$1" in
     exit 0 ;;
 esac
 plan=$1 budget=${2:-600}
+# Plans run from a snapshot of the project: each transfer replaces the project's copy on the host, and a run that
+# imports a module while that happens fails (run34: "No module named 'batchjson.deadline'").
+if [ "${QWEN_SNAPSHOT:-}" != 1 ]; then
+  tree=$(mktemp -d /tmp/tree.XXXX)
+  tar -c --exclude=./.dev --exclude=./.venv --exclude=./.git . | tar -x -C $tree
+  cd $tree && export PYTHONPATH=/tmp/site:$PWD QWEN_SNAPSHOT=1 && exec bash bench/gpu/qwen_session.sh "$@"
+fi
 start=$(date +%s)
 exec 9>/tmp/gpu.lock; flock 9
 left() { echo $(( budget - ($(date +%s) - start) )); }
