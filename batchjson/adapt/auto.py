@@ -9,9 +9,11 @@ the job's own outputs (acceptance), the in-flight size and the platform. So `aut
    only near 32; on the 1.5B suffix only with few in flight (16), no method at 64 or more, a draft model nowhere
    (16 to 1024), batchjson's schema drafts at a full batch x0.79 of none since none's step got CUDA graphs to
    2,048 tokens and its grammar work beside the launch (x0.93-1.13 before);
-   none at a full engine batch (the default max_in_flight) and on a CPU). The other choice is the faster
-   speculative method measured at that size: at a full batch on a GPU the schema drafts, where the job has a
-   JSON Schema and the engine can make them;
+   none at a full engine batch (the default max_in_flight) and on a CPU; on vLLM 0.34, MEASURED_ON_MRV2: on the
+   1.5B suffix decoding with 8 drafts up to 64 in flight, and at a full batch with 2 drafts, about x0.9 of none).
+   The other choice is the faster speculative method measured at that size, with the number of drafts measured
+   there (draft_tokens): on vLLM 0.34 suffix decoding at a full batch, on older ones the schema drafts, where the
+   job has a JSON Schema and the engine can make them;
 2. measures that choice on the job's first rows: output tokens per second of decoding, ms per step, tokens per step
    and, with speculation, the acceptance;
 3. when the rest of the pass is long enough (TRIAL_PAYS engine starts), decodes the next rows with the other
