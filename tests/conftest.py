@@ -50,7 +50,8 @@ def tiny_model() -> str:
 
 
 class SharedEngines(VllmEngines):
-    """An engine factory for run_job that starts each distinct engine configuration once per test session.
+    """An engine factory for run_job that starts each distinct engine configuration once per test session (runs
+    that differ only in their sampling share one).
 
     Tests close nothing: the session closes every engine at its end. At most MAX_IDLE engines stay open while no
     run uses them (the least recently used is closed first): each holds an engine process with its KV cache (about
@@ -67,8 +68,11 @@ class SharedEngines(VllmEngines):
         self.starts = 0
 
     def start(self, spec, decoding, speculative):
+        # What an engine fixes at its start (VllmEngine.accepts): the model's settings, the schema's grammar backend,
+        # the speculation and, on a CPU, the seed. Sampling is per request: the run sets each pass's (`use`).
+        wide = engine_decoding(plan_passes(spec), decoding)
         schema = json.dumps(spec.schema_doc, sort_keys=True)
-        key = repr((spec.model, engine_decoding(plan_passes(spec), decoding), speculative, schema))  # the engine-wide seed too
+        key = repr((spec.model, wide.seed, wide.structured_output_backend, speculative, schema))
         engine = self.engines.pop(key, None)
         if engine is None:
             self._evict(keep=self.MAX_IDLE - 1)
