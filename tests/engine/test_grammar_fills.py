@@ -21,12 +21,10 @@ from batchjson.engine.vllm.masks import apply_mask_rows, install_mask_scatter, m
 from batchjson.engine.vllm.patches import grammar_fills
 from batchjson.engine.profiler import read_profile
 from batchjson.records import Prompt
-from batchjson.spec import DecodingSpec, ModelSpec
-from helpers import TINY_SCHEMA
+from batchjson.spec import DecodingSpec
+from helpers import ANSWER_PROMPTS, TINY_SCHEMA, tiny_engine_model
 
 xgr = pytest.importorskip("xgrammar")
-PROMPTS = [f'<|im_start|>user\nAnswer like {{"name":"thing{i % 7}","n":{i % 10}}}: item {i}<|im_end|>\n'
-           "<|im_start|>assistant\n" for i in range(48)]
 
 
 @pytest.fixture(scope="module")
@@ -196,30 +194,30 @@ def test_an_unread_vllm_keeps_its_own_fills(monkeypatch):
 
 
 @pytest.mark.engine
-def test_batch_fills_decode_what_vllms_fills_decode(tiny_model, monkeypatch, tmp_path):
-    """The same prompts on two engines, greedy in float32: batchjson's fills (which ran: the step profile timed them)
-    and vLLM's own give the same outputs, and the report's grammar line says which ran. Both profiles time the
-    grammars' advance, vLLM's call per request (a part of update_from_output)."""
+def test_batch_fills_decode_what_vllms_fills_decode(tiny_model, plain_run, monkeypatch, tmp_path):
+    """The same prompts on two engines, greedy in float32: batchjson's fills (the session's engine without
+    speculation; they ran: the step profile timed them) and vLLM's own give the same outputs, and the report's
+    grammar line says which ran. Both profiles time the grammars' advance, vLLM's call per request (a part of
+    update_from_output)."""
     from batchjson.engine import VllmEngine
 
-    texts, profiles = {}, {}
-    for fills in ("batch", "vllm"):
-        profiles[fills] = tmp_path / f"profile-{fills}.json"
-        monkeypatch.setenv("BATCHJSON_PROFILE_STEPS", str(profiles[fills]))
-        model = ModelSpec(path=tiny_model, dtype="float32", max_model_len=512, max_in_flight=48, grammar_fills=fills)
-        engine = VllmEngine(model, DecodingSpec(max_tokens=40), TINY_SCHEMA)
-        try:
-            texts[fills] = {g.prompt.row_id: g.text for g in engine.stream(
-                Prompt(str(i), "u", text) for i, text in enumerate(PROMPTS))}
-            assert engine.fills.startswith(fills)
-        finally:
-            engine.close()
-    assert len(texts["batch"]) == len(PROMPTS) and texts["batch"] == texts["vllm"]
-    ran = {fills: read_profile(path)["parts"].get("batch_fills", {}).get("count", 0) for fills, path in profiles.items()}
+    profile = tmp_path / "profile-vllm.json"
+    monkeypatch.setenv("BATCHJSON_PROFILE_STEPS", str(profile))
+    engine = VllmEngine(tiny_engine_model(tiny_model, grammar_fills="vllm"), DecodingSpec(max_tokens=40, seed=0),
+                        TINY_SCHEMA)
+    try:
+        own = {g.prompt.row_id: g.text for g in engine.stream(
+            Prompt(str(i), "u", text) for i, text in enumerate(ANSWER_PROMPTS))}
+        assert engine.fills.startswith("vllm")
+    finally:
+        engine.close()
+    assert plain_run.fills.startswith("batch")
+    assert len(own) == len(ANSWER_PROMPTS) and plain_run.answers == own
+    profiles = {"batch": plain_run.profile, "vllm": read_profile(profile)}
+    ran = {fills: got["parts"].get("batch_fills", {}).get("count", 0) for fills, got in profiles.items()}
     assert ran["batch"] > 0 and ran["vllm"] == 0
-    for path in profiles.values():
-        parts = read_profile(path)["parts"]
-        assert 0 < parts["advance"]["seconds"] < parts["update_from_output"]["seconds"]
+    for got in profiles.values():
+        assert 0 < got["parts"]["advance"]["seconds"] < got["parts"]["update_from_output"]["seconds"]
 
 
 class Request(SimpleNamespace):
