@@ -18,7 +18,6 @@ import pyarrow.parquet as pq
 import pytest
 
 from batchjson.engine import VllmEngines
-from batchjson.engine.fake import FakeEngines
 from batchjson.errors import EngineError, InputError, OutputError, ResumeConflict
 from batchjson.job import run_job
 from batchjson.storage import Storage, location
@@ -76,8 +75,8 @@ class KillEngineProcess(VllmEngines):
 
 def test_an_engine_killed_mid_pass_is_restarted_and_its_rows_decoded_again(tmp_path, tiny_model):
     """The engine's processes SIGKILLed after 6 results: a new engine, still speculative, decodes the rows in flight
-    and the rest, each once. What repeated deaths do (speculation off after two) is
-    test_repeated_engine_deaths_drop_speculation_then_give_up's, on the fake engine."""
+    and the rest, each once. Repeated deaths (speculation off after two, the run's end after three) are
+    test_exactly_once's, on the fake engine."""
     write_rows(tmp_path / "in.parquet", 40)
     job = write_job(tmp_path, tiny_model, tmp_path / "in.parquet", extra="")
     job.write_text(job.read_text().replace("[fallback]", "[fallback]\nenabled = false"))
@@ -86,36 +85,6 @@ def test_an_engine_killed_mid_pass_is_restarted_and_its_rows_decoded_again(tmp_p
     assert factory.speculative_seen == [True, True]
     assert "engine-restarted" in codes(report.passes["pass1"]) and report.passes["pass1"].engine_starts == 2
     assert_exactly_once([f"r{i:05d}" for i in range(40)], tmp_path / "out", tmp_path / "out" / "_rejects")
-
-
-class DyingEngines(FakeEngines):
-    """Fake engines whose first `deaths` engines die after 6 prompts each."""
-
-    def __init__(self, deaths: int):
-        super().__init__(max_in_flight=4)
-        self.deaths = deaths
-
-    def start(self, spec, decoding, speculative):
-        engine = super().start(spec, decoding, speculative)
-        if len(self.started) <= self.deaths:
-            engine.die_after = 6
-        return engine
-
-
-def test_repeated_engine_deaths_drop_speculation_then_give_up(tmp_path, tiny_model):
-    write_rows(tmp_path / "in.parquet", 40)
-    job = write_job(tmp_path, tiny_model, tmp_path / "in.parquet", batch_size=4)
-    engines = DyingEngines(deaths=2)  # two deaths of the speculative engine: the third decodes without drafts
-    report = run_job(load_spec(job), engine_factory=engines, progress=False)
-    assert [s is not None for _, s in engines.started] == [True, True, False]
-    assert "speculation-off" in codes(report.passes["pass1"])
-    assert_exactly_once([f"r{i:05d}" for i in range(40)], tmp_path / "out", tmp_path / "out" / "_rejects")
-
-    write_rows(tmp_path / "more" / "in.parquet", 40)
-    job = write_job(tmp_path / "more", tiny_model, tmp_path / "more" / "in.parquet", batch_size=4,
-                    speculative="none")
-    with pytest.raises(EngineError, match="the engine died 3 times.*rerun the same command to resume"):
-        run_job(load_spec(job), engine_factory=DyingEngines(deaths=3), progress=False)
 
 
 def test_sigterm_stops_cleanly_and_the_rerun_finishes(tmp_path, tiny_model):
