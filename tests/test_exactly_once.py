@@ -1,5 +1,6 @@
-"""Exactly once, attacked: kills at every step of the commit protocol, repeated engine deaths, odd ids, inputs that change between runs,
-folders that overlap, concurrent runs, and user mistakes that must end in a message (exit 2), not a traceback.
+"""Exactly once, attacked: kills at every step of the commit protocol, repeated engine deaths, odd ids, inputs that
+change between runs, folders that overlap, concurrent runs, and user mistakes that must end in a message (exit 2),
+not a traceback.
 
 The engine here is the fake one (batchjson/engine/fake.py): outcomes are random, so a redone unit differs."""
 
