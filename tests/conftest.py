@@ -6,6 +6,7 @@ from __future__ import annotations
 import faulthandler
 import json
 import os
+from types import SimpleNamespace
 
 import pytest
 
@@ -13,6 +14,9 @@ from helpers import SCRATCH  # first: it sets the session's environment up
 from batchjson.engine import EngineWrapper
 from batchjson.engine.vllm_engine import VllmEngines
 from batchjson.passes import engine_decoding, plan_passes
+from batchjson.records import Prompt
+from batchjson.spec import DecodingSpec
+from helpers import ANSWER_PROMPTS, TINY_SCHEMA, tiny_engine_model
 
 
 def pytest_configure(config):
@@ -49,8 +53,35 @@ def tiny_model() -> str:
     return str(make_tiny_model(SCRATCH / "tiny-model"))
 
 
+@pytest.fixture(scope="session")
+def plain_run(tiny_model, tmp_path_factory):
+    """One engine without speculation (the tiny model, 16 in flight, batchjson's grammar fills) answering
+    ANSWER_PROMPTS greedily, with the step profiler on and its engine core reporting its KV cache's bytes; for the
+    tests that read what such a run gives (an engine start each, shared): `answers` by row id, `fills` (the
+    report's grammar fills line), `profile` (its step profile) and `kv_bytes` (what its engine core reported)."""
+    from batchjson.engine import VllmEngine
+    from batchjson.engine.profiler import read_profile
+    from batchjson.engine.vllm.kv import KV_SIZE_ENV
+
+    folder = tmp_path_factory.mktemp("plain")
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("BATCHJSON_PROFILE_STEPS", str(folder / "profile.json"))
+        env.setenv(KV_SIZE_ENV, str(folder / "kv-bytes"))
+        engine = VllmEngine(tiny_engine_model(tiny_model), DecodingSpec(max_tokens=40, seed=0), TINY_SCHEMA)
+        try:
+            answers = {g.prompt.row_id: g.text for g in engine.stream(
+                Prompt(str(i), "u", text) for i, text in enumerate(ANSWER_PROMPTS))}
+            fills = engine.fills
+            kv_bytes = int((folder / "kv-bytes").read_text()) if (folder / "kv-bytes").exists() else None
+        finally:
+            engine.close()
+    return SimpleNamespace(answers=answers, fills=fills, profile=read_profile(folder / "profile.json"),
+                           kv_bytes=kv_bytes)
+
+
 class SharedEngines(VllmEngines):
-    """An engine factory for run_job that starts each distinct engine configuration once per test session.
+    """An engine factory for run_job that starts each distinct engine configuration once per test session (runs
+    that differ only in their sampling share one).
 
     Tests close nothing: the session closes every engine at its end. At most MAX_IDLE engines stay open while no
     run uses them (the least recently used is closed first): each holds an engine process with its KV cache (about
@@ -67,8 +98,11 @@ class SharedEngines(VllmEngines):
         self.starts = 0
 
     def start(self, spec, decoding, speculative):
+        # What an engine fixes at its start (VllmEngine.accepts): the model's settings, the schema's grammar backend,
+        # the speculation and, on a CPU, the seed. Sampling is per request: the run sets each pass's (`use`).
+        wide = engine_decoding(plan_passes(spec), decoding)
         schema = json.dumps(spec.schema_doc, sort_keys=True)
-        key = repr((spec.model, engine_decoding(plan_passes(spec), decoding), speculative, schema))  # the engine-wide seed too
+        key = repr((spec.model, wide.seed, wide.structured_output_backend, speculative, schema))
         engine = self.engines.pop(key, None)
         if engine is None:
             self._evict(keep=self.MAX_IDLE - 1)

@@ -50,6 +50,12 @@ TINY_SCHEMA = {
 }
 
 
+# Prompts whose answer's JSON (TINY_SCHEMA's) is in the prompt, so that n-gram lookup finds drafts even for a random
+# model; the tests that decode them on the real engine compare their answers across engines.
+ANSWER_PROMPTS = [f'<|im_start|>user\nAnswer like {{"name":"thing{i % 7}","n":{i % 10}}}: item {i}<|im_end|>\n'
+                  "<|im_start|>assistant\n" for i in range(24)]
+
+
 # A Pydantic model with what Pydantic writes as $defs + $ref (a nested model, an enum), anyOf [..., null] (the
 # Optional fields) and a list; its strings and the list are bounded, as in TINY_SCHEMA.
 THING_MODEL = """
@@ -77,6 +83,13 @@ class Thing(BaseModel):
     note: str | None = Field(default=None, max_length=4)
     tags: list[Annotated[str, Field(max_length=3)]] = Field(max_length=2)
 """
+
+
+def tiny_engine_model(tiny_model: str, max_in_flight: int = 16, **settings):
+    """The ModelSpec of the tests that start a VllmEngine on the tiny model themselves."""
+    from batchjson.spec import ModelSpec
+
+    return ModelSpec(path=tiny_model, dtype="float32", max_model_len=512, max_in_flight=max_in_flight, **settings)
 
 
 def write_model(folder: Path, source: str = THING_MODEL) -> str:

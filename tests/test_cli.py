@@ -89,7 +89,8 @@ def test_shard_argument_is_checked(tmp_path):
 
 
 @pytest.mark.engine
-def test_run_exits_3_when_rejects_exceed_the_threshold(tmp_path, tiny_model):
+def test_run_exits_3_when_rejects_exceed_the_threshold(tmp_path, tiny_model, engines, monkeypatch):
+    monkeypatch.setattr("batchjson.engine.VllmEngines", lambda: engines)  # the command's run on the session's engines
     write_rows(tmp_path / "in.parquet", 6)
     # Three tokens cannot hold an object and the fallback is off: every row is rejected as truncated.
     job = write_job(tmp_path, tiny_model, tmp_path / "in.parquet", max_tokens=3, speculative="none")

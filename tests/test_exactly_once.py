@@ -1,5 +1,6 @@
-"""Exactly once, attacked: kills at every step of the commit protocol, odd ids, inputs that change between runs,
-folders that overlap, concurrent runs, and user mistakes that must end in a message (exit 2), not a traceback.
+"""Exactly once, attacked: kills at every step of the commit protocol, repeated engine deaths, odd ids, inputs that
+change between runs, folders that overlap, concurrent runs, and user mistakes that must end in a message (exit 2),
+not a traceback.
 
 The engine here is the fake one (batchjson/engine/fake.py): outcomes are random, so a redone unit differs."""
 
@@ -128,6 +129,36 @@ def test_kill_at_every_step_of_a_pass_2_commit_while_pass_1_is_in_flight(tmp_pat
     assert final.returncode == 0, final.stderr[-2000:]
     assert_exactly_once([f"r{i:05d}" for i in range(60)], out, out / "_rejects")
     assert len(list((out / "_batchjson" / "units").glob("p2-*.json"))) > 0
+
+
+class DyingEngines(FakeEngines):
+    """Fake engines whose first `deaths` engines die after 6 prompts each."""
+
+    def __init__(self, deaths: int):
+        super().__init__(max_in_flight=4)
+        self.deaths = deaths
+
+    def start(self, spec, decoding, speculative):
+        engine = super().start(spec, decoding, speculative)
+        if len(self.started) <= self.deaths:
+            engine.die_after = 6
+        return engine
+
+
+def test_repeated_engine_deaths_drop_speculation_then_give_up(tmp_path, tiny_model):
+    write_rows(tmp_path / "in.parquet", 40)
+    job = write_job(tmp_path, tiny_model, tmp_path / "in.parquet", batch_size=4)
+    engines = DyingEngines(deaths=2)  # two deaths of the speculative engine: the third decodes without drafts
+    report = run_job(load_spec(job), engine_factory=engines, progress=False)
+    assert [s is not None for _, s in engines.started] == [True, True, False]
+    assert "speculation-off" in codes(report.passes["pass1"])
+    assert_exactly_once([f"r{i:05d}" for i in range(40)], tmp_path / "out", tmp_path / "out" / "_rejects")
+
+    write_rows(tmp_path / "more" / "in.parquet", 40)
+    job = write_job(tmp_path / "more", tiny_model, tmp_path / "more" / "in.parquet", batch_size=4,
+                    speculative="none")
+    with pytest.raises(EngineError, match="the engine died 3 times.*rerun the same command to resume"):
+        run_job(load_spec(job), engine_factory=DyingEngines(deaths=3), progress=False)
 
 
 def test_float_and_bool_ids_are_one_identity(tmp_path, tiny_model):

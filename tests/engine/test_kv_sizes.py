@@ -8,9 +8,8 @@ import json
 import pytest
 
 from batchjson.engine import devices, kv_sizes
-from batchjson.engine.vllm.kv import KV_SIZE_ENV
-from batchjson.spec import DecodingSpec, ModelSpec, load_spec
-from helpers import TINY_SCHEMA, write_job, write_rows
+from batchjson.spec import load_spec
+from helpers import write_job, write_rows
 
 H200 = [["0", "GPU-aaaa", "NVIDIA H200", "143771"], ["1", "GPU-bbbb", "NVIDIA H200", "143771"]]
 
@@ -90,17 +89,8 @@ def test_the_factory_says_a_start_measures_until_a_size_is_kept_or_the_job_gives
 
 
 @pytest.mark.engine
-def test_the_engine_core_reports_the_kv_cache_bytes_it_was_given(tiny_model, tmp_path, monkeypatch):
-    """The real engine (CPU): its engine core writes the bytes of its KV cache (here VLLM_CPU_KVCACHE_SPACE's 1
-    GiB) to the file the runner names, once the cache is allocated."""
-    from batchjson.engine import VllmEngine
-
-    report = tmp_path / "kv-bytes"
-    monkeypatch.setenv(KV_SIZE_ENV, str(report))
-    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
-    engine = VllmEngine(ModelSpec(path=tiny_model, dtype="float32", max_model_len=512, max_in_flight=4),
-                        DecodingSpec(max_tokens=8), TINY_SCHEMA)
-    try:
-        assert int(report.read_text()) == 1 << 30
-    finally:
-        engine.close()
+def test_the_engine_core_reports_the_kv_cache_bytes_it_was_given(plain_run):
+    """The real engine (CPU; the session's engine without speculation): its engine core writes the bytes of its KV
+    cache (here VLLM_CPU_KVCACHE_SPACE's 1 GiB, the tests' setting) to the file the runner names, once the cache
+    is allocated."""
+    assert plain_run.kv_bytes == 1 << 30

@@ -21,11 +21,9 @@ from batchjson.job import run_job
 from batchjson.records import Prompt
 from batchjson.report import PassStats, RunReport
 from batchjson.spec import DecodingSpec, ModelSpec, SpeculativeSpec, load_spec
-from helpers import TINY_SCHEMA, codes, write_job, write_rows
+from helpers import ANSWER_PROMPTS, TINY_SCHEMA, codes, write_job, write_rows
 
-# The answer's JSON is in the prompt, so that n-gram lookup finds drafts even for a random model.
-PROMPTS = [f'<|im_start|>user\nAnswer like {{"name":"thing{i % 7}","n":{i % 10}}}: item {i}<|im_end|>\n'
-           "<|im_start|>assistant\n" for i in range(24)]
+PROMPTS = ANSWER_PROMPTS  # the answer's JSON is in the prompt: n-gram lookup finds drafts even for a random model
 
 
 @pytest.mark.engine
