@@ -599,8 +599,8 @@ def main(argv: list[str]) -> int:
             free_tokens = args.max_tokens  # free's lengths: the first schema run's, each row's or their mean
             if firsts:
                 free_tokens = max(1, round(firsts[0]["mean_tokens"])) if read["mean"] else firsts[0]["lengths_file"]
-            cfg = {"name": name, "seqs": seqs, "model": args.model, "draft": args.draft, "task": args.task, "rows": args.rows,
-                   "max_tokens": args.max_tokens, "pyspy": args.pyspy, "idle": args.idle, "native": args.native,
+            cfg = {"name": name, "seqs": seqs, "model": args.model, "draft": args.draft, "task": args.task,
+                   "rows": args.rows, "max_tokens": args.max_tokens, "pyspy": args.pyspy, "idle": args.idle, "native": args.native,
                    "free_tokens": free_tokens,
                    "profile": str(args.out / f"profile-{name}-{seqs}.json"),
                    "result": str(args.out / f"result-{name}-{seqs}.json")}

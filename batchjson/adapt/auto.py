@@ -63,7 +63,7 @@ MEASURED_SPEEDUP = {
 # On vLLM 0.34 every drafter runs on Model Runner V2 (suffix decoding is its own, no arctic-inference): the 1.5B's
 # figures measured there (H100s, run33 and run34; BENCHMARKS.md, "vLLM 0.34") replace 0.26's; 16 in flight keeps
 # 0.26's until measured there. At a full batch each drafted position costs a grammar mask in the scheduler, accepted
-# or not: suffix decoding lost with 8 drafts a request (x0.88) and gained x1.15 with 2, against none with vLLM's own
+# or not: suffix decoding lost with 8 drafts a request (x0.88) and gained x1.14 with 2, against none with vLLM's own
 # CUDA graphs (to 512 tokens); batchjson's none captures graphs to 2,048 tokens, which gained x1.16-1.40 on 0.26, so
 # against it suffix's 2 drafts are estimated at about x0.9 (x0.82-0.99): under BETTER_BY, so auto starts without
 # drafts there, and over WORTH_TRYING, so a long pass measures suffix decoding on its own rows and keeps the faster.

@@ -121,8 +121,8 @@ def test_each_step_drafts_what_the_grammar_forces_or_the_prompt_holds_and_the_ta
             accepted += max(len(runner.output(slot)) - before[slot] - 1, 0)
             if slot in chunk or len(runner.output(slot)) >= len(runner.answers[slot]):
                 continue
-            assert out[row].tolist() == reference(compiled, encode, encode(prompts[slot]), runner.output(slot), tokenizer.eos_token_id), (
-                steps, slot)
+            expected = reference(compiled, encode, encode(prompts[slot]), runner.output(slot), tokenizer.eos_token_id)
+            assert out[row].tolist() == expected, (steps, slot)
     assert all(runner.output(s) == runner.answers[s] for s in slots)
     assert accepted > 0.3 * sum(len(a) for a in runner.answers.values())  # forced keys and copied names were taken
     assert steps < max(len(a) for a in runner.answers.values())
@@ -136,7 +136,8 @@ def test_a_slot_given_a_new_request_starts_from_its_prompt_and_the_grammars_star
         runner.step([3])
     runner.add(3, encode("Bob to pro."), encode('{"name":"Bob","plan":"pro"}'))
     out = runner.step([3])
-    assert out[0].tolist() == reference(compiled, encode, encode("Bob to pro."), runner.output(3), tokenizer.eos_token_id)
+    end = tokenizer.eos_token_id
+    assert out[0].tolist() == reference(compiled, encode, encode("Bob to pro."), runner.output(3), end)
 
 
 def test_tokens_gained_beyond_the_window_are_read_whole_and_a_refused_token_leaves_copies_only(kit):

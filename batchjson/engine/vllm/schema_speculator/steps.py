@@ -93,9 +93,9 @@ class StepDrafts:
         `sampled[i]` tokens added this step (0: a prompt chunk, no draft wanted), `tails[i]` its last `window()`
         tokens (a short request's repeat its first token there: never read), `rows[i]` all its tokens, for the rows `unknown`
         named. A position with nothing to propose gets the end token, or repeats the request's last token without one
-        (the target verifies it as any draft; MRv2 verifies k tokens a request in every step). `confidence` (same shape), where given, gets each
-        position's odds of acceptance for MRv2's adaptive verification, which verifies the likeliest first: 1 for a
-        forced string's, COPY_ODDS for a copy's, 0 for a filler."""
+        (the target verifies it as any draft; MRv2 verifies k tokens a request in every step). `confidence` (same
+        shape), where given, gets each position's odds of acceptance for MRv2's adaptive verification, which verifies
+        the likeliest first: 1 for a forced string's, COPY_ODDS for a copy's, 0 for a filler."""
         width, tail_rows = tails.shape[1], tails.tolist()  # Python ints: a numpy read costs a call each
         drafts = [[row[-1] if self.end is None else self.end] * self.k for row in tail_rows]
         odds = [[0.0] * self.k for _ in tail_rows] if confidence is not None else None
