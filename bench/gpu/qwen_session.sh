@@ -106,7 +106,7 @@
 #   report lists the patches on), SmolLM2 at 30,000 rows against bare vLLM; the 1.5B's step at 1,024 in flight with
 #   vLLM's fills, batchjson's, none and each drafter; the 1.5B's default at 30,000 rows against bare vLLM, twice; the
 #   drafters against none at 64, 16 and 256 in flight.
-# PLANS v34av v34avdraft v34av256 v34avw (issue 68, vLLM 0.34): the drafters with and without adaptive verification
+# PLANS v34av v34avdraft v34av256 v34avw (issue 68, vLLM 0.34): the drafters with 2, 4 and 8 drafts a request
 #   against none at 1,024, 64, 16 and 256 in flight; the 0.5B draft model; whole runs at 30,000 rows.
 # PLAN all: the plans named in PLANS (default: what run15 left: startkv smolmps replicas15; SmolLM2's first, as its
 #   files come first) in that order, within BUDGET_S.
@@ -200,22 +200,21 @@ import vllm._C_stable_libtorch; print('ops ok')"; python3 -m batchjson check job
                --configs ahead,ahead-suffix,ahead-schema,ahead-ngram --timeout 150
              need q15 && gb v34-g15-C3000-256 --task C --rows 3000 --model $q15 --seqs 256 \
                --configs ahead,ahead-suffix,ahead-schema --timeout 150 ;;
-    # issue 68 on vLLM 0.34: each drafter with Model Runner V2's adaptive verification (+av: a step verifies the
-    # drafts that pay, not k a request) against none and against k a request, at 1,024, 64, 16 and 256 in flight;
-    # then whole runs of the 1.5B at 30,000 rows: speculation off, suffix and schema (adaptive, batchjson's default
-    # there) and the default
+    # issue 68 on vLLM 0.34: how many drafts a request pay, by requests in flight (run34: at 1,024 suffix k 2 gained
+    # x1.14 where k 8 lost, adaptive verification (+av) lost at both), none with batchjson's graphs (+cg2048) beside
+    # vLLM's; then whole runs of the 1.5B at 30,000 rows: speculation off, suffix and schema, and the default
     v34av) need q15 && gb v34av-g15-C6000 --task C --rows 6000 --model $q15 --seqs 1024 --draft $q05 \
-             --configs ahead,ahead-suffix+av,ahead-schema+av,ahead-suffix+av+k16,ahead-suffix+k2 --timeout 200
+             --configs ahead,ahead+cg2048,ahead-suffix+k2,ahead-suffix+k4,ahead-schema+k2,ahead-schema+k4 --timeout 200
            need q15 && gb v34av-g15-C1500-64 --task C --rows 1500 --model $q15 --seqs 64 --draft $q05 \
-             --configs ahead,ahead-suffix,ahead-suffix+av,ahead-schema+av,ahead-ngram --timeout 150
+             --configs ahead,ahead-suffix,ahead-suffix+k4,ahead-schema+k4,ahead-ngram --timeout 150
            need q15 && gb v34av-g15-C480-16 --task C --rows 480 --model $q15 --seqs 16 --draft $q05 \
-             --configs ahead,ahead-suffix,ahead-suffix+av,ahead-schema+av --timeout 150 ;;
+             --configs ahead,ahead-suffix,ahead-schema --timeout 150 ;;
     v34avdraft) need q15 && need q05 && gb v34av-g15-C1500-64d --task C --rows 1500 --model $q15 --seqs 64 \
-             --draft $q05 --configs ahead,ahead-draft,ahead-draft+av --timeout 200
+             --draft $q05 --configs ahead,ahead-draft,ahead-draft+k2 --timeout 200
            need q15 && need q05 && gb v34av-g15-C6000d --task C --rows 6000 --model $q15 --seqs 1024 \
-             --draft $q05 --configs ahead,ahead-draft+av --timeout 200 ;;
+             --draft $q05 --configs ahead,ahead-draft+k2 --timeout 200 ;;
     v34av256) need q15 && gb v34av-g15-C3000-256 --task C --rows 3000 --model $q15 --seqs 256 \
-             --configs ahead,ahead-suffix+av,ahead-schema+av --timeout 150 ;;
+             --configs ahead,ahead-suffix+k2,ahead-suffix+k4,ahead-schema+k4 --timeout 150 ;;
     v34avw) need q15 && wr v34av-t15-C30000 --task C --rows 30000 --model $q15 --timeout 300 \
              --runs none,suffix,auto,schema ;;
     small) need smol && wr smol-C600 --task C --rows 600 --model $smol --timeout 120 \
