@@ -174,15 +174,18 @@ def one(cfg: dict) -> dict:
     releasing, small = cfg.get("launch_releases", False), torch.zeros(8)
     checked = [0]
 
-    class Output:  # Model Runner V2's AsyncOutput, as vLLM and GrammarAhead read it
+    class Output:  # Model Runner V2's AsyncOutput, as vLLM and GrammarAhead read it: a row of 1 + k tokens a request
         def __init__(self, req_ids, tokens):
             self.model_runner_output = runner_output(req_ids)
-            self.sampled_token_ids = np.array(tokens, dtype=np.int64).reshape(len(tokens), 1)
-            self.num_sampled_tokens_np = np.ones(len(tokens), dtype=np.int32)
+            self.sampled_token_ids = np.zeros((len(tokens), 1 + k), dtype=np.int64)
+            for row, got in enumerate(tokens):
+                self.sampled_token_ids[row, :len(got)] = got
+            self.num_sampled_tokens_np = np.array([len(t) for t in tokens], dtype=np.int32)
             self.copy_event = SimpleNamespace(synchronize=lambda: None)
 
         def get_output(self):
-            self.model_runner_output.sampled_token_ids = self.sampled_token_ids.tolist()
+            self.model_runner_output.sampled_token_ids = [
+                row[:n] for row, n in zip(self.sampled_token_ids.tolist(), self.num_sampled_tokens_np.tolist())]
             return self.model_runner_output
 
     class OutputFuture(Future):  # UniProcExecutor's AsyncOutputFuture
@@ -201,6 +204,9 @@ def one(cfg: dict) -> dict:
         def __init__(self):
             self.sampled: dict[str, list[int]] = {}
             self.step = None
+            handler = SimpleNamespace(_draft_tokens_by_req={}, copy_event=SimpleNamespace(synchronize=lambda: None))
+            self.driver_worker = SimpleNamespace(worker=SimpleNamespace(model_runner=SimpleNamespace(
+                draft_tokens_handler=handler)))  # UniProcExecutor's path to Model Runner V2's drafts
 
         def execute_model(self, scheduler_output, non_block=False):
             self.step = scheduler_output
@@ -269,18 +275,18 @@ def one(cfg: dict) -> dict:
                             assert twins[req_id].accept_token(t)
                 got.extend(new)
                 sampled.append(new)
+            if k:
+                self.propose()
             if not non_block:  # one step at a time: the tokens as they are
                 return runner_output(req_ids, sampled_token_ids=sampled)
-            if k:  # drafted, ahead of time (0.34): GrammarAhead leaves these steps to vLLM
-                done = Future()
-                done.set_result(runner_output(req_ids, sampled_token_ids=sampled))
-                return done
-            return OutputFuture(Output(req_ids, [t[0] for t in sampled]))
+            return OutputFuture(Output(req_ids, sampled))
 
-        def take_draft_token_ids(self):
-            """The next k tokens of each answer, one in three with its second token changed (a draft the target
-            refuses there, or the grammar cuts)."""
-            req_ids, drafts = [], []
+        def propose(self):
+            """After a step's sampling, as Model Runner V2's drafter and DraftTokensHandler.set_draft_tokens: the next
+            k tokens of each answer, one in three with its second token changed (a draft the target refuses there, or
+            the grammar cuts), kept by request on the host."""
+            drafted = self.driver_worker.worker.model_runner.draft_tokens_handler._draft_tokens_by_req
+            drafted.clear()
             for req_id, got in self.sampled.items():
                 answer = answers[req_id]
                 if len(got) >= len(answer):
@@ -288,9 +294,11 @@ def one(cfg: dict) -> dict:
                 d = list(answer[len(got):len(got) + k])
                 if int(req_id) % 3 == 0 and len(d) > 1:
                     d[1] = answer[0]  # "{": wrong inside a value
-                req_ids.append(req_id)
-                drafts.append(d)
-            return DraftTokenIds(req_ids, drafts) if req_ids else None
+                drafted[req_id] = np.array(d, dtype=np.int64)
+
+        def take_draft_token_ids(self):
+            drafted = self.driver_worker.worker.model_runner.draft_tokens_handler._draft_tokens_by_req
+            return DraftTokenIds(list(drafted), [d.tolist() for d in drafted.values()]) if drafted else None
 
     core = object.__new__(EngineCore)  # its step_with_batch_queue as the engine process runs it
     core.vllm_config, core.scheduler, core.model_executor = config, scheduler, Runner()

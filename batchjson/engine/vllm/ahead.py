@@ -86,6 +86,10 @@ class GrammarAhead:
 
         self.preempted = RequestStatus.PREEMPTED  # a status above it is a finished request's
         self.stale = stale_field()
+        # Where the engine drafts ahead of time (vLLM 0.34): the next step's drafts as vLLM will place them
+        # (drafts_reader; set by the hooks where the model runner is in this process), and those a job's masks used.
+        self.read_drafts = None
+        self.drafts_used: dict = {}
 
     @classmethod
     def for_scheduler(cls, scheduler) -> "GrammarAhead | None":
@@ -102,7 +106,7 @@ class GrammarAhead:
             config = manager.vllm_config
             sync = not config.scheduler_config.async_scheduling
             usable = (fills and scheduler.connector is None and config.parallel_config.pipeline_parallel_size == 1
-                      and (sync or not scheduler.num_spec_tokens))
+                      and (sync or not scheduler.num_spec_tokens or fills.stride))
             ahead = cls(fills, scheduler.requests, sync) if usable else False
             scheduler.__dict__["_batchjson_ahead"] = ahead
         return ahead or None
@@ -116,7 +120,8 @@ class GrammarAhead:
             return self._start_fill(scheduled)
         waiting, self.waiting = self.waiting, None
         if (waiting is None or self.last is None or waiting[1] is not self.last[0]
-                or not scheduled.pending_structured_output_tokens or scheduled.scheduled_spec_decode_tokens
+                or not scheduled.pending_structured_output_tokens
+                or (scheduled.scheduled_spec_decode_tokens and not self.read_drafts)
                 or len(scheduled.num_scheduled_tokens) < self.min_requests):
             return
         output = getattr(waiting[0], "async_output", None)
@@ -163,10 +168,10 @@ class GrammarAhead:
             index = getattr(ran, "req_id_to_index", None) or {r: i for i, r in enumerate(ran.req_ids)}
             rows = [index[r] for r in ids]
             counts = output.num_sampled_tokens_np[rows]
-            if len(rows) and counts.max() > 1:  # drafted tokens: not a step this reads
+            if len(rows) and counts.max() > 1 and not self.fills.stride:  # drafted tokens one step at a time: vLLM's
                 return None
-            tokens = output.sampled_token_ids[rows, 0].tolist()
-            movers = [(req_id, grammar, token) for req_id, count, token in zip(ids, counts.tolist(), tokens)
+            tokens = output.sampled_token_ids[rows, :max(1, int(counts.max()) if len(rows) else 1)].tolist()
+            movers = [(req_id, grammar, row[:count]) for req_id, count, row in zip(ids, counts.tolist(), tokens)
                       if count and (request := requests.get(req_id)) is not None and request.status <= preempted
                       and not getattr(request, stale)
                       and not (grammar := known.get(req_id)
@@ -175,17 +180,30 @@ class GrammarAhead:
             return None
         if not movers:
             return set()
-        accepted = self.fills.accept([m[1].matcher for m in movers], [m[2] for m in movers])
         if self.stops is None:
             self.stops = frozenset(movers[0][1].matcher.stop_token_ids)
-        stops, advanced = self.stops, set()
-        for (req_id, grammar, token), ok in zip(movers, accepted):
-            if ok:  # a refused token is left to vLLM, which refuses it too and ends the request
+        stops, taken, refused = self.stops, [0] * len(movers), set()
+        position, live = 0, list(range(len(movers)))
+        while live:  # a position at a time: each request's next token, one batch call for all
+            accepted = self.fills.accept([movers[i][1].matcher for i in live], [movers[i][2][position] for i in live])
+            for i, ok in zip(live, accepted):
+                grammar, token = movers[i][1], movers[i][2][position]
+                if not ok:  # a refused token is left to vLLM, which refuses it too and ends the request
+                    refused.add(i)
+                    continue
+                taken[i] += 1
                 grammar.num_processed_tokens += 1
-                if token in stops:
+                if token in stops:  # tokens after the grammar's end are not its (vLLM's accept_tokens)
                     grammar._is_terminated = grammar.matcher.is_terminated()
-                advanced.add(req_id)
-        return advanced
+            position += 1
+            live = [i for i in live if i not in refused and len(movers[i][2]) > position
+                    and not movers[i][1]._is_terminated]
+        for i in refused:  # as vLLM's accept_tokens leaves a grammar that refused one of its tokens: untouched
+            grammar = movers[i][1]
+            if taken[i]:
+                grammar.matcher.rollback(taken[i])
+                grammar.num_processed_tokens -= taken[i]
+        return {movers[i][0] for i in range(len(movers)) if i not in refused}
 
     def fill_next(self, scheduled, advanced: set):
         """The masks of `scheduled` (n+1), its grammars advanced: (`advanced`, n+1's ids, mask), in one pass over its
@@ -204,6 +222,9 @@ class GrammarAhead:
                     matchers.append(grammar.matcher)
                 upcoming.append(req_id)
         self.grammars = grammars
+        if self.fills.stride:  # a block of k + 1 rows a request (vLLM 0.34 drafting): its drafts as vLLM places them
+            self.drafts_used = self.read_drafts(scheduled) if scheduled.scheduled_spec_decode_tokens else {}
+            return advanced, upcoming, self.fills.bitmask(self.requests, upcoming, self.drafts_used)
         mask = self.fills.fill_rows(matchers, at, ended)
         return advanced, upcoming, mask[:len(upcoming)].numpy()
 
@@ -237,6 +258,9 @@ class GrammarAhead:
         from vllm.v1.core.sched.output import GrammarOutput
 
         _, ids, mask = done
+        if self.fills.stride and (self.moved or not self.drafts_as_placed(scheduled, ids)):
+            self.moved = set()  # a request's block is its drafts' rows: vLLM's fills make them all again
+            return None
         if self.moved:
             import torch
 
@@ -247,10 +271,45 @@ class GrammarAhead:
         self.last = (scheduled, ids)
         return GrammarOutput(ids, mask)
 
+    def drafts_as_placed(self, scheduled, ids) -> bool:
+        """Whether the drafts the masks were made for are those vLLM placed in the step (update_draft_token_ids_in_
+        output), for every request still running (one that ended at the step before takes no token from it)."""
+        placed, used, requests, preempted = scheduled.scheduled_spec_decode_tokens, self.drafts_used, self.requests, \
+            self.preempted
+        return all(list(placed.get(r, ())) == used.get(r, []) for r in ids
+                   if (request := requests.get(r)) is not None and request.status <= preempted)
+
     def note(self, scheduled, out) -> None:
         """In get_grammar_bitmask when vLLM made the masks: the step and its ids, for the next step's work."""
         self.last = (scheduled, out.structured_output_request_ids) if out is not None else None
         self.grammars = {}
+
+
+def drafts_reader(executor):
+    """Model Runner V2's drafts for the step being launched, read on the host as update_draft_token_ids_in_output will
+    place them in its SchedulerOutput: a function (SchedulerOutput) -> {request id: drafts}, or None where the model
+    runner is not in this process (its DraftTokensHandler unreachable: the drafted steps stay vLLM's). Each request
+    scheduled drafts gets its latest drafts cut to the slots scheduled and padded with -1, or the slots as they are
+    (-1s) where it has none; a handler that kept only the drafts' width (no structured request in its batch) gives
+    -1s."""
+    runner = getattr(getattr(getattr(executor, "driver_worker", None), "worker", None), "model_runner", None)
+    handler = getattr(runner, "draft_tokens_handler", None)
+    if handler is None or not all(hasattr(handler, f) for f in ("_draft_tokens_by_req", "copy_event")):
+        return None
+
+    def read(scheduled) -> dict:
+        handler.copy_event.synchronize()  # the drafts' copy to the host (a finished event returns at once)
+        latest, placed = handler._draft_tokens_by_req, {}
+        for req_id, slots in scheduled.scheduled_spec_decode_tokens.items():
+            drafts = latest.get(req_id)
+            if drafts is None:
+                placed[req_id] = list(slots)
+                continue
+            drafts = [-1] * drafts if isinstance(drafts, int) else drafts[:len(slots)].tolist()
+            placed[req_id] = drafts + [-1] * (len(slots) - len(drafts))
+        return placed
+
+    return read
 
 
 def stale_field() -> str:

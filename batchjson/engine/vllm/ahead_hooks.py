@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import functools
 
-from batchjson.engine.vllm.ahead import GrammarAhead, stale_field
+from batchjson.engine.vllm.ahead import GrammarAhead, drafts_reader, stale_field
 from batchjson.engine.vllm.fills import batch_fills_unready
 from batchjson.engine.vllm.versions import installs_once, layout, unread_here
 
@@ -83,6 +83,8 @@ def install_grammar_ahead() -> str:
         ahead = self.scheduler.__dict__.get("_batchjson_ahead")
         if ahead:
             ahead.waiting = self.batch_queue[-1] if self.batch_queue else None
+            if ahead.read_drafts is None and ahead.fills.stride:  # drafted ahead of time: where the drafts are
+                ahead.read_drafts = drafts_reader(self.model_executor) or False
         return step(self)
 
     @functools.wraps(schedule)
