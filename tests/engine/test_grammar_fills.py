@@ -527,8 +527,9 @@ def test_grammar_work_ahead_on_vllms_own_scheduler(tiny_model, tmp_path, vllm_so
     and verifies; 0.34 also drafts ahead of time, its drafts unchecked), their Python on this CPU, with a model runner
     that answers every request with its ground truth and checks each mask row it is given, drafted positions
     included (0.34: in blocks of k + 1 rows), against a matcher of its own (bench/ahead.py): with GrammarAhead the
-    thread serves every step after the first few and vLLM advances no grammar itself (drafted ahead of time: every
-    step is vLLM's, with BatchFills' masks); with the masks made when vLLM asks, the same answers and rows."""
+    thread serves every step after the first few and vLLM advances no grammar itself (drafted ahead of time too: each
+    request's accepted drafts taken, the next drafts read where the runner left them); with the masks made when vLLM
+    asks, the same answers and rows."""
     mode = MODES[steps]
     ahead, batch = on_vllms_scheduler(vllm_sources(version), tiny_model, tmp_path, "--configs", "ahead,batch", *mode)
     assert ahead["installed"]["fills"] == ahead["installed"]["ahead"] == "ok" and batch["installed"]["ahead"] == "off"

@@ -5,8 +5,10 @@ Under async scheduling vLLM launches step n+1's forward, then waits for step n's
 its token (a few Python calls per request in update_from_output) and fills n+1's masks, all on the engine core's one
 thread while the GPU waits for the masks. GrammarAhead moves both onto a thread that starts as soon as n+1 is
 scheduled: n's tokens are on the host by then, xgrammar's batch accept and batch fill run in C++ without the GIL, and
-the engine core's thread only skips the grammars already advanced and takes the masks. One step at a time (vLLM 0.26
-with drafts) the thread fills the step's masks, every drafted position's, while the forward launches. On by default
+the engine core's thread only skips the grammars already advanced and takes the masks. Where the engine drafts ahead
+of time (vLLM 0.34), the same with each request's accepted drafts taken and n+1's drafted positions filled from the
+drafts Model Runner V2 left on the host. One step at a time (vLLM 0.26 with drafts) the thread fills the step's masks,
+every drafted position's, while the forward launches. On by default
 (an H100: the 1.5B's step x0.77-0.89 of the batch fills at the step, its drafted step x0.91-0.98, 0 rows differing;
 AHEAD_ENV "0" turns it off; BENCHMARKS.md, "The grammars' work beside the forward's launch").
 """

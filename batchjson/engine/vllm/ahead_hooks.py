@@ -44,8 +44,13 @@ from batchjson.engine.vllm.versions import installs_once, layout, unread_here
 # that got tokens unless its output is stale and dropped: Request.num_stale_output_tokens (0.26's
 # async_tokens_to_discard) is read before update_from_output counts it down, so a request with any is left to vLLM (and
 # refilled if vLLM advanced it). ModelRunnerOutput has no req_id_to_index: the rows are req_ids' order. Async scheduling
-# is on with drafts too (Model Runner V2 everywhere), and their drafts reach the step's output only after
-# update_from_output (update_draft_token_ids_in_output): a drafted engine that schedules ahead is vLLM's own here.
+# is on with drafts too (Model Runner V2 everywhere). Step n's output then holds each request's tokens in a row of
+# 1 + k (num_sampled_tokens_np of them), and n+1's drafts reach its SchedulerOutput only after update_from_output(n)
+# (take_draft_token_ids, update_draft_token_ids_in_output: each cut to the slots scheduled, padded with -1). They are on
+# the host before: sample_tokens(n) ran the drafter and DraftTokensHandler.set_draft_tokens copied them, by request,
+# into _draft_tokens_by_req (an async copy, complete with its copy_event), which nothing changes until sample_tokens(n+1),
+# after n+1's masks. With one process (UniProcExecutor) the handler is model_executor.driver_worker.worker.model_runner
+# .draft_tokens_handler (ahead.py drafts_reader).
 
 
 @installs_once
