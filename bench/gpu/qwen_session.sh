@@ -220,7 +220,7 @@ import vllm._C_stable_libtorch; print('ops ok')"; python3 -m batchjson check job
     # issue 68: GrammarAhead with drafts ahead of time (vLLM 0.34; "batch" keeps the drafted step's grammar work at
     # the step, as run34 measured it): none, suffix and the schema drafter at 1,024 in flight, then 64
     v34ahead) need q15 && gb v34ahead-g15-C6000 --task C --rows 6000 --model $q15 --seqs 1024 \
-             --configs ahead,ahead-suffix+k2,ahead-schema+k2,batch-suffix+k2,ahead-suffix+k4 --timeout 200
+             --configs ahead,ahead-suffix+k2,batch-suffix+k2,ahead-schema+k2,ahead-suffix+k4 --timeout 200
            need q15 && gb v34ahead-g15-C1500-64 --task C --rows 1500 --model $q15 --seqs 64 \
              --configs ahead,ahead-suffix+k4,ahead-schema+k4 --timeout 150 ;;
     v34avw) need q15 && wr v34av-t15-C30000 --task C --rows 30000 --model $q15 --timeout 300 \
