@@ -109,7 +109,7 @@
 # PLANS v34av v34avdraft v34av256 v34avw (issue 68, vLLM 0.34): the drafters with 2, 4 and 8 drafts a request
 #   against none at 1,024, 64, 16 and 256 in flight; the 0.5B draft model; whole runs at 30,000 rows.
 # PLAN v34ahead (issue 68, vLLM 0.34): the grammars' work beside the forward's launch with drafts ahead of time, none,
-#   suffix and the schema drafter at 1,024 and 64 in flight.
+#   suffix and the schema drafter at 1,024 and 64 in flight; v34aheadsmol: the same on SmolLM2 at 1,024.
 # PLAN all: the plans named in PLANS (default: what run15 left: startkv smolmps replicas15; SmolLM2's first, as its
 #   files come first) in that order, within BUDGET_S.
 set -u
@@ -223,6 +223,8 @@ import vllm._C_stable_libtorch; print('ops ok')"; python3 -m batchjson check job
              --configs ahead,ahead-suffix+k2,batch-suffix+k2,ahead-schema+k2,ahead-suffix+k4 --timeout 200
            need q15 && gb v34ahead-g15-C1500-64 --task C --rows 1500 --model $q15 --seqs 64 \
              --configs ahead,ahead-suffix+k4,ahead-schema+k4 --timeout 150 ;;
+    v34aheadsmol) need smol && gb v34ahead-smol-C6000 --task C --rows 6000 --model $smol --seqs 1024 \
+             --configs ahead,ahead-suffix+k2,batch-suffix+k2,ahead-schema+k2,ahead-suffix+k4 --timeout 200 ;;
     v34avw) need q15 && wr v34av-t15-C30000 --task C --rows 30000 --model $q15 --timeout 300 \
              --runs none,suffix,auto,schema ;;
     small) need smol && wr smol-C600 --task C --rows 600 --model $smol --timeout 120 \
