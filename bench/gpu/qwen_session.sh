@@ -224,7 +224,7 @@ import vllm._C_stable_libtorch; print('ops ok')"; python3 -m batchjson check job
            need q15 && gb v34ahead-g15-C1500-64 --task C --rows 1500 --model $q15 --seqs 64 \
              --configs ahead,ahead-suffix+k4,ahead-schema+k4 --timeout 150 ;;
     v34aheadsmol) need smol && gb v34ahead-smol-C6000 --task C --rows 6000 --model $smol --seqs 1024 \
-             --configs ahead,ahead-suffix+k2,batch-suffix+k2,ahead-schema+k2,ahead-suffix+k4 --timeout 200 ;;
+             --configs ahead-suffix+k2,batch-suffix+k2,ahead,ahead-schema+k2 --timeout 150 ;;
     v34avw) need q15 && wr v34av-t15-C30000 --task C --rows 30000 --model $q15 --timeout 300 \
              --runs none,suffix,auto,schema ;;
     small) need smol && wr smol-C600 --task C --rows 600 --model $smol --timeout 120 \
