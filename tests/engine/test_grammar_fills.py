@@ -383,6 +383,28 @@ def test_drafted_grammar_work_ahead_takes_each_requests_tokens_and_fills_its_dra
         step = following
 
 
+def test_the_drafts_are_read_as_vllm_places_them_in_the_step():
+    """The next step's drafts read where Model Runner V2 left them (DraftTokensHandler, by request) as vLLM 0.34's
+    update_draft_token_ids_in_output places them: cut to the slots scheduled, padded with -1; a handler that kept only
+    the drafts' width gives -1s, a request without drafts keeps its slots; an executor without the runner in this
+    process gives no reader."""
+    import numpy as np
+
+    from batchjson.engine.vllm.ahead import drafts_reader
+
+    synced = []
+    handler = SimpleNamespace(copy_event=SimpleNamespace(synchronize=lambda: synced.append(1)), _draft_tokens_by_req={
+        "long": np.array([5, 6, 7, 8]), "short": np.array([5]), "width": 3, "unscheduled": np.array([9, 9])})
+    executor = SimpleNamespace(driver_worker=SimpleNamespace(worker=SimpleNamespace(model_runner=SimpleNamespace(
+        draft_tokens_handler=handler))))
+    step = SimpleNamespace(scheduled_spec_decode_tokens={"long": [-1] * 3, "short": [-1] * 3, "width": [-1] * 2,
+                                                         "none": [-1] * 3})
+    assert drafts_reader(executor)(step) == {"long": [5, 6, 7], "short": [5, -1, -1], "width": [-1, -1],
+                                             "none": [-1, -1, -1]}
+    assert synced  # the drafts' copy to the host waited for
+    assert drafts_reader(SimpleNamespace(workers=[])) is None
+
+
 @pytest.mark.parametrize("gpu,given,expected", [(True, "", 10_000), (False, "", 0), (True, "700", 700),
                                                  (False, "5000", 5000)],
                          ids=["a GPU engine", "a CPU engine", "asked for the interpreter's own", "asked on a CPU"])

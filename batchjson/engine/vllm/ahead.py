@@ -307,7 +307,7 @@ def drafts_reader(executor):
             if drafts is None:
                 placed[req_id] = list(slots)
                 continue
-            drafts = [-1] * drafts if isinstance(drafts, int) else drafts[:len(slots)].tolist()
+            drafts = ([-1] * drafts if isinstance(drafts, int) else drafts.tolist())[:len(slots)]
             placed[req_id] = drafts + [-1] * (len(slots) - len(drafts))
         return placed
 
