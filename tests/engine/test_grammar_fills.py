@@ -324,7 +324,7 @@ def test_drafted_grammar_work_ahead_takes_each_requests_tokens_and_fills_its_dra
     its tokens up to its end token (what follows is not the grammar's), and the next step's blocks are filled through
     its drafts: the masks and counts are those of vLLM's update (the tokens cut after the end, as vLLM cuts them) and
     BatchFills' drafted rows. A refused token leaves its grammar untouched, and once vLLM itself took a request's
-    tokens, or placed other drafts than those read, the step's masks are vLLM's."""
+    tokens, or placed other drafts than those read, or where the fill fails, the step's masks are vLLM's."""
     tokenizer, compiled, vocab = grammar_kit
     k, eos = 3, tokenizer.eos_token_id
     answers = [answer_tokens(tokenizer, compiled, f'{{"name": "w{i}x", "n": {i}}}') for i in range(4)]
@@ -381,6 +381,18 @@ def test_drafted_grammar_work_ahead_takes_each_requests_tokens_and_fills_its_dra
             following.scheduled_spec_decode_tokens = {r: [-1] * k for r in ids}  # vLLM placed none of those read
         assert ahead.masks(following) is None, case
         step = following
+
+    def broken(*args):
+        raise RuntimeError("a fill that fails")
+
+    ahead.fills.bitmask = broken  # the grammars stay advanced, the step's masks are vLLM's: no engine death
+    before = [m.num_processed_tokens for m in mine]
+    tokens = {"0": answers[0][7:8], "1": answers[1][5:6], "3": answers[3][4:5]}
+    following, ahead.last = step_of(), (step, ids)
+    ahead.waiting = (SimpleNamespace(async_output=drafted_output(tokens, ids, k)), step, None)
+    ahead.start(following)
+    assert ahead.advanced(step) == set(ids) and ahead.masks(following) is None
+    assert [m.num_processed_tokens for m in mine] == [before[0] + 1, before[1] + 1, before[2], before[3] + 1]
 
 
 def test_the_drafts_are_read_as_vllm_places_them_in_the_step():

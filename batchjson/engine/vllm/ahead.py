@@ -155,7 +155,15 @@ class GrammarAhead:
         update_from_output would, then fill the masks of `scheduled` (n+1). (advanced ids, n+1's ids, mask), or None
         where the step is not one this reads (nothing advanced: vLLM does all of it)."""
         advanced = self.advance(output, ids)
-        return None if advanced is None else self.fill_next(scheduled, advanced)
+        return None if advanced is None else self.fill_or_not(scheduled, advanced)
+
+    def fill_or_not(self, scheduled, advanced: set):
+        """fill_next, or (`advanced`, None, None) where it failed: the grammars stay advanced, and vLLM makes the step's
+        masks (masks() answers None), instead of the engine dying at get_grammar_bitmask."""
+        try:
+            return self.fill_next(scheduled, advanced)
+        except Exception:  # noqa: BLE001
+            return advanced, None, None
 
     def advance(self, output, ids: list[str]) -> set | None:
         """Advance the grammars of `ids` by their tokens in `output` with one batch call: the ids advanced, or None
@@ -239,7 +247,7 @@ class GrammarAhead:
         if isinstance(pending, tuple):
             done = self.advance(*pending)
             if done is not None:
-                self.job = (updated, self.job[1], self.thread.submit(self.fill_next, self.job[1], done))
+                self.job = (updated, self.job[1], self.thread.submit(self.fill_or_not, self.job[1], done))
         else:
             done = pending.result()
             done = None if done is None else done[0]
@@ -260,7 +268,7 @@ class GrammarAhead:
         from vllm.v1.core.sched.output import GrammarOutput
 
         _, ids, mask = done
-        if self.fills.stride and (self.moved or not self.drafts_as_placed(scheduled, ids)):
+        if mask is None or self.fills.stride and (self.moved or not self.drafts_as_placed(scheduled, ids)):
             self.moved = set()  # a request's block is its drafts' rows: vLLM's fills make them all again
             return None
         if self.moved:
