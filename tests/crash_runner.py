@@ -1,12 +1,15 @@
-"""Runs a job on the real engine and SIGKILLs its own process group after N results of one pass.
+"""Runs a job on the real engine and SIGKILLs its own process alone after N results of one pass, as the OOM killer
+would, having printed the ids of the processes it started ("started: PID ...", its engine processes among them),
+which must die with it.
 
     python tests/crash_runner.py JOB OUTPUT PASS N      (PASS 1 or 2; N = 0 never kills)
-Started in a new session by the tests, so the kill takes the engine processes down too, as a pre-emption would.
 """
 
 import os
 import signal
 import sys
+
+import psutil
 
 from batchjson.engine import EngineWrapper, VllmEngines, WrappedEngines
 from batchjson.job import run_job
@@ -14,7 +17,7 @@ from batchjson.spec import load_spec
 
 
 class KillAfter(EngineWrapper):
-    """The real engine; the process group is killed once `n` results of pass `kill_pass` have been handed to the
+    """The real engine; this process is killed once `n` results of pass `kill_pass` have been handed to the
     runner, over every engine of the run (both passes share an engine: results of the other pass do not count)."""
 
     seen = 0
@@ -29,7 +32,8 @@ class KillAfter(EngineWrapper):
             if gen.prompt.stage.number == self.kill_pass:
                 KillAfter.seen += 1
                 if KillAfter.seen == self.n:
-                    os.killpg(os.getpgid(0), signal.SIGKILL)
+                    print("started:", *(p.pid for p in psutil.Process().children(recursive=True)), flush=True)
+                    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def main():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 import errno
 import os
 import re
@@ -29,38 +30,58 @@ HERE = Path(__file__).parent
 pytestmark = pytest.mark.engine
 
 
-def test_runner_killed_in_pass_2_with_pass_1_in_flight_then_resumed(tmp_path, tiny_model):
-    """The runner and its engine processes SIGKILLed after 17 results of pass 2, pass 1 maybe still in flight
-    (every row goes through both passes); the rerun completes, each row once. Kills at every step of a commit, in
-    pass 1 and in pass 2 with pass 1 in flight, are test_exactly_once's, on the fake engine."""
+def test_runner_killed_in_pass_2_with_pass_1_in_flight_then_resumed(tmp_path, tiny_model, engines):
+    """The runner alone SIGKILLed after 17 results of pass 2, pass 1 maybe still in flight (every row goes through
+    both passes), as the OOM killer would: its engine processes die with it, and the rerun completes, each row once.
+    Kills at every step of a commit, in pass 1 and in pass 2 with pass 1 in flight, are test_exactly_once's, on the
+    fake engine."""
     write_rows(tmp_path / "in.parquet", 30)
     # Three tokens hold no object: every row fails pass 1 and goes through pass 2 too.
     job = write_job(tmp_path, tiny_model, tmp_path / "in.parquet", max_tokens=3, batch_size=8)
     out = tmp_path / "out"
     env = os.environ | {"PYTHONPATH": f"{HERE.parent}:{HERE}"}
-    for kill_pass, n in [(2, 17), (0, 0)]:  # each run starts an engine: ~25 s on two cores
-        run = subprocess.run([sys.executable, str(HERE / "crash_runner.py"), str(job), str(out), str(kill_pass), str(n)],
-                             env=env, start_new_session=True, capture_output=True, text=True, timeout=600)
-        assert run.returncode == (-signal.SIGKILL if n else 0), run.stderr[-2000:]
-        committed = ids_of(out) + ids_of(out / "_rejects")
-        assert not [k for k, v in collections.Counter(committed).items() if v > 1]
+    run = subprocess.run([sys.executable, str(HERE / "crash_runner.py"), str(job), str(out), "2", "17"], env=env,
+                         start_new_session=True, capture_output=True, text=True, timeout=600)
+    assert run.returncode == -signal.SIGKILL, run.stderr[-2000:]
+    (started,) = re.findall(r"^started: (.*)$", run.stdout, re.MULTILINE)
+    assert started, "the engine runs in processes of its own"
+    assert not gone_within(processes(started.split()), 30), "processes outlived the runner"
+    committed = ids_of(out) + ids_of(out / "_rejects")
+    assert not [k for k, v in collections.Counter(committed).items() if v > 1]
+    assert run_job(load_spec(job), str(out), engine_factory=engines, progress=False).resumed
     assert_exactly_once([f"r{i:05d}" for i in range(30)], out, out / "_rejects")
 
 
-class KillEngineProcess(VllmEngines):
-    """An engine factory whose engines have their process SIGKILLed after `after` results, `times` times."""
+def processes(pids: list[str]) -> list[psutil.Process]:
+    """The processes of these ids still there (a zombie included)."""
+    found = []
+    for pid in pids:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            found.append(psutil.Process(int(pid)))
+    return found
 
-    def __init__(self, after: int, times: int):
-        self.after, self.times, self.speculative_seen = after, times, []
+
+def engine_processes(before: set[psutil.Process]) -> list[psutil.Process]:
+    """The engine core started since `before` (this process's children then) and what it started; not
+    multiprocessing's helpers nor the reaper, which are no part of the engine."""
+    mine = [p for p in set(psutil.Process().children(recursive=True)) - before if "EngineCore" in p.name()]
+    return mine + [c for p in mine for c in p.children(recursive=True)]
+
+
+class KillEngineProcess(VllmEngines):
+    """An engine factory whose first engine, a fresh one, has its processes SIGKILLed after `after` results; the
+    engines started after it (the restarts) are `later`'s, the session's shared ones."""
+
+    def __init__(self, after: int, later):
+        self.after, self.later, self.speculative_seen = after, later, []
 
     def start(self, spec, decoding, speculative):
+        self.speculative_seen.append(speculative is not None)
+        if len(self.speculative_seen) > 1:
+            return self.later.start(spec, decoding, speculative)
         before = set(psutil.Process().children(recursive=True))
         engine = super().start(spec, decoding, speculative)
-        self.speculative_seen.append(speculative is not None)
-        mine = set(psutil.Process().children(recursive=True)) - before
-        if self.times <= 0:
-            return engine
-        self.times -= 1
+        mine = engine_processes(before)
         inner_stream = engine.stream
 
         def stream(prompts, stop=None):
@@ -73,22 +94,25 @@ class KillEngineProcess(VllmEngines):
         return engine
 
 
-def test_an_engine_killed_mid_pass_is_restarted_and_its_rows_decoded_again(tmp_path, tiny_model):
+def test_an_engine_killed_mid_pass_is_restarted_and_its_rows_decoded_again(tmp_path, tiny_model, engines):
     """The engine's processes SIGKILLed after 6 results: a new engine, still speculative, decodes the rows in flight
     and the rest, each once. Repeated deaths (speculation off after two, the run's end after three) are
     test_exactly_once's, on the fake engine."""
     write_rows(tmp_path / "in.parquet", 40)
     job = write_job(tmp_path, tiny_model, tmp_path / "in.parquet", extra="")
     job.write_text(job.read_text().replace("[fallback]", "[fallback]\nenabled = false"))
-    factory = KillEngineProcess(after=6, times=1)
+    factory = KillEngineProcess(after=6, later=engines)
     report = run_job(load_spec(job), engine_factory=factory, progress=False)
     assert factory.speculative_seen == [True, True]
     assert "engine-restarted" in codes(report.passes["pass1"]) and report.passes["pass1"].engine_starts == 2
     assert_exactly_once([f"r{i:05d}" for i in range(40)], tmp_path / "out", tmp_path / "out" / "_rejects")
 
 
-def test_sigterm_stops_cleanly_and_the_rerun_finishes(tmp_path, tiny_model):
-    write_rows(tmp_path / "in.parquet", 100)  # 25 units: the signal comes within a second of the first commit
+def test_sigterm_stops_cleanly_and_the_rerun_finishes(tmp_path, tiny_model, engines):
+    """`batchjson run` stopped by SIGTERM after its first commit exits 130 and says how to resume; the rerun (in this
+    process, on a shared engine: what the command prints is the report's summary) resumes and finishes, each row
+    once."""
+    write_rows(tmp_path / "in.parquet", 48)  # 12 units: the signal comes within a second of the first commit
     job = write_job(tmp_path, tiny_model, tmp_path / "in.parquet", batch_size=4, max_tokens=64)
     cmd = [sys.executable, "-m", "batchjson", "run", str(job)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -99,10 +123,9 @@ def test_sigterm_stops_cleanly_and_the_rerun_finishes(tmp_path, tiny_model):
     stdout, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 130, stderr[-2000:]
     assert "interrupted" in stdout and "run the same command again to resume" in stderr
-    rerun = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
-    assert rerun.returncode == 0, rerun.stderr[-2000:]
-    assert "[resumed]" in rerun.stdout
-    assert_exactly_once([f"r{i:05d}" for i in range(100)], tmp_path / "out", tmp_path / "out" / "_rejects")
+    rerun = run_job(load_spec(job), engine_factory=engines, progress=False)
+    assert rerun.resumed and "[resumed]" in rerun.summary()
+    assert_exactly_once([f"r{i:05d}" for i in range(48)], tmp_path / "out", tmp_path / "out" / "_rejects")
 
 
 def test_bad_rows_are_rejected_with_their_reason(tmp_path, tiny_model, engines):
@@ -182,22 +205,6 @@ def test_schema_no_backend_can_compile_fails_at_start(tmp_path, tiny_model):
         run_job(spec, progress=False)
 
 
-def test_engine_processes_die_with_a_killed_runner(tmp_path, tiny_model):
-    write_rows(tmp_path / "in.parquet", 400)
-    job = write_job(tmp_path, tiny_model, tmp_path / "in.parquet", batch_size=4, max_tokens=64)
-    proc = subprocess.Popen([sys.executable, "-m", "batchjson", "run", str(job)], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 300
-    while not list((tmp_path / "out").glob("p1-*.parquet")) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    children = psutil.Process(proc.pid).children(recursive=True)
-    assert children, "the engine runs in processes of its own"
-    proc.kill()  # the runner alone, as the OOM killer would: not its process group
-    proc.wait()
-    gone, alive = psutil.wait_procs(children, timeout=30)
-    assert not alive, f"engine processes outlived the runner: {alive}"
-
-
 @pytest.mark.parametrize("after", [0.0, 3.0])
 def test_engine_processes_die_with_a_runner_killed_during_the_engine_start(tmp_path, tiny_model, after):
     """Killed as its engine process has just been spawned, or while that process imports vLLM (before vLLM's
@@ -225,9 +232,7 @@ class StopEngineProcess(VllmEngines):
         engine = super().start(spec, decoding, speculative)
         if self.stopped:
             return engine
-        # The engine core and what it started (not multiprocessing's helpers, which are no part of the engine).
-        mine = [p for p in set(psutil.Process().children(recursive=True)) - before if "EngineCore" in p.name()]
-        mine += [c for p in mine for c in p.children(recursive=True)]
+        mine = engine_processes(before)
         inner_stream = engine.stream
 
         def stream(prompts, stop=None):

@@ -1,5 +1,5 @@
 """The embedded default, as a newcomer runs it: `batchjson run jobs/sample.toml` on SmolLM2-135M-Instruct, on the
-first 40 of its 120 rows (`--input`): the whole job's 1.5-4 minutes on a CPU went mostly to decoding the rest, which
+first 24 of its 120 rows (`--input`): the whole job's 1.5-4 minutes on a CPU went mostly to decoding the rest, which
 tells nothing more (`make run` runs it whole; BENCHMARKS.md, "The sample job on a CPU")."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ ROOT = Path(__file__).parent.parent
 pytestmark = pytest.mark.engine
 
 
-ROWS = 40
+ROWS = 24
 
 
 def test_sample_job_end_to_end(tmp_path):

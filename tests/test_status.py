@@ -16,6 +16,7 @@ from click.testing import CliRunner
 
 from batchjson import watch
 from batchjson.cli import main
+from batchjson.engine import WrappedEngines
 from batchjson.engine.fake import FakeEngines
 from batchjson.job import JobRun, run_job
 from batchjson.spec import load_spec
@@ -191,14 +192,16 @@ def test_a_deadline_mid_run_commits_what_is_in_flight_and_the_rerun_completes(tm
 
 
 @pytest.mark.engine
-def test_the_command_line_stops_at_its_deadline_with_exit_4_and_status_says_what_is_left(tmp_path, tiny_model):
-    """A deadline of one second passes while the engine starts: the unit handed out before it is finished and
-    committed, no other is begun."""
+def test_the_command_line_stops_at_its_deadline_with_exit_4_and_status_says_what_is_left(tmp_path, tiny_model,
+                                                                                         engines, monkeypatch):
+    """A deadline of one second passes while the engine starts (the session's engine, two seconds late): the unit
+    handed out before it is finished and committed, no other is begun."""
+    late = WrappedEngines(engines, lambda engine: (time.sleep(2), engine)[1])
+    monkeypatch.setattr("batchjson.engine.VllmEngines", lambda: late)  # the command's run on the session's engines
     write_rows(tmp_path / "in.parquet", 32)
     job = write_job(tmp_path, tiny_model, tmp_path / "in.parquet")
-    done = subprocess.run([sys.executable, "-m", "batchjson", "run", str(job), "--deadline", "1s"], env=ENV,
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == 4 and "deadline: " in done.stderr and "rows left" in done.stderr, done.stderr[-2000:]
+    done = CliRunner().invoke(main, ["run", str(job), "--deadline", "1s"])
+    assert done.exit_code == 4 and "deadline: " in done.stderr and "rows left" in done.stderr, done.output[-2000:]
     shown = CliRunner().invoke(main, ["status", str(job), "--json"])
     assert shown.exit_code == 0, shown.output
     status = json.loads(shown.output)
