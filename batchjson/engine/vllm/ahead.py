@@ -180,7 +180,7 @@ class GrammarAhead:
             counts = output.num_sampled_tokens_np[rows]
             if len(rows) and counts.max() > 1 and not self.fills.stride:  # drafted tokens one step at a time: vLLM's
                 return None
-            tokens = output.sampled_token_ids[rows, :max(1, int(counts.max()) if len(rows) else 1)].tolist()
+            tokens = output.sampled_token_ids[rows, :int(counts.max(initial=0))].tolist()
             movers = [(req_id, grammar, row[:count]) for req_id, count, row in zip(ids, counts.tolist(), tokens)
                       if count and (request := requests.get(req_id)) is not None and request.status <= preempted
                       and not getattr(request, stale)
