@@ -284,10 +284,9 @@ class GrammarAhead:
     def drafts_as_placed(self, scheduled, ids) -> bool:
         """Whether the drafts the masks were made for are those vLLM placed in the step (update_draft_token_ids_in_
         output), for every request still running (one that ended at the step before takes no token from it)."""
-        placed, used, requests, preempted = scheduled.scheduled_spec_decode_tokens, self.drafts_used, self.requests, \
-            self.preempted
+        placed, used = scheduled.scheduled_spec_decode_tokens, self.drafts_used
         return all(list(placed.get(r, ())) == used.get(r, []) for r in ids
-                   if (request := requests.get(r)) is not None and request.status <= preempted)
+                   if (request := self.requests.get(r)) is not None and request.status <= self.preempted)
 
     def note(self, scheduled, out) -> None:
         """In get_grammar_bitmask when vLLM made the masks: the step and its ids, for the next step's work."""
