@@ -10,17 +10,23 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
+import types
 from pathlib import Path
 
 import psutil
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import zmq
+from vllm.v1.engine.exceptions import EngineDeadError
 
 from batchjson.engine import VllmEngines
-from batchjson.errors import EngineError, InputError, OutputError, ResumeConflict
+from batchjson.engine.vllm_engine import VllmEngine
+from batchjson.errors import EngineDied, EngineError, InputError, OutputError, ResumeConflict
 from batchjson.job import run_job
+from batchjson.records import Prompt, Stage
 from batchjson.storage import Storage, location
 from batchjson.spec import load_spec
 from helpers import (assert_exactly_once, codes, gone_within, ids_of, wait_for_engine_process, write_job,
@@ -106,6 +112,33 @@ def test_an_engine_killed_mid_pass_is_restarted_and_its_rows_decoded_again(tmp_p
     assert factory.speculative_seen == [True, True]
     assert "engine-restarted" in codes(report.passes["pass1"]) and report.passes["pass1"].engine_starts == 2
     assert_exactly_once([f"r{i:05d}" for i in range(40)], tmp_path / "out", tmp_path / "out" / "_rejects")
+
+
+class RacingClient:
+    """vLLM's sync client as its monitor thread leaves it when the engine core dies between ensure_alive() and the
+    send: marked dead (or, `dead` False, alive), its socket closed."""
+
+    def __init__(self, dead: bool):
+        self.resources = types.SimpleNamespace(engine_dead=dead, engine_manager=None)
+
+    def enqueue(self, *args, **kwargs):
+        raise zmq.error.ZMQError(errno.ENOTSOCK)
+
+
+@pytest.mark.parametrize("dead", [True, False])
+def test_a_request_added_as_the_engine_dies_is_a_death_not_a_crash(dead):
+    """A prompt added while vLLM shuts a dead engine's client down fails on a closed socket, not with EngineDeadError:
+    that is the engine's death (a restart re-feeds the prompt); the same error from a living engine is not."""
+    engine = object.__new__(VllmEngine)
+    client = RacingClient(dead)
+    engine.llm = types.SimpleNamespace(enqueue=client.enqueue, llm_engine=types.SimpleNamespace(engine_core=client))
+    engine.max_in_flight, engine.params, engine._closed = 4, {Stage.FIRST: None}, threading.Event()
+    engine._dead, engine._refused = EngineDeadError, (ValueError,)
+    prompt = Prompt("r1", "u1", "text")
+    with pytest.raises(EngineDied if dead else zmq.error.ZMQError) as died:
+        next(engine.stream([prompt]))
+    if dead:
+        assert died.value.in_flight == [prompt] and isinstance(died.value.__cause__, zmq.error.ZMQError)
 
 
 def test_sigterm_stops_cleanly_and_the_rerun_finishes(tmp_path, tiny_model, engines):

@@ -329,7 +329,10 @@ class VllmEngine(Engine):
         self._answers: dict[str, list] = {}  # an audited row's request id -> [its tokens, its twin's], as they come
         try:
             yield from self._stream(iter(prompts), in_flight, stop or threading.Event())
-        except self._dead as e:
+        except Exception as e:
+            # EngineDeadError, or whatever a call racing vLLM's own cleanup of a dead engine meets (a closed socket)
+            if not isinstance(e, self._dead) and not processes.is_dead(self.llm):
+                raise
             raise EngineDied(list(in_flight.values()), e) from e
         finally:
             # Stopped, or the caller failed mid-stream: requests left in the engine must not finish into a later

@@ -70,6 +70,15 @@ def watch_engine_processes(llm, closed: threading.Event, dead_exc: type[Exceptio
     return True
 
 
+def is_dead(llm) -> bool:
+    """Whether the engine core of `llm` (a vllm.LLM) is known dead: vLLM marked it so, or one of its processes ended.
+    vLLM's monitor thread marks it and then closes the client's sockets, so a call racing that shutdown fails with
+    zmq's "Socket operation on non-socket" rather than EngineDeadError; this tells the two apart."""
+    resources = getattr(llm.llm_engine.engine_core, "resources", None)
+    processes = getattr(getattr(resources, "engine_manager", None), "processes", None) or ()
+    return bool(getattr(resources, "engine_dead", False)) or not all(p.is_alive() for p in processes)
+
+
 def shut_down(llm) -> None:
     """Shut the engine core of `llm` (a vllm.LLM) down now: its processes end and free their memory. vLLM's LLM has no
     shutdown of its own; its LLMEngine's client (engine_core) has. Never raises: a dead engine may fail its own
