@@ -308,9 +308,9 @@ class OpenQueue(Queue):
             self.added(keys)
         return not self.later.pending
 
-    def want(self, slot: int, stages: Iterable[str]) -> tuple:
+    def want(self, slot: int, stages: Iterable[str], take: bool = True) -> tuple:
         settled = self._settled()
-        reply = super().want(slot, stages)
+        reply = super().want(slot, stages, take)
         if reply[0] != "idle":  # a unit handed out, or none left: the survey's listings no longer slow a start
             self.later.start()
         return ("idle", False) if reply[0] == "end" and not settled and not self.expired() else reply

@@ -200,6 +200,15 @@ class Worker:
         try:
             while not self.stop.is_set():
                 pairs = self._fitting(channel.work(self._wanted, hold=lambda: bool(self.parked)))
+                if self.engine is None and not self.parked:
+                    # The engine starts before the worker takes a unit: a replica started late (in a dead one's
+                    # place) holds none through its start while the others could decode them.
+                    stage = channel.upcoming(self._wanted())
+                    if stage is not None:
+                        self._decode(units, Stage(stage), pairs)
+                        continue
+                    if channel.ended == "end":
+                        break
                 first = _first(pairs)
                 if first is None:
                     if channel.ended == "end" and not self.parked:

@@ -6,7 +6,8 @@ lands with rows to redo, its pass-2 pair joins the queue at once: the passes run
 between them. A pass-2 pair is handed out only after its pass-1 commit is accepted, and a pass-1 pair is never
 handed out again after that, so pass 2 always reads the requeue file of the unit's final pass-1 commit.
 
-Messages, worker -> driver: ("want", slot, stages), ("done", slot, record) with the unit's commit record,
+Messages, worker -> driver: ("want", slot, stages[, take]) (take False: which stage would come, none handed
+out), ("done", slot, record) with the unit's commit record,
 ("stats", slot, {stage: PassStats dict}), ("error", slot, message), and around each engine start or close,
 ("turn", slot, gpus, alone) then ("turned", slot). Driver -> worker: the queue's replies, ("unit", stage, key) |
 ("idle", others) | ("end",), and ("go",) when it is the worker's turn.
@@ -59,7 +60,10 @@ class Queue:
         self.first_handed: dict[str, float] = {}
         self.last_done: dict[str, float] = {}
 
-    def want(self, slot: int, stages: Iterable[str]) -> tuple:
+    def want(self, slot: int, stages: Iterable[str], take: bool = True) -> tuple:
+        """The next pair of `stages` for `slot` ("unit", stage, key), ("idle", whether other stages have work) or
+        ("end",). `take` False: the pair that would come, left pending (a worker starts its engine for its stage
+        before it takes one)."""
         stages = tuple(stages)
         with self.lock:
             if self.expired():  # the units held are finished and committed; the rest wait for the next run
@@ -67,6 +71,8 @@ class Queue:
             # A unit's pass 2 before more first passes: it is the older work, and the tail of the run stays short.
             for stage in sorted(stages, reverse=True):
                 if self.pending.get(stage):
+                    if not take:
+                        return ("unit", stage, self.pending[stage][0])
                     key = self.pending[stage].popleft()
                     self.held[slot].add((stage, key))
                     self.first_handed.setdefault(stage, time.monotonic())
@@ -120,11 +126,11 @@ class Channel:
     """A worker's end of the queue: work arrives one ahead of need, fetched by a thread, so the engine never waits
     for the driver while it has work in flight.
 
-    `ask(stages)` sends a want and returns the queue's reply; `send(kind, *payload)` reports to the driver.
+    `ask(stages, take)` sends a want and returns the queue's reply; `send(kind, *payload)` reports to the driver.
     `prefetch=False` (the queue is in this process, and answers at once): ask when the engine wants work.
     """
 
-    def __init__(self, ask: Callable[[tuple], tuple], send: Callable[..., None], prefetch: bool = True,
+    def __init__(self, ask: Callable[[tuple, bool], tuple], send: Callable[..., None], prefetch: bool = True,
                  wait_turn: Callable[[threading.Event, bool], bool] | None = None):
         self.ask, self.send, self.prefetch, self.wait_turn = ask, send, prefetch, wait_turn
         self.ended = ""  # how the last `work` ended: "end" (the run is over) or "idle" (other stages have work)
@@ -142,13 +148,21 @@ class Channel:
             if self.wait_turn:
                 self.send("turned")  # also withdraws a wait a stop cut short
 
+    def upcoming(self, stages: tuple) -> str | None:
+        """The stage of the pair the queue would hand out next, none taken; None when none is ready now (`ended`
+        is "end" when the run is over)."""
+        reply = self.ask(stages, False)
+        if reply[0] == "end":
+            self.ended = "end"
+        return reply[1] if reply[0] == "unit" else None
+
     def work(self, stages: Callable[[], tuple], hold: Callable[[], bool] = lambda: False) -> Iterator[Work]:
         """(stage, key) pairs of the stages `stages()` names (asked anew each time); WAIT while none is ready. Ends
         when the run is over, or when nothing fits but other stages have work, or `hold()` (the worker holds work
         its engine cannot take): then the worker changes engines."""
         if not self.prefetch:
             while True:
-                reply = self.ask(stages())
+                reply = self.ask(stages(), True)
                 if reply[0] == "unit":
                     yield reply[1], reply[2]
                 elif reply[0] == "idle" and not reply[1] and not hold():
@@ -160,7 +174,7 @@ class Channel:
 
         def fetch():
             while True:
-                reply = self.ask(stages())
+                reply = self.ask(stages(), True)
                 if reply[0] == "idle" and not reply[1] and not hold():
                     time.sleep(IDLE_POLL)  # nothing for anyone now: units in flight elsewhere may bring some
                     continue
@@ -241,6 +255,7 @@ class Pool:
         self.respawns = [0] * len(self.slots)
         self.live: dict[int, object] = {}
         self.inboxes: dict[int, object] = {}
+        self.committed: set[int] = set()  # the live workers with an accepted commit
         for slot in range(len(self.slots)):
             self._spawn(slot)
 
@@ -248,6 +263,7 @@ class Pool:
     def receive(self, timeout: float) -> list[tuple]: ...
     def dead(self) -> list[int]: ...
     def stop(self) -> None: ...
+    def dismiss(self, slot: int) -> None: ...
     def close(self) -> None: ...
 
     def __enter__(self) -> Pool:
@@ -259,6 +275,7 @@ class Pool:
     def replace(self, slot: int) -> bool:
         """Start a new worker in a dead one's place; False once the slot has used up its respawns."""
         del self.live[slot]
+        self.committed.discard(slot)
         if self.respawns[slot] >= RESPAWNS_PER_SLOT:
             return False
         self.respawns[slot] += 1
@@ -312,18 +329,25 @@ class Pool:
                 if not self.replace(slot) and not self.live:
                     raise EngineError(f"every replica died (each slot restarted {RESPAWNS_PER_SLOT} times). "
                                       "Finished units are kept: rerun the same command to resume.")
-            if work.finished and set(self.live) <= reported:
-                return
+            if work.finished:
+                waiting = set(self.live) - reported
+                if not waiting & self.committed:
+                    # Those still out committed nothing and hold nothing (one started in a dead one's place, most
+                    # likely, its engine still starting): the run does not wait for them.
+                    for slot in waiting:
+                        self.dismiss(slot)
+                    return
             for message in self.receive(TICK):
                 take(message)
 
     def answer(self, work: Queue, on_done: Callable, on_stats: Callable, slot: int, kind: str, *payload) -> None:
         """One message of a live worker (see the module's docstring): the one dispatch of every pool."""
         if kind == "want":
-            self.put(slot, work.want(slot, payload[0]))
+            self.put(slot, work.want(slot, *payload))
         elif kind == "done":  # the commit record: the driver reads nothing back
             record = payload[0]
             if work.done(slot, record["stage"], record["key"], record["rows"].get("requeue", 0)):
+                self.committed.add(slot)
                 on_done(record)
         elif kind == "stats":
             on_stats(payload[0])
@@ -348,9 +372,9 @@ def queue_channel(slot: int, inbox, outbox) -> Channel:
     asking = threading.Lock()
     gpus = gpus_here()
 
-    def ask(stages: tuple) -> tuple:
+    def ask(stages: tuple, take: bool) -> tuple:
         with asking:
-            outbox.put(("want", slot, stages))
+            outbox.put(("want", slot, stages, take))
             return inbox.get()
 
     def wait_turn(stop: threading.Event, alone: bool) -> bool:

@@ -44,8 +44,8 @@ class InlinePool(Pool):
               on_note: Callable[[str, str, str], None]) -> None:
         answer = lambda kind, *payload: self.answer(work, on_done, on_stats, 0, kind, *payload)  # noqa: E731
 
-        def ask(stages: tuple) -> tuple:
-            answer("want", stages)
+        def ask(stages: tuple, take: bool) -> tuple:
+            answer("want", stages, take)
             return self.reply
 
         self.target(Channel(ask, answer, prefetch=False))

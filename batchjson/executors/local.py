@@ -72,6 +72,9 @@ class LocalPool(Pool):
             if p.exitcode is None:
                 p.terminate()  # SIGTERM: the replica stops at its next engine step, its finished units committed
 
+    def dismiss(self, slot: int) -> None:
+        self.live[slot].kill()  # it holds nothing; its engine processes die with it (engine/reaper.py)
+
     def close(self) -> None:
         for p in self.live.values():
             p.join(timeout=60)

@@ -46,6 +46,9 @@ class RayPool(Pool):
         for slot in list(self.live):
             self.ray.kill(self.actors[slot])  # an actor has no signal to catch: its open units are redone next run
 
+    def dismiss(self, slot: int) -> None:
+        self.ray.kill(self.actors[slot])
+
     def close(self) -> None:
         for slot, ref in self.live.items():
             try:

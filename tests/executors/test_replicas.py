@@ -137,6 +137,51 @@ def test_a_replica_killed_mid_run_has_its_units_redone(tmp_path, tiny_model):
     assert_exactly_once([f"r{i:05d}" for i in range(200)], out, out / "_rejects")
 
 
+class SlowReplacementEngines(FakeEngines):
+    """Fake engines whose replica 0 dies (SIGKILL) once `after` units are committed, and whose replica started in
+    its place takes `start_s` to start its engine."""
+
+    def __init__(self, marker: Path, units: Path, after: int, start_s: float, **kwargs):
+        super().__init__(**kwargs)
+        self.marker, self.units, self.after, self.start_s = marker, units, after, start_s
+
+    def start(self, spec, decoding, speculative):
+        if multiprocessing.current_process().name != "batchjson-replica-0":
+            return super().start(spec, decoding, speculative)
+        if self.marker.exists():  # the replacement
+            time.sleep(self.start_s)
+            return super().start(spec, decoding, speculative)
+        self.marker.touch()
+        engine, answer = super().start(spec, decoding, speculative), None
+        answer = engine.answer
+
+        def dying(prompt):
+            if len(list(self.units.glob("p1-*.json"))) >= self.after:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return answer(prompt)
+        engine.answer = dying
+        return engine
+
+
+def test_a_replica_started_in_a_dead_ones_place_holds_no_unit_through_its_start(tmp_path, tiny_model):
+    """Replica 0 dies after 3 commits; its replacement's engine takes a minute to start. The replacement takes no
+    unit before its engine is up, so replica 1 decodes every unit left, the dead one's included, and the run ends
+    without waiting for the replacement (which committed nothing and holds nothing)."""
+    write_rows(tmp_path / "in.parquet", 120)
+    job = write_job(tmp_path, tiny_model, tmp_path / "in.parquet", batch_size=4)
+    out = tmp_path / "out"
+    engines = SlowReplacementEngines(tmp_path / "died", out / "_batchjson" / "units", after=3, start_s=60, valid=1.0,
+                                     delay=0.01)
+    began = time.monotonic()
+    report = run_job(load_spec(job), replicas=2, progress=False, engine_factory=engines)
+    assert time.monotonic() - began < 50, "the run waited for the replacement's engine start"
+    assert (tmp_path / "died").exists() and "replica-died" in codes(report.passes["pass1"])
+    assert report.verified["ok"] and report.verified["complete"], report.verified
+    assert_exactly_once([f"r{i:05d}" for i in range(120)], out, out / "_rejects")
+    by_replica = collections.Counter(r["replica"] for r in records(out))
+    assert set(by_replica) == {0, 1} and by_replica[1] == 30 - by_replica[0], by_replica
+
+
 def cut_short(marker: str, placement: Placement, slot: int, count: int, inbox, outbox) -> None:
     """A replica that commits each unit it is handed at once. Slot 0's first process is killed a second into sending
     a message larger than a pipe holds, which nobody reads meanwhile: it dies in the middle of the message."""
