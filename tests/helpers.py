@@ -34,11 +34,12 @@ for var, sub in (("VLLM_CACHE_ROOT", "vllm"), ("TORCHINDUCTOR_CACHE_DIR", "induc
 tempfile.tempdir = None
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE / "startup"), os.environ.get("PYTHONPATH")]))
 
 # A child process gets the session's environment as it was here, not os.environ as it stands when the child starts:
 # an engine started in this process leaves variables there that are its own (BATCHJSON_RUNNER_PID names this
 # process as the runner whose engine processes die with it; vLLM sets LD_PRELOAD, VLLM_WORKER_MULTIPROC_METHOD...).
-ENV = dict(os.environ) | {"PYTHONPATH": f"{HERE.parent}:{HERE}"}
+ENV = dict(os.environ) | {"PYTHONPATH": f"{HERE.parent}:{HERE}:{HERE / 'startup'}"}
 
 
 # Strings are bounded: a random model otherwise writes until max_tokens.

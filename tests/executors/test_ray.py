@@ -41,6 +41,7 @@ def actors(runner: int) -> list[psutil.Process]:
 
 
 @pytest.mark.engine
+@pytest.mark.closes_shared_engines
 def test_ray_replica_killed_mid_run(tmp_path, tiny_model, engines):
     # Earlier tests of the session leave engines open (each an engine core and a worker process, about 2.5 GB) and
     # variables of theirs in os.environ. The engines go first, and the runner gets the session's environment as it
