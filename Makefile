@@ -31,8 +31,11 @@ $(VENV)/vllm-0.34: $(VENV)/.installed
 run: install
 	$(VENV)/bin/batchjson run jobs/sample.toml
 
+# Two workers, each a file at a time: a test mostly waits on one core (an engine's processes take turns), so two
+# share a 2-core machine. TEST_WORKERS=0 runs the suite in one process.
+TEST_WORKERS ?= 2
 test: install  # what CI runs: the real CPU engine, Ray and Airflow included
-	$(PY) -m pytest tests
+	$(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadfile
 
 test-fast: install  # everything that starts no engine
 	$(PY) -m pytest tests -m "not engine"

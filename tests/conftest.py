@@ -97,7 +97,8 @@ class SharedEngines(VllmEngines):
     two restarted each once more, ~25 s a start.
     """
 
-    MAX_IDLE = 3
+    # Two where the suite runs in parallel workers (make test), each with engines of its own.
+    MAX_IDLE = 2 if os.environ.get("PYTEST_XDIST_WORKER") else 3
 
     def __init__(self):
         self.engines = {}  # key -> engine, least recently used first

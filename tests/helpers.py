@@ -26,7 +26,10 @@ HERE = Path(__file__).parent  # tests/
 # Keep vLLM's caches, its ZMQ sockets and the converted default model out of the home folder.
 # Per clone (a digest of its path), so that two clones' suites on one machine never share a model or a socket.
 _CLONE = hashlib.sha256(str(HERE.parent.resolve()).encode()).hexdigest()[:10]
-SCRATCH = Path(os.environ.get("BATCHJSON_TEST_SCRATCH", Path(tempfile.gettempdir()) / f"batchjson-tests-{_CLONE}"))
+SCRATCH = Path(os.environ.get("BATCHJSON_TEST_SCRATCH") or Path(tempfile.gettempdir()) / f"batchjson-tests-{_CLONE}")
+# The suite's workers and the commands it starts inherit this process's TMPDIR (set below): they take its folder.
+os.environ["BATCHJSON_TEST_SCRATCH"] = str(SCRATCH)
+SCRATCH.mkdir(parents=True, exist_ok=True)
 for var, sub in (("VLLM_CACHE_ROOT", "vllm"), ("TORCHINDUCTOR_CACHE_DIR", "inductor"), ("HF_HOME", "hf"),
                  ("TMPDIR", "tmp"), ("BATCHJSON_CACHE", "models")):
     os.environ.setdefault(var, str(SCRATCH / sub))

@@ -194,8 +194,9 @@ def test_a_deadline_mid_run_commits_what_is_in_flight_and_the_rerun_completes(tm
 @pytest.mark.engine
 def test_the_command_line_stops_at_its_deadline_with_exit_4_and_status_says_what_is_left(tmp_path, tiny_model,
                                                                                          engines, monkeypatch):
-    """A deadline of one second passes while the engine starts (the session's engine, two seconds late): the unit
-    handed out before it is finished and committed, no other is begun."""
+    """A deadline of one second passes while the engine starts (the session's engine, two seconds late): a worker
+    takes its first unit once its engine is up, and none is handed out past the deadline, so none is begun: exit 4,
+    and status says every row is left. (Units held when the deadline comes are finished: test_a_deadline_mid_run_*.)"""
     late = WrappedEngines(engines, lambda engine: (time.sleep(2), engine)[1])
     monkeypatch.setattr("batchjson.engine.VllmEngines", lambda: late)  # the command's run on the session's engines
     write_rows(tmp_path / "in.parquet", 32)
@@ -205,8 +206,7 @@ def test_the_command_line_stops_at_its_deadline_with_exit_4_and_status_says_what
     shown = CliRunner().invoke(main, ["status", str(job), "--json"])
     assert shown.exit_code == 0, shown.output
     status = json.loads(shown.output)
-    assert status["outcome"] == "deadline" and 0 < status["left"] < 32
-    assert status["valid"] + status["rejected"] + status["left"] == 32
+    assert status["outcome"] == "deadline" and status["left"] == 32 and status["valid"] + status["rejected"] == 0
 
 
 @pytest.mark.parametrize("deadline, where", [("--deadline=2020-01-01T06:00", "--deadline"),

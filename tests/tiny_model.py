@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>"]
@@ -65,9 +67,16 @@ def make_tiny_model(out_dir: str | Path, *, vocab_size: int = 512, seed: int = 0
                          tie_word_embeddings=False, bos_token_id=tok.bos_token_id,
                          eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, torch_dtype="float32")
     model = LlamaForCausalLM(config).to(torch.float32).eval()
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out, safe_serialization=True)
-    tok.save_pretrained(out)  # written last: its files mark the directory as complete
+    # Written beside, then renamed: the suite's parallel workers may make it at once, and none takes a half-written
+    # one (the same seed gives the same model, so whichever rename lands first is kept).
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".tiny-"))
+    model.save_pretrained(tmp, safe_serialization=True)
+    tok.save_pretrained(tmp)
+    try:
+        tmp.rename(out)
+    except OSError:  # made meanwhile by another process
+        shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 

@@ -164,22 +164,22 @@ class SlowReplacementEngines(FakeEngines):
 
 
 def test_a_replica_started_in_a_dead_ones_place_holds_no_unit_through_its_start(tmp_path, tiny_model):
-    """Replica 0 dies after 3 commits; its replacement's engine takes a minute to start. The replacement takes no
-    unit before its engine is up, so replica 1 decodes every unit left, the dead one's included, and the run ends
-    without waiting for the replacement (which committed nothing and holds nothing)."""
+    """Replica 0 dies once 3 units are committed; its replacement's engine takes two minutes to start. The
+    replacement takes no unit before its engine is up, so replica 1 decodes every unit left, the dead one's included,
+    and the run ends without waiting for the replacement (which committed nothing and holds nothing)."""
     write_rows(tmp_path / "in.parquet", 120)
     job = write_job(tmp_path, tiny_model, tmp_path / "in.parquet", batch_size=4)
     out = tmp_path / "out"
-    engines = SlowReplacementEngines(tmp_path / "died", out / "_batchjson" / "units", after=3, start_s=60, valid=1.0,
+    engines = SlowReplacementEngines(tmp_path / "died", out / "_batchjson" / "units", after=3, start_s=120, valid=1.0,
                                      delay=0.01)
     began = time.monotonic()
     report = run_job(load_spec(job), replicas=2, progress=False, engine_factory=engines)
-    assert time.monotonic() - began < 50, "the run waited for the replacement's engine start"
+    assert time.monotonic() - began < 90, "the run waited for the replacement's engine start"
     assert (tmp_path / "died").exists() and "replica-died" in codes(report.passes["pass1"])
     assert report.verified["ok"] and report.verified["complete"], report.verified
     assert_exactly_once([f"r{i:05d}" for i in range(120)], out, out / "_rejects")
     by_replica = collections.Counter(r["replica"] for r in records(out))
-    assert set(by_replica) == {0, 1} and by_replica[1] == 30 - by_replica[0], by_replica
+    assert by_replica[1] >= 27 and sum(by_replica.values()) == 30, by_replica
 
 
 def cut_short(marker: str, placement: Placement, slot: int, count: int, inbox, outbox) -> None:
