@@ -38,7 +38,7 @@ test: install  # what CI runs: the real CPU engine, Ray and Airflow included
 	$(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadfile
 
 test-fast: install  # everything that starts no engine
-	$(PY) -m pytest tests -m "not engine"
+	$(PY) -m pytest tests -m "not engine" -n $(TEST_WORKERS) --dist loadfile
 
 bench: install  # CPU: runner overhead, then batchjson vs bare vLLM on SmolLM2 (~10 min); see BENCHMARKS.md
 	$(PY) -m bench overhead --rows 10000,200000 --out bench-results
