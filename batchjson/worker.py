@@ -33,7 +33,7 @@ from batchjson.adapt.recipe import Recipe
 from batchjson.engine import reaper
 from batchjson.engine.base import Engine, EngineFactory, EngineFacts
 from batchjson.errors import BatchjsonError, EngineDied, EngineError
-from batchjson.executors.base import Channel, Work, queue_channel
+from batchjson.executors.base import IDLE_POLL, Channel, Work, queue_channel
 from batchjson.executors.placement import Placement
 from batchjson.passes import decoded_by, engine_decoding, plan_passes
 from batchjson.prompts import Renderer, chat_frame, chat_messages
@@ -203,12 +203,11 @@ class Worker:
                 if self.engine is None and not self.parked:
                     # The engine starts before the worker takes a unit: a replica started late (in a dead one's
                     # place) holds none through its start while the others could decode them.
-                    stage = channel.upcoming(self._wanted())
-                    if stage is not None:
-                        self._decode(units, Stage(stage), pairs)
-                        continue
-                    if channel.ended == "end":
+                    stage = self._next_stage(channel)
+                    if stage is None:  # the run is over, or a stop
                         break
+                    self._decode(units, stage, pairs)
+                    continue
                 first = _first(pairs)
                 if first is None:
                     if channel.ended == "end" and not self.parked:
@@ -232,6 +231,18 @@ class Worker:
         channel.send("stats", {stage: s.to_dict() for stage, s in self.stats.items() if s.rows or s.engine_starts})
 
     # -- which work this worker's engine decodes --------------------------------------------------------------
+
+    def _next_stage(self, channel: Channel) -> Stage | None:
+        """The stage to start an engine for, no unit taken yet (waiting while the queue has none for this worker);
+        None at the run's end or a stop."""
+        while not self.stop.is_set():
+            stage = channel.upcoming(self._wanted())
+            if stage is not None:
+                return Stage(stage)
+            if channel.ended == "end":
+                return None
+            time.sleep(IDLE_POLL)
+        return None
 
     def _fits(self, stage: Stage) -> bool:
         return self.engine is None or stage in self.decodes  # no engine yet: the first unit picks it

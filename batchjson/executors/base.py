@@ -57,21 +57,28 @@ class Queue:
         self.left = {(stage, key) for stage, keys in todo.items() for key in keys}
         self.follows = follows  # stage -> the stage its failed rows go to
         self.held: dict[int, set[Work]] = defaultdict(set)
+        self.starting: set[int] = set()  # workers told to start an engine for pending pairs, taking none yet
         self.first_handed: dict[str, float] = {}
         self.last_done: dict[str, float] = {}
 
     def want(self, slot: int, stages: Iterable[str], take: bool = True) -> tuple:
         """The next pair of `stages` for `slot` ("unit", stage, key), ("idle", whether other stages have work) or
         ("end",). `take` False: the pair that would come, left pending (a worker starts its engine for its stage
-        before it takes one)."""
+        before it takes one), and only while the pending pairs outnumber the workers already told so: a run of
+        fewer units than replicas starts no engine for nothing."""
         stages = tuple(stages)
         with self.lock:
             if self.expired():  # the units held are finished and committed; the rest wait for the next run
                 return ("end",)
+            if take:
+                self.starting.discard(slot)
+            elif sum(len(self.pending.get(stage, ())) for stage in stages) <= len(self.starting - {slot}):
+                stages = ()  # as many engines start for them as there are pairs
             # A unit's pass 2 before more first passes: it is the older work, and the tail of the run stays short.
             for stage in sorted(stages, reverse=True):
                 if self.pending.get(stage):
                     if not take:
+                        self.starting.add(slot)
                         return ("unit", stage, self.pending[stage][0])
                     key = self.pending[stage].popleft()
                     self.held[slot].add((stage, key))
@@ -106,6 +113,7 @@ class Queue:
     def lost(self, slot: int) -> list[Work]:
         """A worker died: the pairs it held go back to the front of the queue."""
         with self.lock:
+            self.starting.discard(slot)
             back = sorted(self.held.pop(slot, set()) & self.left, reverse=True)
             for stage, key in back:
                 self.pending[stage].appendleft(key)
@@ -149,8 +157,8 @@ class Channel:
                 self.send("turned")  # also withdraws a wait a stop cut short
 
     def upcoming(self, stages: tuple) -> str | None:
-        """The stage of the pair the queue would hand out next, none taken; None when none is ready now (`ended`
-        is "end" when the run is over)."""
+        """The stage of the pair the queue would hand out next, none taken; None when none is ready for this worker
+        now (`ended` is "end" when the run is over)."""
         reply = self.ask(stages, False)
         if reply[0] == "end":
             self.ended = "end"

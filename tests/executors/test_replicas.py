@@ -182,6 +182,49 @@ def test_a_replica_started_in_a_dead_ones_place_holds_no_unit_through_its_start(
     assert by_replica[1] >= 27 and sum(by_replica.values()) == 30, by_replica
 
 
+def test_no_more_engines_start_for_the_pending_units_than_there_are_units():
+    """A worker asks which stage comes before it starts an engine (no unit taken): while as many workers as there
+    are pending units have been told so, another is told to wait, and is told once one of them dies or more work
+    comes (a unit's pass 2)."""
+    work = Queue({Stage.FIRST: ["u0"]}, {Stage.FIRST: Stage.SECOND})
+    stages = (Stage.FIRST, Stage.SECOND)
+    assert work.want(0, stages, take=False) == ("unit", Stage.FIRST, "u0")
+    assert work.want(0, stages, take=False) == ("unit", Stage.FIRST, "u0")  # asked again: still its own
+    assert work.want(1, stages, take=False)[0] == "idle"
+    assert work.lost(0) == []  # died during its start, holding nothing
+    assert work.want(1, stages, take=False) == ("unit", Stage.FIRST, "u0")
+    assert work.want(1, stages) == ("unit", Stage.FIRST, "u0")
+    assert work.want(2, stages, take=False)[0] == "idle"
+    assert work.done(1, Stage.FIRST, "u0", requeued=3)
+    assert work.want(2, stages, take=False) == ("unit", Stage.SECOND, "u0")
+    assert work.want(2, stages) == ("unit", Stage.SECOND, "u0") and not work.starting
+    assert work.done(2, Stage.SECOND, "u0", requeued=0) and work.want(1, stages, take=False) == ("end",)
+
+
+class CountedStartEngines(FakeEngines):
+    """Fake engines that note each start in `starts` (a line per start, whichever replica process made it)."""
+
+    def __init__(self, starts: Path, **kwargs):
+        super().__init__(**kwargs)
+        self.starts = starts
+
+    def start(self, spec, decoding, speculative):
+        with open(self.starts, "a") as f:
+            f.write(f"{os.getpid()}\n")
+        return super().start(spec, decoding, speculative)
+
+
+def test_a_job_of_fewer_units_than_replicas_starts_an_engine_per_unit_only(tmp_path, tiny_model):
+    """One unit, two replicas, engines that take a second to start: one engine starts; the other replica waits for
+    work that never comes, and the run ends."""
+    write_rows(tmp_path / "in.parquet", 4)
+    job = write_job(tmp_path, tiny_model, tmp_path / "in.parquet", batch_size=8)
+    engines = CountedStartEngines(tmp_path / "starts", start_delay=1.0, valid=1.0)
+    report = run_job(load_spec(job), replicas=2, progress=False, engine_factory=engines)
+    assert report.verified["ok"] and report.verified["complete"], report.verified
+    assert len((tmp_path / "starts").read_text().split()) == 1
+
+
 def cut_short(marker: str, placement: Placement, slot: int, count: int, inbox, outbox) -> None:
     """A replica that commits each unit it is handed at once. Slot 0's first process is killed a second into sending
     a message larger than a pipe holds, which nobody reads meanwhile: it dies in the middle of the message."""
