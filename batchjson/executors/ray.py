@@ -44,7 +44,7 @@ class RayPool(Pool):
 
     def stop(self) -> None:
         for slot in list(self.live):
-            self.ray.kill(self.actors[slot])  # an actor has no signal to catch: its open units are redone next run
+            self.dismiss(slot)  # an actor has no signal to catch: its open units are redone next run
 
     def dismiss(self, slot: int) -> None:
         self.ray.kill(self.actors[slot])

@@ -268,7 +268,7 @@ class GrammarAhead:
         from vllm.v1.core.sched.output import GrammarOutput
 
         _, ids, mask = done
-        if mask is None or self.fills.stride and (self.moved or not self.drafts_as_placed(scheduled, ids)):
+        if mask is None or (self.fills.stride and (self.moved or not self.drafts_as_placed(scheduled, ids))):
             self.moved = set()  # a request's block is its drafts' rows: vLLM's fills make them all again
             return None
         if self.moved:
